@@ -1,0 +1,38 @@
+"""attnpool: preallocated, CUDA-graph-safe buffer pools for attention backends.
+
+Importing attnpool initialises no CUDA context and imports neither triton nor flash_attn nor
+flashinfer; adapters and fused kernels import them lazily.
+
+Module layering (imports only point down this list, never up): ``errors``, ``config``, ``specs``,
+``arena``, ``views``, ``check``, ``update``, ``phases``, ``pool``, then ``adapters``, ``graphs``,
+``kv``, ``lora`` and ``cli`` on top.
+"""
+
+from .arena import ArenaPlan, plan_arena
+from .check import ReadRegionError, check_view
+from .config import Impl, Layout, Phase, PoolConfig
+from .errors import CapacityError, InputError, LayoutError, MissingPhaseError, PoolError
+from .pool import BufferPool
+from .views import DecodeView, PagedView
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArenaPlan",
+    "BufferPool",
+    "CapacityError",
+    "DecodeView",
+    "Impl",
+    "InputError",
+    "Layout",
+    "LayoutError",
+    "MissingPhaseError",
+    "PagedView",
+    "Phase",
+    "PoolConfig",
+    "PoolError",
+    "ReadRegionError",
+    "__version__",
+    "check_view",
+    "plan_arena",
+]

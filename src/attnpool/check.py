@@ -1,0 +1,104 @@
+"""Read-region checker: the test-side half of the ``torch.empty`` contract.
+
+:func:`check_view` copies a view's read region to the host and raises :class:`ReadRegionError` if
+any element holds the poison sentinel (it was never written) or a value a kernel could not use
+(a length past its bound, a non-monotonic cumsum, a negative or too-large page id). It syncs with
+the device, so it is a debugging and testing tool, not something to call per step in production.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from .arena import sentinel
+from .errors import PoolError
+from .views import PagedView
+
+
+class ReadRegionError(PoolError):
+    """A view's read region holds a poison sentinel or an out-of-range value."""
+
+
+def _host(t: Tensor) -> list[int]:
+    return [int(x) for x in t.detach().cpu().tolist()]
+
+
+def _fail(where: str, what: str) -> None:
+    raise ReadRegionError(f"{where}: {what}")
+
+
+def _check_pages(where: str, ids: list[int], num_pages: int | None) -> None:
+    hi = num_pages if num_pages is not None else int(sentinel(torch.int32))
+    for j, p in enumerate(ids):
+        if not 0 <= p < hi:
+            _fail(where, f"page id at {j} is {p}, expected in [0, {hi})")
+
+
+def _check_cumsum(where: str, cu: list[int], steps: list[int] | None, bound: int) -> None:
+    if cu[0] != 0:
+        _fail(where, f"element 0 is {cu[0]}, expected 0")
+    for i in range(len(cu) - 1):
+        d = cu[i + 1] - cu[i]
+        if steps is not None and d != steps[i]:
+            _fail(where, f"row {i} spans {d}, expected {steps[i]}")
+        if not 0 <= d <= bound:
+            _fail(where, f"row {i} spans {d}, expected in [0, {bound}]")
+
+
+def check_paged(v: PagedView, name: str = "view", num_pages: int | None = None) -> None:
+    """Check one :class:`PagedView`'s read region (see the module docstring)."""
+    bs, page = v.bs, v.page_size
+    lens = _host(v.cache_seqlens[:bs])
+    for i, x in enumerate(lens):
+        if not 0 <= x <= v.max_seqlen_k:
+            _fail(f"{name}.cache_seqlens", f"row {i} is {x}, expected in [0, {v.max_seqlen_k}]")
+    _check_cumsum(f"{name}.cu_seqlens_q", _host(v.cu_seqlens_q[: bs + 1]), None, v.max_seqlen_q)
+    _check_cumsum(f"{name}.cu_seqlens_k", _host(v.cu_seqlens_k[: bs + 1]), lens, v.max_seqlen_k)
+    npages = [-(-x // page) for x in lens]
+    if v.page_table is not None:
+        rows = v.page_table[:bs].detach().cpu()
+        if rows.shape[1] < max(npages, default=0):
+            _fail(f"{name}.page_table", f"width {rows.shape[1]} < pages needed {max(npages)}")
+        for i, k in enumerate(npages):
+            _check_pages(f"{name}.page_table[{i}]", _host(rows[i, :k]), num_pages)
+    if v.kv_indptr is not None and v.kv_indices is not None and v.kv_last_page_len is not None:
+        indptr = _host(v.kv_indptr[: bs + 1])
+        if indptr[0] != 0:
+            _fail(f"{name}.kv_indptr", f"element 0 is {indptr[0]}, expected 0")
+        last = _host(v.kv_last_page_len[:bs])
+        for i in range(bs):
+            got = indptr[i + 1] - indptr[i]
+            if got not in (0, npages[i]):  # 0: a padded row, which owns no pages
+                _fail(f"{name}.kv_indptr", f"row {i} has {got} pages, expected {npages[i]} or 0")
+            want = (lens[i] - 1) % page + 1 if got else 1
+            if last[i] != want:
+                _fail(f"{name}.kv_last_page_len", f"row {i} is {last[i]}, expected {want}")
+        if indptr[bs] > v.kv_indices.shape[0] - 1:
+            _fail(f"{name}.kv_indptr", f"total {indptr[bs]} > capacity {v.kv_indices.shape[0] - 1}")
+        _check_pages(f"{name}.kv_indices", _host(v.kv_indices[: indptr[bs]]), num_pages)
+
+
+def check_view(view: object, num_pages: int | None = None) -> None:
+    """Check every paged part of a phase view (a :class:`PagedView` or a view holding some)."""
+    if isinstance(view, PagedView):
+        check_paged(view, type(view).__name__, num_pages)
+        return
+    if not dataclasses.is_dataclass(view):
+        raise PoolError(f"check_view expects an attnpool view, got {type(view).__name__}")
+    found = False
+    for f in dataclasses.fields(view):
+        part = getattr(view, f.name)
+        parts = part if isinstance(part, tuple) else (part,)
+        for k, p in enumerate(parts):
+            if isinstance(p, PagedView):
+                found = True
+                label = f"{type(view).__name__}.{f.name}" + (f"[{k}]" if len(parts) > 1 else "")
+                check_paged(p, label, num_pages)
+            elif dataclasses.is_dataclass(p) and not isinstance(p, type):
+                found = True
+                check_view(p, num_pages)
+    if not found:
+        raise PoolError(f"{type(view).__name__} has no paged part to check")

@@ -1,0 +1,66 @@
+"""Command line: ``attnpool plan | demo`` (also ``python -m attnpool ...``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .arena import plan_arena
+from .config import Layout, PoolConfig
+from .errors import PoolError
+
+_LAYOUTS = {"flash_attn": Layout.FLASH_ATTN, "flashinfer": Layout.FLASHINFER, "both": Layout.BOTH}
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-bs", type=int, default=160, help="largest captured batch size")
+    p.add_argument("--context", type=int, default=131072, help="max_context_len in tokens")
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--draft-tokens", type=int, default=0, help="num_draft_tokens (N)")
+    p.add_argument("--topk", type=int, default=1, help="draft branches per step (K)")
+    p.add_argument("--spec-steps", type=int, default=0, help="draft steps per round (S)")
+    p.add_argument("--encoder-len", type=int, default=0, help="max_encoder_len")
+    p.add_argument("--chunk", type=int, default=None, help="attention_chunk_size")
+    p.add_argument("--layout", choices=sorted(_LAYOUTS), default="flash_attn")
+
+
+def _config(a: argparse.Namespace, device: str) -> PoolConfig:
+    return PoolConfig(
+        max_bs=a.max_bs, max_context_len=a.context, page_size=a.page_size, device=device,
+        num_draft_tokens=a.draft_tokens, topk=a.topk, spec_steps=a.spec_steps,
+        max_encoder_len=a.encoder_len, attention_chunk_size=a.chunk, layout=_LAYOUTS[a.layout],
+    )
+
+
+def _plan(a: argparse.Namespace) -> int:
+    plan = plan_arena(_config(a, "cpu"))  # arithmetic only: nothing is allocated
+    print(json.dumps(plan.as_dict(), indent=2) if a.json else plan.report())
+    return 0
+
+
+def _demo(a: argparse.Namespace) -> int:
+    from .demo import run_demo  # the demo pulls in more of the library; keep `plan` light
+
+    return run_demo(device=a.device, steps=a.steps, seed=a.seed)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="attnpool", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan", help="print the memory plan of a config (allocates nothing)")
+    _config_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(fn=_plan)
+    d = sub.add_parser("demo", help="run a small continuous-batching decode loop through a pool")
+    d.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    d.add_argument("--steps", type=int, default=40)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(fn=_demo)
+    a = parser.parse_args(argv)
+    try:
+        return int(a.fn(a))
+    except PoolError as e:
+        print(f"attnpool: {e}", file=sys.stderr)
+        return 2

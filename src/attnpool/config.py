@@ -1,0 +1,183 @@
+"""Pool configuration and the enums shared by every module.
+
+:class:`PoolConfig` is frozen and validated once, at construction: every other module may rely on
+its invariants (positive sizes, power-of-two page size, chunk size a multiple of the page size).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import PoolError
+
+
+class Phase(enum.Enum):
+    """The forward kinds a pool serves. Each has its own typed view and update."""
+
+    DECODE = "decode"
+    VERIFY = "verify"
+    DRAFT = "draft"
+    DRAFT_EXTEND = "draft_extend"
+    ENCODER = "encoder"
+    LOCAL = "local"
+
+
+#: Phases that never run in the same forward: their buffers overlay the same arena bytes.
+OVERLAID_PHASES: frozenset[Phase] = frozenset(
+    {Phase.DECODE, Phase.VERIFY, Phase.DRAFT, Phase.DRAFT_EXTEND}
+)
+
+
+class Layout(enum.Flag):
+    """Which page-table layouts the pool keeps up to date. Both may be asked for at once.
+
+    ``FLASH_ATTN``: a 2-D ``page_table [bs, max_pages]`` plus ``cache_seqlens`` (flash-attn FA2/FA3,
+    the SDPA reference). ``FLASHINFER``: CSR ``kv_indptr [bs+1]``, ``kv_indices``,
+    ``kv_last_page_len [bs]`` (FlashInfer's CUDA-graph wrappers).
+    """
+
+    FLASH_ATTN = enum.auto()
+    FLASHINFER = enum.auto()
+    BOTH = FLASH_ATTN | FLASHINFER
+
+
+class Impl(enum.Enum):
+    """Which update path fills the buffers.
+
+    ``AUTO`` picks the fused Triton path on CUDA when triton is importable, else the reference
+    torch path. ``REFERENCE`` and ``TRITON`` force one; both write identical bytes in the read region.
+    """
+
+    AUTO = "auto"
+    REFERENCE = "reference"
+    TRITON = "triton"
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        # torch.cuda.is_available() does not create a CUDA context; it is only called here, at
+        # config construction, never at import.
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise PoolError(f"device must be a torch device or 'auto', got {device!r}") from e
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """Everything that sizes a pool. Frozen: a pool's shapes never change after construction.
+
+    Args:
+        max_bs: largest captured batch size (rows of a decode view).
+        max_context_len: longest sequence in tokens, C. Every length update ensures len + N <= C.
+        page_size: tokens per KV page, P; a power of two in [1, max_context_len].
+        device: where the arena lives ("cuda", "cpu", a ``torch.device``, or "auto").
+        num_draft_tokens: N, query tokens per request in target verify (0: no verify phase).
+        topk: K, draft branches per step; K > 1 makes verify/draft tree-shaped.
+        spec_steps: S, draft decode steps per speculative round (0: no draft phase).
+        attention_chunk_size: A, chunk of chunked local attention (None: no local phase). Must be a
+            multiple of ``page_size`` so a chunk starts on a page boundary.
+        max_encoder_len: longest encoder sequence for cross-attention (0: no encoder phase).
+        layout: which page-table layouts to keep (:class:`Layout`).
+        pad_seq_len: ``cache_seqlens`` of padded rows; >= 1 so kernels see a non-empty, valid row.
+        pad_page: page id written into padded rows; engines reserve it (default page 0).
+        num_pages: number of KV pages, when known; only used to range-check page ids in checks.
+        impl: which update path to use (:class:`Impl`).
+    """
+
+    max_bs: int = 160
+    max_context_len: int = 131072
+    page_size: int = 1
+    device: str | torch.device = "auto"
+    num_draft_tokens: int = 0
+    topk: int = 1
+    spec_steps: int = 0
+    attention_chunk_size: int | None = None
+    max_encoder_len: int = 0
+    layout: Layout = Layout.FLASH_ATTN
+    pad_seq_len: int = 1
+    pad_page: int = 0
+    num_pages: int | None = None
+    impl: Impl = Impl.AUTO
+    _device: torch.device = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, what: str, got: object) -> None:
+            if not ok:
+                raise PoolError(f"PoolConfig: {what}, got {got!r}")
+
+        for name in ("max_bs", "max_context_len", "page_size", "num_draft_tokens", "topk",
+                     "spec_steps", "max_encoder_len", "pad_seq_len", "pad_page"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool), f"{name} must be an int", v)
+        need(self.max_bs >= 1, "max_bs must be >= 1", self.max_bs)
+        need(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+             "page_size must be a power of two >= 1", self.page_size)
+        need(self.max_context_len >= self.page_size,
+             f"max_context_len must be >= page_size ({self.page_size})", self.max_context_len)
+        need(self.num_draft_tokens >= 0, "num_draft_tokens must be >= 0", self.num_draft_tokens)
+        need(self.num_draft_tokens < self.max_context_len,
+             f"num_draft_tokens must be < max_context_len ({self.max_context_len})",
+             self.num_draft_tokens)
+        need(self.topk >= 1, "topk must be >= 1", self.topk)
+        need(self.topk == 1 or self.num_draft_tokens > 0 or self.spec_steps > 0,
+             "topk > 1 needs num_draft_tokens > 0 or spec_steps > 0", self.topk)
+        need(self.spec_steps >= 0, "spec_steps must be >= 0", self.spec_steps)
+        need(self.spec_steps < self.max_context_len,
+             f"spec_steps must be < max_context_len ({self.max_context_len})", self.spec_steps)
+        need(0 <= self.max_encoder_len < self.max_context_len,
+             f"max_encoder_len must be in [0, max_context_len={self.max_context_len})",
+             self.max_encoder_len)
+        need(1 <= self.pad_seq_len <= self.max_context_len,
+             f"pad_seq_len must be in [1, max_context_len={self.max_context_len}]",
+             self.pad_seq_len)
+        need(self.pad_page >= 0, "pad_page must be >= 0", self.pad_page)
+        if self.num_pages is not None:
+            need(isinstance(self.num_pages, int) and self.num_pages > self.pad_page,
+                 f"num_pages must be an int > pad_page ({self.pad_page})", self.num_pages)
+        if self.attention_chunk_size is not None:
+            a = self.attention_chunk_size
+            need(isinstance(a, int) and a >= 1, "attention_chunk_size must be an int >= 1", a)
+            need(a % self.page_size == 0,
+                 f"attention_chunk_size must be a multiple of page_size ({self.page_size})", a)
+        need(isinstance(self.layout, Layout) and bool(self.layout),
+             "layout must be a non-empty attnpool.Layout", self.layout)
+        need(isinstance(self.impl, Impl), "impl must be an attnpool.Impl", self.impl)
+        object.__setattr__(self, "_device", _resolve_device(self.device))
+
+    # ---- derived sizes -------------------------------------------------------------------------
+    @property
+    def torch_device(self) -> torch.device:
+        """The resolved device ("auto" becomes cuda or cpu)."""
+        return self._device
+
+    @property
+    def max_pages(self) -> int:
+        """Width of every page table: ceil(max_context_len / page_size)."""
+        return _ceil_div(self.max_context_len, self.page_size)
+
+    @property
+    def pad_pages(self) -> int:
+        """Pages a padded row reads: ceil(pad_seq_len / page_size)."""
+        return _ceil_div(self.pad_seq_len, self.page_size)
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        """The phases this config enables, in declaration order."""
+        on = {
+            Phase.DECODE: True,
+            Phase.VERIFY: self.num_draft_tokens > 0,
+            Phase.DRAFT: self.spec_steps > 0,
+            Phase.DRAFT_EXTEND: self.num_draft_tokens > 0,
+            Phase.ENCODER: self.max_encoder_len > 0,
+            Phase.LOCAL: self.attention_chunk_size is not None,
+        }
+        return tuple(p for p in Phase if on[p])

@@ -1,0 +1,87 @@
+"""Input validation shared by every phase: no device sync, raise before any write.
+
+Each check names the expected and the actual value. What cannot be checked without reading device
+memory (values of ``seq_lens``, ``req_pool_indices``) is checked from ``seq_lens_cpu`` when the
+caller passes it, and otherwise documented as the caller's contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..config import PoolConfig
+from ..errors import CapacityError, InputError
+
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def check_bs(cfg: PoolConfig, bs: int, n: int | None = None) -> None:
+    """``1 <= bs <= max_bs`` and ``0 <= n <= bs``."""
+    if not isinstance(bs, int) or isinstance(bs, bool):
+        raise InputError(f"bs must be an int, got {type(bs).__name__}")
+    if not 1 <= bs <= cfg.max_bs:
+        raise CapacityError(f"bs must be in [1, max_bs={cfg.max_bs}], got {bs}")
+    if n is not None and n > bs:
+        raise CapacityError(f"real rows n={n} exceed the captured batch size bs={bs}")
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    cfg: PoolConfig,
+    ndim: int,
+    dtypes: tuple[torch.dtype, ...] = INT_DTYPES,
+    rows: int | None = None,
+    device: torch.device | None = None,
+) -> Tensor:
+    """A tensor of ``ndim`` dims, one of ``dtypes``, on the pool's device (or ``device``)."""
+    if not isinstance(t, Tensor):
+        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise InputError(f"{name} must have {ndim} dim(s), got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise InputError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    want = device if device is not None else cfg.torch_device
+    if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+        raise InputError(f"{name} must be on {want}, got {t.device}")
+    if rows is not None and t.shape[0] != rows:
+        raise InputError(f"{name} must have {rows} rows, got {t.shape[0]}")
+    return t
+
+
+def check_req_to_token(t: object, cfg: PoolConfig) -> Tensor:
+    """``[num_req_slots, >= max_context_len]`` int, rows contiguous (kernels index it row-major)."""
+    t = check_tensor("req_to_token", t, cfg, 2)
+    if t.shape[1] < cfg.max_context_len:
+        raise InputError(
+            f"req_to_token must have >= max_context_len={cfg.max_context_len} columns, "
+            f"got {t.shape[1]}"
+        )
+    if t.stride(1) != 1:
+        raise InputError(f"req_to_token rows must be contiguous (stride(1)=1), got {t.stride()}")
+    return t
+
+
+def host_lens(
+    name: str, v: Tensor | Sequence[int] | None, n: int, lo: int, hi: int
+) -> list[int] | None:
+    """Validate host lengths: ``n`` values in ``[lo, hi]``. A CUDA tensor is refused: it would sync."""
+    if v is None:
+        return None
+    if isinstance(v, Tensor):
+        if v.device.type != "cpu":
+            raise InputError(f"{name} must be on the CPU (it is read on the host), got {v.device}")
+        if v.dim() != 1:
+            raise InputError(f"{name} must be 1-D, got shape {tuple(v.shape)}")
+        vals = [int(x) for x in v.tolist()]
+    else:
+        vals = [int(x) for x in v]
+    if len(vals) != n:
+        raise InputError(f"{name} must have n={n} values (one per real row), got {len(vals)}")
+    for i, x in enumerate(vals):
+        if not lo <= x <= hi:
+            raise CapacityError(f"{name}[{i}] must be in [{lo}, {hi}], got {x}")
+    return vals

@@ -1,0 +1,89 @@
+"""``BufferPool``: one arena for every attention-metadata buffer, and the phases over it.
+
+Create one per model runner at init. Updates and graph replays must be issued on the same CUDA
+stream (or ordered by the caller with events): overlaid phases share bytes and the pool relies on
+stream order, not on locks, for an update to land before the replay that reads it.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+from .arena import Arena, ArenaPlan
+from .check import check_view
+from .config import Phase, PoolConfig
+from .errors import MissingPhaseError, PoolError
+from .phases import DecodePhase, PhaseBase
+
+_PHASE_CLASSES: dict[Phase, type[PhaseBase]] = {Phase.DECODE: DecodePhase}
+
+
+class BufferPool:
+    """Every CUDA-graph attention-metadata tensor of an engine, in one ``torch.empty``.
+
+    Args:
+        cfg: sizes and options (:class:`PoolConfig`).
+        poison: fill the arena with sentinels (int max / NaN) so :meth:`check` catches any element
+            a kernel may read that no update wrote. For tests and debugging.
+    """
+
+    def __init__(self, cfg: PoolConfig, poison: bool = False) -> None:
+        if not isinstance(cfg, PoolConfig):
+            raise PoolError(f"BufferPool expects a PoolConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.poisoned = poison
+        self.arena = Arena(cfg, poison=poison)
+        self._phases: dict[Phase, PhaseBase] = {
+            p: cls(self.arena) for p, cls in _PHASE_CLASSES.items() if p in cfg.phases
+        }
+
+    # ---- phases --------------------------------------------------------------------------------
+    def phase(self, phase: Phase) -> PhaseBase:
+        """The phase object for ``phase``; :class:`MissingPhaseError` if the config lacks it."""
+        try:
+            return self._phases[phase]
+        except KeyError:
+            hint = {
+                Phase.VERIFY: "num_draft_tokens > 0",
+                Phase.DRAFT: "spec_steps > 0",
+                Phase.DRAFT_EXTEND: "num_draft_tokens > 0",
+                Phase.ENCODER: "max_encoder_len > 0",
+                Phase.LOCAL: "attention_chunk_size set",
+            }.get(phase, "a newer attnpool")
+            raise MissingPhaseError(
+                f"this pool has no {phase.value} phase (needs {hint}); "
+                f"enabled: {[p.value for p in self._phases]}"
+            ) from None
+
+    @property
+    def decode(self) -> DecodePhase:
+        """Decode views and updates (always present)."""
+        return cast(DecodePhase, self.phase(Phase.DECODE))
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        return tuple(self._phases)
+
+    # ---- memory --------------------------------------------------------------------------------
+    @property
+    def plan(self) -> ArenaPlan:
+        return self.arena.plan
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the single arena allocation (overlay applied)."""
+        return self.arena.plan.nbytes
+
+    def report(self) -> str:
+        """Per-buffer table (phase, name, shape, dtype, pad rule, bytes) with overlaid vs separate
+        totals."""
+        return self.arena.plan.report()
+
+    # ---- poison --------------------------------------------------------------------------------
+    def poison_(self) -> None:
+        """Refill the arena with sentinels; every phase must be re-viewed or updated before use."""
+        self.arena.poison_()
+
+    def check(self, view: object) -> None:
+        """Raise :class:`attnpool.ReadRegionError` if ``view``'s read region is not valid."""
+        check_view(view, num_pages=self.cfg.num_pages)
