@@ -91,6 +91,8 @@ class PoolConfig:
         pad_page: page id written into padded rows; engines reserve it (default page 0).
         num_pages: number of KV pages, when known; only used to range-check page ids in checks.
         impl: which update path to use (:class:`Impl`).
+        fa3_scheduler_metadata: also keep flash-attn 3's ``scheduler_metadata`` buffer
+            (``round_up(max_bs, 4) * 4 + 1`` int32) for the flash-attn adapter.
     """
 
     max_bs: int = 160
@@ -107,6 +109,7 @@ class PoolConfig:
     pad_page: int = 0
     num_pages: int | None = None
     impl: Impl = Impl.AUTO
+    fa3_scheduler_metadata: bool = False
     _device: torch.device = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -151,6 +151,11 @@ SHARED_SPECS: tuple[BufferSpec, ...] = (
     BufferSpec("arange", None, I32, lambda c: (max(max_rows(c), c.max_pages) + 1,), Pad.CONST,
                "0, 1, 2, ...: cu_seqlens_q of one-query-per-row views, page column numbers",
                const_step=lambda c: 1),
+    # Written each step by the flash-attn adapter (FA3 computes it; the tail is zeroed). Used in
+    # the same forward as any phase, so it stays outside the overlay.
+    BufferSpec("scheduler_metadata", None, I32, lambda c: (-(-c.max_bs // 4) * 4 * 4 + 1,),
+               Pad.PAYLOAD, "flash-attn 3 scheduler metadata",
+               needed=lambda c: c.fa3_scheduler_metadata),
 )
 
 DECODE_SPECS: tuple[BufferSpec, ...] = paged_specs(Phase.DECODE, _max_bs, _max_pages)
