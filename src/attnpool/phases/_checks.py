@@ -25,7 +25,7 @@ def check_bs(cfg: PoolConfig, bs: int, n: int | None = None) -> None:
     if not 1 <= bs <= cfg.max_bs:
         raise CapacityError(f"bs must be in [1, max_bs={cfg.max_bs}], got {bs}")
     if n is not None and n > bs:
-        raise CapacityError(f"real rows n={n} exceed the captured batch size bs={bs}")
+        raise CapacityError(f"real rows n must be <= bs={bs}, got n={n}")
 
 
 def check_tensor(
@@ -81,7 +81,7 @@ def host_lens(
         vals = [int(x) for x in v]
     if len(vals) != n:
         raise InputError(f"{name} must have n={n} values (one per real row), got {len(vals)}")
-    for i, x in enumerate(vals):
-        if not lo <= x <= hi:
-            raise CapacityError(f"{name}[{i}] must be in [{lo}, {hi}], got {x}")
+    if vals and not (lo <= min(vals) and max(vals) <= hi):
+        i = next(i for i, x in enumerate(vals) if not lo <= x <= hi)
+        raise CapacityError(f"{name}[{i}] must be in [{lo}, {hi}], got {vals[i]}")
     return vals

@@ -1,0 +1,107 @@
+"""Bad config and bad input: a clear PoolError naming expected vs actual, and no write."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import attnpool
+from attnpool import BufferPool, CapacityError, InputError, Layout, PoolConfig, PoolError
+
+from batches import make_batch
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_bs": 0}, "max_bs must be >= 1, got 0"),
+        ({"page_size": 3}, "power of two"),
+        ({"page_size": 0}, "power of two"),
+        ({"max_context_len": 8, "page_size": 16}, "max_context_len must be >= page_size"),
+        ({"num_draft_tokens": -1}, "num_draft_tokens"),
+        ({"topk": 0}, "topk must be >= 1"),
+        ({"topk": 4}, "topk > 1 needs"),
+        ({"pad_seq_len": 0}, "pad_seq_len"),
+        ({"pad_page": -1}, "pad_page"),
+        ({"attention_chunk_size": 24, "page_size": 16}, "multiple of page_size"),
+        ({"max_encoder_len": 4096}, "max_encoder_len"),
+        ({"layout": "flash_attn"}, "Layout"),
+        ({"device": "nonsense"}, "device"),
+        ({"max_bs": 2.0}, "max_bs must be an int"),
+        ({"num_pages": 0}, "num_pages"),
+    ],
+)
+def test_bad_config(kwargs: dict[str, object], match: str) -> None:
+    base: dict[str, object] = {"max_bs": 8, "max_context_len": 1024, "device": "cpu"}
+    with pytest.raises(PoolError, match=match):
+        PoolConfig(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def _setup() -> tuple[BufferPool, list[torch.Tensor]]:
+    cfg = PoolConfig(max_bs=8, max_context_len=256, page_size=16, device="cpu",
+                     layout=Layout.BOTH)
+    pool = BufferPool(cfg, poison=True)
+    b = make_batch(cfg, 4, random.Random(0))
+    pool.decode.update_(6, *b.tensors())
+    return pool, list(b.tensors())
+
+
+def _bad_calls() -> list[tuple[str, type[PoolError], Callable[..., object]]]:
+    def call(bs: int = 6, seq: object = None, rpi: object = None, table: object = None,
+             cpu: object = None) -> Callable[[BufferPool, list[torch.Tensor]], object]:
+        def f(pool: BufferPool, t: list[torch.Tensor]) -> object:
+            return pool.decode.update_(
+                bs, t[0] if seq is None else seq(t) if callable(seq) else seq,
+                t[1] if rpi is None else rpi(t) if callable(rpi) else rpi,
+                t[2] if table is None else table(t) if callable(table) else table,
+                seq_lens_cpu=cpu,
+            )
+        return f
+
+    return [
+        ("bs > max_bs", CapacityError, call(bs=9)),
+        ("bs < 1", CapacityError, call(bs=0)),
+        ("n > bs", CapacityError, call(bs=3)),
+        ("float seq_lens", InputError, call(seq=lambda t: t[0].float())),
+        ("2-D seq_lens", InputError, call(seq=lambda t: t[0][None])),
+        ("list seq_lens", InputError, call(seq=[1, 2, 3, 4])),
+        ("rpi rows", InputError, call(rpi=lambda t: t[1][:3])),
+        ("table too narrow", InputError, call(table=lambda t: t[2][:, :100])),
+        ("table strided", InputError, call(table=lambda t: t[2].t().contiguous().t())),
+        ("table 1-D", InputError, call(table=lambda t: t[2][0])),
+        ("host lens count", InputError, call(cpu=[1, 2])),
+        ("host lens too long", CapacityError, call(cpu=[1, 2, 3, 257])),
+        ("host lens zero", CapacityError, call(cpu=[0, 2, 3, 4])),
+        ("host lens on meta", InputError, call(cpu=torch.ones(4, device="meta"))),
+        ("seq_lens on meta", InputError, call(seq=lambda t: t[0].to("meta"))),
+    ]
+
+
+@pytest.mark.parametrize(("what", "err", "fn"), _bad_calls(), ids=[c[0] for c in _bad_calls()])
+def test_rejected_update_leaves_pool_unchanged(what: str, err: type[PoolError],
+                                               fn: Callable[..., object]) -> None:
+    pool, t = _setup()
+    before = pool.arena.storage.clone()
+    with pytest.raises(err) as info:
+        fn(pool, t)
+    assert isinstance(info.value, ValueError)
+    assert "got" in str(info.value), "messages name the actual value"
+    assert torch.equal(pool.arena.storage, before), what
+
+
+def test_out_of_range_request_index_writes_nothing() -> None:
+    """An index error in the gather surfaces before any write (CPU: torch raises)."""
+    pool, t = _setup()
+    before = pool.arena.storage.clone()
+    with pytest.raises(IndexError):
+        pool.decode.update_(6, t[0], t[1] + 10_000, t[2])
+    assert torch.equal(pool.arena.storage, before)
+
+
+def test_not_a_config() -> None:
+    with pytest.raises(PoolError, match="PoolConfig"):
+        BufferPool({"max_bs": 4})  # type: ignore[arg-type]
+    assert issubclass(attnpool.LayoutError, PoolError)

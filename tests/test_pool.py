@@ -1,0 +1,148 @@
+"""Pool construction: one allocation, no memset, report, missing phases, layering, lean import."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnpool
+from attnpool import BufferPool, Layout, Phase, PoolConfig
+
+SRC = pathlib.Path(attnpool.__file__).parent
+
+
+class _StorageRecorder(TorchDispatchMode):
+    """Records every aten op and the storages of the tensors they return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.storages: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        self.ops.append(str(func))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > 0:
+                self.storages.add(t.untyped_storage().data_ptr())
+        return out
+
+
+CONFIGS = [
+    PoolConfig(max_bs=16, max_context_len=512, page_size=16, device="cpu", layout=Layout.BOTH),
+    PoolConfig(max_bs=160, max_context_len=4096, page_size=1, device="cpu"),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("poison", [False, True])
+def test_one_allocation_no_memset(cfg: PoolConfig, poison: bool) -> None:
+    rec = _StorageRecorder()
+    with rec:
+        pool = BufferPool(cfg, poison=poison)
+    factories = [op for op in rec.ops if re.match(r"aten\.(empty|zeros|ones|full|new_)", op)]
+    assert factories == ["aten.empty.memory_format"], factories
+    assert rec.storages == {pool.arena.storage.untyped_storage().data_ptr()}
+    if not poison:  # no memset: the only writes at construction are the constants
+        fills = [op for op in rec.ops if "fill" in op or "zero" in op]
+        assert fills == [], fills
+
+
+def test_all_buffers_live_in_the_arena_aligned() -> None:
+    pool = BufferPool(CONFIGS[0])
+    base = pool.arena.storage.data_ptr()
+    for (_, name), buf in pool.arena.buffers().items():
+        assert buf.untyped_storage().data_ptr() == pool.arena.storage.untyped_storage().data_ptr()
+        assert (buf.data_ptr() - base) % 256 == 0, name
+        assert buf.is_contiguous(), name
+
+
+def test_report_and_plan_agree() -> None:
+    cfg = CONFIGS[0]
+    pool = BufferPool(cfg)
+    plan = attnpool.plan_arena(cfg)
+    assert pool.nbytes == plan.nbytes == pool.arena.storage.numel()
+    text = pool.report()
+    for p in plan.placements:
+        assert p.spec.name in text
+    assert "overlaid" in text and "separate" in text
+    d = plan.as_dict()
+    assert json.loads(json.dumps(d))["nbytes"] == plan.nbytes
+    assert plan.separate_nbytes >= plan.nbytes
+
+
+def test_constants_survive_poison() -> None:
+    pool = BufferPool(CONFIGS[0], poison=True)
+    ar = pool.arena.buffer(None, "arange")
+    assert torch.equal(ar, torch.arange(ar.numel(), dtype=torch.int32))
+    pool.poison_()
+    assert torch.equal(ar, torch.arange(ar.numel(), dtype=torch.int32))
+
+
+def test_missing_phase_is_clear() -> None:
+    pool = BufferPool(CONFIGS[0])
+    for phase in (Phase.VERIFY, Phase.DRAFT, Phase.ENCODER, Phase.LOCAL):
+        with pytest.raises(attnpool.MissingPhaseError, match=phase.value):
+            pool.phase(phase)
+    assert isinstance(attnpool.MissingPhaseError("x"), ValueError)
+
+
+def test_layout_error_for_absent_buffer() -> None:
+    pool = BufferPool(CONFIGS[1])  # FLASH_ATTN only
+    with pytest.raises(attnpool.LayoutError, match="kv_indptr"):
+        pool.arena.buffer(Phase.DECODE, "kv_indptr")
+
+
+def test_lean_import() -> None:
+    code = (
+        "import sys, attnpool, torch\n"
+        "bad = [m for m in ('triton', 'flash_attn', 'flashinfer', 'flash_attn_interface')"
+        " if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# Each module may import only modules of a lower rank (DESIGN §2, top to bottom).
+RANK = {
+    "errors": 0, "config": 1, "specs": 2, "arena": 3, "views": 4, "check": 5, "update": 6,
+    "phases": 7, "pool": 8, "adapters": 9, "graphs": 10, "kv": 10, "lora": 10, "baseline": 10,
+    "demo": 11, "bench": 11, "cli": 12, "__main__": 13, "__init__": 14,
+}
+
+
+def _top(mod: pathlib.Path) -> str:
+    rel = mod.relative_to(SRC).parts
+    return rel[0] if len(rel) > 1 else mod.stem
+
+
+def test_imports_point_one_way() -> None:
+    for path in SRC.rglob("*.py"):
+        me = _top(path)
+        assert me in RANK, f"{path} is not placed in the layering table"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level > 0:
+                parts = path.relative_to(SRC).parts
+                pkg_depth = len(parts) - 1
+                if node.level > pkg_depth:  # from ..x import y inside a subpackage
+                    target = (node.module or "").split(".")[0]
+                elif node.level == 1 and pkg_depth == 1:
+                    target = parts[0]  # sibling inside the same subpackage
+                else:
+                    target = (node.module or "").split(".")[0]
+                if not target or target == me:
+                    continue
+                assert RANK[target] < RANK[me] or (
+                    RANK[target] == RANK[me] and target == me
+                ), f"{path.relative_to(SRC)} imports {target} (rank {RANK[target]} >= {RANK[me]})"
