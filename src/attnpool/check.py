@@ -73,7 +73,7 @@ def check_paged(v: PagedView, name: str = "view", num_pages: int | None = None) 
             got = indptr[i + 1] - indptr[i]
             if got not in (0, npages[i]):  # 0: a padded row, which owns no pages
                 _fail(f"{name}.kv_indptr", f"row {i} has {got} pages, expected {npages[i]} or 0")
-            want = (lens[i] - 1) % page + 1 if got else 1
+            want = (max(lens[i], 1) - 1) % page + 1 if got else 1
             if last[i] != want:
                 _fail(f"{name}.kv_last_page_len", f"row {i} is {last[i]}, expected {want}")
         if indptr[bs] > v.kv_indices.shape[0] - 1:
@@ -81,10 +81,21 @@ def check_paged(v: PagedView, name: str = "view", num_pages: int | None = None) 
         _check_pages(f"{name}.kv_indices", _host(v.kv_indices[: indptr[bs]]), num_pages)
 
 
-def check_view(view: object, num_pages: int | None = None) -> None:
-    """Check every paged part of a phase view (a :class:`PagedView` or a view holding some)."""
+def _limit(part: PagedView, num_pages: int | None, page_size: int | None) -> int | None:
+    """Id bound of a part: pages, or token slots for ``page_size = 1`` parts of a paged cache."""
+    if num_pages is None or page_size is None or part.page_size == page_size:
+        return num_pages
+    return num_pages * page_size // part.page_size
+
+
+def check_view(view: object, num_pages: int | None = None, page_size: int | None = None) -> None:
+    """Check every paged part of a phase view (a :class:`PagedView` or a view holding some).
+
+    ``num_pages`` bounds page ids when given; with the cache's ``page_size`` it also bounds the
+    raw token slots of ``page_size = 1`` parts (``num_pages * page_size``).
+    """
     if isinstance(view, PagedView):
-        check_paged(view, type(view).__name__, num_pages)
+        check_paged(view, type(view).__name__, _limit(view, num_pages, page_size))
         return
     if not dataclasses.is_dataclass(view):
         raise PoolError(f"check_view expects an attnpool view, got {type(view).__name__}")
@@ -96,9 +107,9 @@ def check_view(view: object, num_pages: int | None = None) -> None:
             if isinstance(p, PagedView):
                 found = True
                 label = f"{type(view).__name__}.{f.name}" + (f"[{k}]" if len(parts) > 1 else "")
-                check_paged(p, label, num_pages)
+                check_paged(p, label, _limit(p, num_pages, page_size))
             elif dataclasses.is_dataclass(p) and not isinstance(p, type):
                 found = True
-                check_view(p, num_pages)
+                check_view(p, num_pages, page_size)
     if not found:
         raise PoolError(f"{type(view).__name__} has no paged part to check")

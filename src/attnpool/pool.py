@@ -13,9 +13,22 @@ from .arena import Arena, ArenaPlan
 from .check import check_view
 from .config import Phase, PoolConfig
 from .errors import MissingPhaseError, PoolError
-from .phases import DecodePhase, PhaseBase
+from .phases import (
+    DecodePhase,
+    DraftExtendPhase,
+    DraftPhase,
+    EncoderPhase,
+    LocalPhase,
+    PhaseBase,
+    VerifyPhase,
+)
 
-_PHASE_CLASSES: dict[Phase, type[PhaseBase]] = {Phase.DECODE: DecodePhase}
+_OTHERS: dict[Phase, type[PhaseBase]] = {
+    Phase.VERIFY: VerifyPhase,
+    Phase.DRAFT: DraftPhase,
+    Phase.DRAFT_EXTEND: DraftExtendPhase,
+    Phase.LOCAL: LocalPhase,
+}
 
 
 class BufferPool:
@@ -33,9 +46,15 @@ class BufferPool:
         self.cfg = cfg
         self.poisoned = poison
         self.arena = Arena(cfg, poison=poison)
-        self._phases: dict[Phase, PhaseBase] = {
-            p: cls(self.arena) for p, cls in _PHASE_CLASSES.items() if p in cfg.phases
-        }
+        decode = DecodePhase(self.arena)
+        self._phases: dict[Phase, PhaseBase] = {}
+        for p in cfg.phases:  # only the phases the config enables exist
+            if p is Phase.DECODE:
+                self._phases[p] = decode
+            elif p is Phase.ENCODER:
+                self._phases[p] = EncoderPhase(self.arena, decode)
+            else:
+                self._phases[p] = _OTHERS[p](self.arena)
 
     # ---- phases --------------------------------------------------------------------------------
     def phase(self, phase: Phase) -> PhaseBase:
@@ -59,6 +78,31 @@ class BufferPool:
     def decode(self) -> DecodePhase:
         """Decode views and updates (always present)."""
         return cast(DecodePhase, self.phase(Phase.DECODE))
+
+    @property
+    def verify(self) -> VerifyPhase:
+        """Target verify (needs ``num_draft_tokens > 0``)."""
+        return cast(VerifyPhase, self.phase(Phase.VERIFY))
+
+    @property
+    def draft(self) -> DraftPhase:
+        """Draft decode steps of a speculative round (needs ``spec_steps > 0``)."""
+        return cast(DraftPhase, self.phase(Phase.DRAFT))
+
+    @property
+    def draft_extend(self) -> DraftExtendPhase:
+        """Draft extend (needs ``num_draft_tokens > 0``)."""
+        return cast(DraftExtendPhase, self.phase(Phase.DRAFT_EXTEND))
+
+    @property
+    def encoder(self) -> EncoderPhase:
+        """Encoder-decoder cross-attention (needs ``max_encoder_len > 0``)."""
+        return cast(EncoderPhase, self.phase(Phase.ENCODER))
+
+    @property
+    def local(self) -> LocalPhase:
+        """Chunked local attention (needs ``attention_chunk_size``)."""
+        return cast(LocalPhase, self.phase(Phase.LOCAL))
 
     @property
     def phases(self) -> tuple[Phase, ...]:
@@ -86,4 +130,4 @@ class BufferPool:
 
     def check(self, view: object) -> None:
         """Raise :class:`attnpool.ReadRegionError` if ``view``'s read region is not valid."""
-        check_view(view, num_pages=self.cfg.num_pages)
+        check_view(view, num_pages=self.cfg.num_pages, page_size=self.cfg.page_size)

@@ -103,6 +103,11 @@ def max_rows(cfg: PoolConfig) -> int:
     return cfg.max_bs * max(1, cfg.num_draft_tokens, cfg.topk)
 
 
+def max_arange(cfg: PoolConfig) -> int:
+    """Length of the shared ``0, 1, 2, ...`` constant: one more than any row count or width."""
+    return max(max_rows(cfg), cfg.max_pages, draft_expand_width(cfg)) + 1
+
+
 def paged_specs(
     phase: Phase,
     rows: Callable[[PoolConfig], int],
@@ -147,10 +152,54 @@ def _max_pages(c: PoolConfig) -> int:
     return c.max_pages
 
 
+def _tree(c: PoolConfig) -> bool:
+    return c.topk > 1
+
+
+def _chain(c: PoolConfig) -> bool:
+    return c.topk == 1
+
+
+def draft_expand_width(c: PoolConfig) -> int:
+    """Tokens a draft expand row lists: the last partial prefix page (< P) plus S draft tokens."""
+    return c.page_size - 1 + c.spec_steps
+
+
+def local_rows_per_request(c: PoolConfig) -> int:
+    """Virtual batches one request can need: ``q`` queries straddle at most ``(q-1)//A + 2``
+    chunks (never more than ``q``), with ``q`` = 1 in decode and N in verify."""
+    a = c.attention_chunk_size or 1
+    q = max(1, c.num_draft_tokens)
+    return min(q, (q - 1) // a + 2)
+
+
+def _local_width(c: PoolConfig) -> int:
+    a = c.attention_chunk_size or c.page_size
+    return -(-min(a, c.max_context_len) // c.page_size)
+
+
+def _steps(c: PoolConfig) -> int:
+    return c.spec_steps
+
+
+def _per_step(name: str, rows: Callable[[PoolConfig], int], pad: Pad, doc: str,
+              needed: Callable[[PoolConfig], bool], extra: int = 0,
+              layout: Layout | None = None) -> BufferSpec:
+    """A draft buffer with one row of ``rows + extra`` per step: steps of a round are live at once."""
+    return BufferSpec(name, Phase.DRAFT, I32, lambda c: (c.spec_steps, rows(c) + extra), pad, doc,
+                      layout, needed=needed)
+
+
 SHARED_SPECS: tuple[BufferSpec, ...] = (
-    BufferSpec("arange", None, I32, lambda c: (max(max_rows(c), c.max_pages) + 1,), Pad.CONST,
+    BufferSpec("arange", None, I32, lambda c: (max_arange(c),), Pad.CONST,
                "0, 1, 2, ...: cu_seqlens_q of one-query-per-row views, page column numbers",
                const_step=lambda c: 1),
+    BufferSpec("arange_n", None, I32, lambda c: (c.max_bs + 1,), Pad.CONST,
+               "0, N, 2N, ...: cu_seqlens_q of verify (N queries per request)",
+               const_step=lambda c: c.num_draft_tokens, needed=lambda c: c.num_draft_tokens > 0),
+    BufferSpec("arange_k", None, I32, lambda c: (c.max_bs + 1,), Pad.CONST,
+               "0, K, 2K, ...: cu_seqlens_q of the draft tree prefix pass (K queries)",
+               const_step=lambda c: c.topk, needed=lambda c: c.spec_steps > 0 and c.topk > 1),
     # Written each step by the flash-attn adapter (FA3 computes it; the tail is zeroed). Used in
     # the same forward as any phase, so it stays outside the overlay.
     BufferSpec("scheduler_metadata", None, I32, lambda c: (-(-c.max_bs // 4) * 4 * 4 + 1,),
@@ -158,10 +207,68 @@ SHARED_SPECS: tuple[BufferSpec, ...] = (
                needed=lambda c: c.fa3_scheduler_metadata),
 )
 
-DECODE_SPECS: tuple[BufferSpec, ...] = paged_specs(Phase.DECODE, _max_bs, _max_pages)
+DECODE_SPECS = paged_specs(Phase.DECODE, _max_bs, _max_pages)
+
+VERIFY_SPECS = paged_specs(
+    Phase.VERIFY, _max_bs, _max_pages, what="chain: prefix+drafts, causal; tree: prefix; "
+) + paged_specs(
+    Phase.VERIFY, lambda c: c.max_bs * c.num_draft_tokens, lambda c: c.num_draft_tokens,
+    prefix="expand_", needed=_tree, what="tree expand (token slots): ",
+)
+
+DRAFT_SPECS = (
+    # topk == 1: one page table covering seq_len + S serves every step; per step only lengths.
+    BufferSpec("page_table", Phase.DRAFT, I32, lambda c: (c.max_bs, c.max_pages), Pad.PAGE,
+               "chain: page ids for seq_len + S (shared by all steps)", Layout.FLASH_ATTN,
+               needed=_chain),
+    _per_step("cache_seqlens", _max_bs, Pad.SEQ_LEN, "chain: seq_len + d per step", _chain),
+    _per_step("cu_seqlens_k", _max_bs, Pad.CUMSUM, "chain: cumsum per step", _chain, extra=1),
+    # topk > 1: one prefix part (full pages of the committed prefix) shared by all steps ...
+    *paged_specs(Phase.DRAFT, _max_bs, _max_pages, prefix="prefix_", needed=_tree,
+                 what="tree prefix (full pages): "),
+    # ... and one expand table [bs*K, P-1+S] whose row prefixes serve every step.
+    BufferSpec("expand_page_table", Phase.DRAFT, I32,
+               lambda c: (c.max_bs * c.topk, draft_expand_width(c)), Pad.PAGE,
+               "tree expand token slots: partial page, then the branch's drafts",
+               needed=_tree),
+    _per_step("expand_cache_seqlens", lambda c: c.max_bs * c.topk, Pad.SEQ_LEN,
+              "tree expand: partial + d per step", _tree),
+    _per_step("expand_cu_seqlens_k", lambda c: c.max_bs * c.topk, Pad.CUMSUM,
+              "tree expand: cumsum per step", _tree, extra=1),
+    _per_step("expand_kv_indptr", lambda c: c.max_bs * c.topk, Pad.INDPTR,
+              "tree expand CSR per step", _tree, extra=1, layout=Layout.FLASHINFER),
+    BufferSpec("expand_kv_indices", Phase.DRAFT, I32,
+               lambda c: (c.spec_steps, c.max_bs * c.topk * draft_expand_width(c) + 1),
+               Pad.PAYLOAD, "tree expand CSR slots per step (+1 scratch)", Layout.FLASHINFER,
+               needed=_tree),
+    _per_step("expand_kv_last_page_len", lambda c: c.max_bs * c.topk, Pad.ONE,
+              "tree expand: 1 (token slots)", _tree, layout=Layout.FLASHINFER),
+)
+
+DRAFT_EXTEND_SPECS = (
+    BufferSpec("cu_seqlens_q", Phase.DRAFT_EXTEND, I32, lambda c: (c.max_bs + 1,), Pad.CUMSUM,
+               "[0, cumsum(accept_lens)]; padded rows one query"),
+    *paged_specs(Phase.DRAFT_EXTEND, _max_bs, _max_pages),
+)
+
+# Only the cross part: decoder self-attention reuses the decode buffers (offset rows), and the
+# cross part is read in the same forward, so it sits outside the overlay.
+ENCODER_SPECS = paged_specs(
+    Phase.ENCODER, _max_bs, lambda c: -(-c.max_encoder_len // c.page_size), prefix="cross_",
+    what="cross-attention over encoder tokens: ",
+)
+
+LOCAL_SPECS = (
+    BufferSpec("cu_seqlens_q", Phase.LOCAL, I32,
+               lambda c: (c.max_bs * local_rows_per_request(c) + 1,), Pad.CUMSUM,
+               "queries per virtual batch, cumsum"),
+    *paged_specs(Phase.LOCAL, lambda c: c.max_bs * local_rows_per_request(c), _local_width,
+                 what="virtual batch (one chunk): "),
+)
 
 #: Every buffer any pool may own. Phase modules add nothing outside this table.
-SPECS: tuple[BufferSpec, ...] = SHARED_SPECS + DECODE_SPECS
+SPECS: tuple[BufferSpec, ...] = (SHARED_SPECS + DECODE_SPECS + VERIFY_SPECS + DRAFT_SPECS
+                                 + DRAFT_EXTEND_SPECS + ENCODER_SPECS + LOCAL_SPECS)
 
 
 def specs_for(cfg: PoolConfig, table: tuple[BufferSpec, ...] = SPECS) -> tuple[BufferSpec, ...]:

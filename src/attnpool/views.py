@@ -62,3 +62,96 @@ class DecodeView(PagedView):
     Same fields as :class:`PagedView`; ``cache_seqlens[i]`` is request ``i``'s sequence length
     including the token being decoded.
     """
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyView:
+    """Target verify of ``N`` draft tokens per request.
+
+    Chain (``topk == 1``): ``prefix`` is the single causal pass, ``cache_seqlens = seq_lens + N``,
+    ``cu_seqlens_q`` step N, ``max_seqlen_q = N``; ``expand`` is None.
+    Tree (``topk > 1``): two non-causal passes merged by log-sum-exp. ``prefix``: every draft query
+    of request ``i`` attends to the committed prefix (``cache_seqlens = seq_lens``, ``cu_seqlens_q``
+    step N). ``expand``: ``bs*N`` one-query rows (row ``i*N + j`` is draft token ``j`` of request
+    ``i``); its ``page_table`` lists raw KV token slots (``page_size = 1``) of the draft tokens the
+    tree mask allows, allowed first; ``cache_seqlens`` is the allowed count.
+
+    Attributes:
+        bs: requests in the view.
+        prefix: :class:`PagedView` with ``bs`` rows.
+        expand: :class:`PagedView` with ``bs*N`` rows (tree), else None.
+    """
+
+    bs: int
+    prefix: PagedView
+    expand: PagedView | None
+
+
+@dataclass(frozen=True, slots=True)
+class DraftStepView:
+    """Metadata of draft decode step ``d`` (1-based) of one speculative round.
+
+    Chain (``topk == 1``): ``prefix`` is a decode view with ``cache_seqlens = seq_lens + d`` over
+    the round's shared page table; ``expand`` is None. Tree (``topk > 1``): ``prefix`` is the
+    round's shared prefix pass (``K`` queries per request over the full pages of ``seq_lens``,
+    non-causal, the same object for every step) and ``expand`` has ``bs*K`` one-query rows, each
+    listing raw token slots (``page_size = 1``): the last partial prefix page, then its branch's
+    first ``d`` draft tokens.
+    """
+
+    step: int
+    prefix: PagedView
+    expand: PagedView | None
+
+
+@dataclass(frozen=True, slots=True)
+class DraftView:
+    """All ``S`` draft steps of a round: they are captured in one graph, so they coexist.
+
+    Attributes:
+        bs: requests in the view.
+        steps: ``S`` :class:`DraftStepView` s, step ``d`` at index ``d - 1``.
+    """
+
+    bs: int
+    steps: tuple[DraftStepView, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DraftExtendView(PagedView):
+    """Draft extend: request ``i`` has ``accept_lens[i]`` queries (``cu_seqlens_q`` is their
+    cumsum; a padded row has one query), causal, ``cache_seqlens = seq_lens``."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderView:
+    """Encoder-decoder attention for one decode step.
+
+    Attributes:
+        bs: requests in the view.
+        cross: non-causal :class:`PagedView` over each request's first ``encoder_lens[i]`` token
+            slots (``cache_seqlens = encoder_lens``), one query per row.
+        decoder: the decode view whose page rows start at column ``encoder_lens[i]`` of the
+            request's ``req_to_token`` row (its own self-attention KV).
+    """
+
+    bs: int
+    cross: PagedView
+    decoder: DecodeView
+
+
+@dataclass(frozen=True, slots=True)
+class LocalView(PagedView):
+    """Chunked local attention as virtual batches (one row per chunk a request's queries touch).
+
+    Request ``i`` owns rows ``i*V .. i*V+V-1`` (``V = rows_per_request``: 1 in decode). A row
+    attends only to keys of its chunk up to its queries (causal, aligned to the row's end);
+    ``page_table`` rows start at the chunk's first page. Rows a request does not need have no
+    queries and padded lengths; the queries of request ``i`` stay packed in order, so
+    ``cu_seqlens_q[i*V] = i*q``.
+
+    Attributes:
+        rows_per_request: ``V``.
+    """
+
+    rows_per_request: int

@@ -2,5 +2,18 @@
 
 from .base import PhaseBase
 from .decode import DecodePhase
+from .draft import DraftPhase
+from .draft_extend import DraftExtendPhase
+from .encoder import EncoderPhase
+from .local import LocalPhase
+from .verify import VerifyPhase
 
-__all__ = ["DecodePhase", "PhaseBase"]
+__all__ = [
+    "DecodePhase",
+    "DraftExtendPhase",
+    "DraftPhase",
+    "EncoderPhase",
+    "LocalPhase",
+    "PhaseBase",
+    "VerifyPhase",
+]

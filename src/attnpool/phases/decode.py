@@ -11,7 +11,7 @@ from ..config import Phase
 from ..update import reference as ref
 from ..views import DecodeView
 from ._checks import check_bs, check_req_to_token, check_tensor, host_lens
-from .base import PhaseBase
+from .base import PhaseBase, part_view
 
 
 class DecodePhase(PhaseBase):
@@ -23,9 +23,6 @@ class DecodePhase(PhaseBase):
     """
 
     phase = Phase.DECODE
-
-    #: Extra KV tokens per row on top of ``seq_lens`` (verify/draft reuse this class's logic).
-    extra_len = 0
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -49,7 +46,7 @@ class DecodePhase(PhaseBase):
 
         Args:
             bs: the captured batch size to replay (``n <= bs <= max_bs``).
-            seq_lens: ``[n]`` int32/int64 on the pool's device, each in ``[1, C - extra]``.
+            seq_lens: ``[n]`` int32/int64 on the pool's device, each in ``[1, C]``.
             req_pool_indices: ``[n]`` int32/int64 on the pool's device, rows of ``req_to_token``.
             req_to_token: ``[num_req_slots, >= C]`` int32/int64, token slot of each position.
             seq_lens_cpu: optional host copy of ``seq_lens``: enables bounds checks, a tight
@@ -65,47 +62,29 @@ class DecodePhase(PhaseBase):
         check_bs(cfg, bs, n)
         req_pool_indices = check_tensor("req_pool_indices", req_pool_indices, cfg, 1, rows=n)
         req_to_token = check_req_to_token(req_to_token, cfg)
-        extra = self.extra_len
-        lens = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - extra)
-        if lens is None:
-            width, max_k = cfg.max_pages, cfg.max_context_len
-        else:
-            longest = max(lens, default=0) + extra
-            width = -(-longest // cfg.page_size)
-            max_k = max(longest, cfg.pad_seq_len if n < bs else 0)
-        pages = ref.gather_pages(req_to_token, req_pool_indices, cfg.page_size, width)
+        host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
+        pages = self._gather(req_pool_indices, req_to_token, host)
         # --- writes start here: everything above is validation or a temporary ---
-        b = self._b
-        ref.lengths_(b.cache_seqlens, seq_lens, extra, bs, cfg.pad_seq_len)
-        self._write_pages(b, bs, pages)
-        self.arena.mark_written(self.phase, bs)
-        return self._view(bs, max_k)
+        return self._commit(bs, seq_lens, pages, host)
 
-    # ---- internals -----------------------------------------------------------------------------
-    def _write_pages(self, b: ref.PagedBuffers, bs: int, pages: Tensor) -> None:
+    # ---- internals (also used by the encoder phase for the decoder part) ----------------------
+    def _gather(self, rpi: Tensor, table: Tensor, host: list[int] | None,
+                token_offset: Tensor | None = None) -> Tensor:
+        """The real rows' page block (a temporary; may raise on a bad index, before any write)."""
         cfg = self.cfg
-        ref.paged_(b, bs=bs, pages=pages, page_size=cfg.page_size, pad_page=cfg.pad_page,
-                   pad_pages=cfg.pad_pages, arange=self._arange)
+        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+        return ref.gather_pages(table, rpi, cfg.page_size, width, token_offset)
+
+    def _commit(self, bs: int, seq_lens: Tensor, pages: Tensor, host: list[int] | None
+                ) -> DecodeView:
+        self._write_part(self._b, bs, seq_lens, pages)
+        self.arena.mark_written(self.phase, bs)
+        return self._view(bs, self._max_k(host, 0, seq_lens.shape[0], bs,
+                                          self.cfg.max_context_len))
 
     def _write_capture_state(self) -> None:
-        b = self._b
-        bs = self.cfg.max_bs
-        ref.lengths_(b.cache_seqlens, self._arange[:0], 0, bs, self.cfg.pad_seq_len)
-        self._write_pages(b, bs, self._empty_pages())
+        self._write_part(self._b, self.cfg.max_bs, self._arange[:0], self._empty_pages())
 
     def _view(self, bs: int, max_seqlen_k: int) -> DecodeView:
-        b = self._b
-        return DecodeView(
-            bs=bs,
-            cache_seqlens=b.cache_seqlens[:bs],
-            cu_seqlens_q=self._arange[: bs + 1],
-            cu_seqlens_k=b.cu_seqlens_k[: bs + 1],
-            page_table=None if b.page_table is None else b.page_table[:bs],
-            kv_indptr=None if b.kv_indptr is None else b.kv_indptr[: bs + 1],
-            kv_indices=b.kv_indices,
-            kv_last_page_len=None if b.kv_last_page_len is None else b.kv_last_page_len[:bs],
-            max_seqlen_q=1,
-            max_seqlen_k=max_seqlen_k,
-            page_size=self.cfg.page_size,
-            causal=True,
-        )
+        return part_view(self._b, bs, self._arange, max_q=1, max_k=max_seqlen_k,
+                         page_size=self.cfg.page_size, causal=True, cls=DecodeView)

@@ -85,6 +85,8 @@ def paged_(
     ``pad_pages`` columns.
     """
     n, width = pages.shape
+    if arange.shape[0] < max(width, bs) + 1:
+        raise RuntimeError(f"arange constant too short: {arange.shape[0]} < {max(width, bs) + 1}")
     lens = b.cache_seqlens[:bs]
     cumsum_(b.cu_seqlens_k, lens)
     if b.page_table is not None:
@@ -101,6 +103,79 @@ def paged_(
         # scatter needs no host-side compaction.
         pos = torch.where(cols[None, :] < npages[:, None], pos, b.kv_indices.shape[0] - 1)
         b.kv_indices.scatter_(0, pos.reshape(-1).long(), pages.reshape(-1).to(b.kv_indices.dtype))
-        torch.remainder(real - 1, page_size, out=b.kv_last_page_len[:n])
+        # (len - 1) % P + 1, and 1 for an empty row (a draft tree prefix shorter than a page)
+        torch.remainder((real - 1).clamp_(min=0), page_size, out=b.kv_last_page_len[:n])
         b.kv_last_page_len[:n].add_(1)
         b.kv_last_page_len[n:bs].fill_(1)
+
+
+def tree_expand(
+    tree_mask: Tensor, seq_lens: Tensor, req_pool_indices: Tensor, req_to_token: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Verify tree expand rows: ``(lens [n*N], slots [n*N, N])`` temporaries.
+
+    Row ``i*N + j`` lists the token slots ``req_to_token[r_i, seq_lens[i] + k]`` of the draft
+    tokens ``k`` that ``tree_mask[i, j, k]`` allows (ancestors and itself), allowed first in
+    increasing ``k``; its length is the allowed count. A stable sort on "not allowed" orders the
+    columns without any host sync.
+    """
+    n, nd, _ = tree_mask.shape
+    lens = tree_mask.sum(-1, dtype=torch.int32).reshape(n * nd)
+    order = torch.argsort((~tree_mask).to(torch.uint8), dim=-1, stable=True)
+    cols = seq_lens.to(torch.int64)[:, None, None] + order
+    slots = req_to_token[req_pool_indices.to(torch.int64)[:, None, None], cols]
+    return lens, slots.reshape(n * nd, nd)
+
+
+def draft_expand(
+    seq_lens: Tensor,
+    req_pool_indices: Tensor,
+    req_to_token: Tensor,
+    out_cache_loc: Tensor,
+    page_size: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Draft tree prefix/expand split: ``(full [n], partial [n*K], slots [n*K, P-1+S])``.
+
+    ``full = seq_lens`` rounded down to whole pages (the shared prefix pass); row ``i*K + k``
+    lists the ``partial = seq_lens - full`` token slots of the last, partial prefix page, then
+    branch ``k``'s draft slots ``out_cache_loc[i, 0..S-1, k]``. Step ``d`` reads ``partial + d``.
+    """
+    n, steps, topk = out_cache_loc.shape
+    width = page_size - 1 + steps
+    seq = seq_lens.to(torch.int64)
+    full = torch.div(seq, page_size, rounding_mode="floor") * page_size
+    part = seq - full
+    c = torch.arange(width, device=seq.device)
+    tok_col = (full[:, None] + c[None, :]).clamp_(max=req_to_token.shape[1] - 1)
+    prefix_slots = req_to_token[req_pool_indices.to(torch.int64)[:, None], tok_col]  # [n, W]
+    s_idx = (c[None, :] - part[:, None]).clamp_(0, steps - 1)  # [n, W]
+    drafts = out_cache_loc.gather(1, s_idx[:, :, None].expand(n, width, topk))  # [n, W, K]
+    is_prefix = (c[None, :] < part[:, None])[:, :, None]
+    slots = torch.where(is_prefix, prefix_slots[:, :, None].to(drafts.dtype), drafts)
+    slots = slots.permute(0, 2, 1).reshape(n * topk, width)
+    return full, part.repeat_interleave(topk), slots
+
+
+def local_rows(
+    kv_lens: Tensor, num_queries: int, chunk: int, rows_per_request: int, pad_seq_len: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Chunked local attention virtual rows: ``(q_lens, kv_lens, token_offset, valid)``, each
+    ``[n*V]``.
+
+    The request's last ``num_queries`` positions ``L-q .. L-1`` are split by chunk: row ``v``
+    covers chunk ``c = (L-q)//A + v`` with queries ``max(cA, L-q) .. min((c+1)A, L)-1`` and keys
+    ``cA .. min((c+1)A, L)-1`` (so ``kv_len = (L-1) % A + 1`` in decode). Rows past the last
+    chunk have no queries and the padded length.
+    """
+    seq = kv_lens.to(torch.int64)
+    v = torch.arange(rows_per_request, device=seq.device)
+    c = torch.div(seq - num_queries, chunk, rounding_mode="floor")[:, None] + v[None, :]
+    last = torch.div(seq - 1, chunk, rounding_mode="floor")[:, None]
+    valid = c <= last
+    start = c * chunk
+    q_end = torch.minimum(start + chunk, seq[:, None])
+    q_start = torch.maximum(start, (seq - num_queries)[:, None])
+    q_lens = torch.where(valid, q_end - q_start, 0)
+    kv = torch.where(valid, q_end - start, pad_seq_len)
+    off = torch.where(valid, start, 0)
+    return q_lens.reshape(-1), kv.reshape(-1), off.reshape(-1), valid.reshape(-1)

@@ -1,0 +1,167 @@
+"""Draft decode: steps d = 1..S of one speculative round, live together. DESIGN §4, §5."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from ..arena import Arena
+from ..config import Phase
+from ..errors import InputError
+from ..specs import draft_expand_width
+from ..update import reference as ref
+from ..update.reference import PagedBuffers
+from ..views import DraftStepView, DraftView, PagedView
+from ._checks import check_bs, check_req_to_token, check_tensor, host_lens
+from .base import PhaseBase, part_view
+
+
+class DraftPhase(PhaseBase):
+    """``pool.draft``: one update writes the metadata of every draft step of a round.
+
+    Engines capture all S steps in one graph, so the steps coexist: they share one page table
+    (chain: rows sized for ``seq_lens + S``, whose row prefixes serve every earlier step; tree:
+    the prefix pass over full pages and one expand table whose row prefixes serve every step) and
+    keep per step only lengths, cumsums and the small expand CSR. Never one full table per step.
+
+    Layouts: chain steps keep the ``FLASH_ATTN`` page table only. FlashInfer's CSR cannot share one
+    page list between rows of different lengths, so a chain draft view has no CSR fields (they are
+    None); tree rounds keep CSR for the prefix pass and a small per-step CSR for expand rows.
+    """
+
+    phase = Phase.DRAFT
+
+    def __init__(self, arena: Arena) -> None:
+        super().__init__(arena)
+        cfg = self.cfg
+        self.tree = cfg.topk > 1
+        a = arena
+        if self.tree:
+            self._prefix = self._paged("prefix_")
+            self._cu_k_prefix_q = a.buffer(None, "arange_k")
+            self._e_table = a.buffer(self.phase, "expand_page_table")
+            self._e_steps = tuple(self._expand_step(d) for d in range(cfg.spec_steps))
+        else:
+            self._table = a.maybe(self.phase, "page_table")
+            lens, cu = a.buffer(self.phase, "cache_seqlens"), a.buffer(self.phase, "cu_seqlens_k")
+            self._chain = tuple(
+                PagedBuffers(lens[d], cu[d], self._table, None, None, None)
+                for d in range(cfg.spec_steps)
+            )
+
+    def _expand_step(self, d: int) -> PagedBuffers:
+        a, ph = self.arena, self.phase
+        csr = [a.maybe(ph, "expand_" + k) for k in ("kv_indptr", "kv_indices", "kv_last_page_len")]
+        return PagedBuffers(
+            a.buffer(ph, "expand_cache_seqlens")[d], a.buffer(ph, "expand_cu_seqlens_k")[d],
+            self._e_table, *(None if t is None else t[d] for t in csr),
+        )
+
+    def view(self, bs: int) -> DraftView:
+        """All steps' views for ``bs`` requests, for capture (valid padded values)."""
+        check_bs(self.cfg, bs)
+        self._ready(bs)
+        return self._view(bs, None, 0)
+
+    def update_(
+        self,
+        bs: int,
+        seq_lens: Tensor,
+        req_pool_indices: Tensor,
+        req_to_token: Tensor,
+        seq_lens_cpu: Tensor | Sequence[int] | None = None,
+        out_cache_loc: Tensor | None = None,
+    ) -> DraftView:
+        """Refill every step for ``n = len(seq_lens)`` requests.
+
+        Args:
+            seq_lens: ``[n]`` committed lengths before the round, each in ``[1, C - S]``.
+            out_cache_loc: ``[n, S, K]`` int token slots of the draft tokens (tree only): step
+                ``s`` of branch ``k`` of request ``i``. In chain rounds the draft tokens' slots are
+                read from ``req_to_token[r, seq_len .. seq_len + S - 1]``.
+            (other arguments as in :meth:`DecodePhase.update_`.)
+        """
+        cfg, steps = self.cfg, self.cfg.spec_steps
+        seq_lens = check_tensor("seq_lens", seq_lens, cfg, 1)
+        n = seq_lens.shape[0]
+        check_bs(cfg, bs, n)
+        rpi = check_tensor("req_pool_indices", req_pool_indices, cfg, 1, rows=n)
+        table = check_req_to_token(req_to_token, cfg)
+        host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - steps)
+        if not self.tree:
+            if out_cache_loc is not None:
+                raise InputError("out_cache_loc is only for topk > 1; chain drafts read "
+                                 f"req_to_token, got one with topk={cfg.topk}")
+            width = self._width(host, steps, cfg.page_size, cfg.max_pages)
+            pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+            # --- writes start here ---
+            self._write_chain(bs, seq_lens, pages)
+        else:
+            loc = check_tensor("out_cache_loc", out_cache_loc, cfg, 3, rows=n)
+            if tuple(loc.shape[1:]) != (steps, cfg.topk):
+                raise InputError(f"out_cache_loc must be [n, {steps}, {cfg.topk}], "
+                                 f"got {tuple(loc.shape)}")
+            width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+            pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+            full, part, slots = ref.draft_expand(seq_lens, rpi, table, loc, cfg.page_size)
+            # --- writes start here ---
+            self._write_tree(bs, full, pages, part, slots)
+        self.arena.mark_written(self.phase, bs)
+        return self._view(bs, host, n)
+
+    # ---- writers -------------------------------------------------------------------------------
+    def _write_chain(self, bs: int, seq_lens: Tensor, pages: Tensor) -> None:
+        last = len(self._chain) - 1
+        for d, b in enumerate(self._chain):
+            # The shared table is written once, with the last step's lengths (covers all steps).
+            self._write_part(b if d == last else _no_table(b), bs, seq_lens,
+                             pages if d == last else pages[:, :0], add=d + 1)
+
+    def _write_tree(self, bs: int, full: Tensor, pages: Tensor, part: Tensor, slots: Tensor
+                    ) -> None:
+        cfg = self.cfg
+        self._write_part(self._prefix, bs, full, pages)
+        rows, last = bs * cfg.topk, len(self._e_steps) - 1
+        pad_len = min(cfg.pad_seq_len, draft_expand_width(cfg))
+        for d, b in enumerate(self._e_steps):
+            tgt = b if d == last else _no_table(b)
+            self._write_part(tgt, rows, part, slots, add=d + 1, page_size=1, pad_len=pad_len,
+                             pad_id=cfg.pad_page * cfg.page_size)
+
+    def _write_capture_state(self) -> None:
+        bs, none = self.cfg.max_bs, self._arange[:0]
+        if self.tree:
+            self._write_tree(bs, none, self._empty_pages(), none, self._empty_pages())
+        else:
+            self._write_chain(bs, none, self._empty_pages())
+
+    def _view(self, bs: int, host: list[int] | None, n: int) -> DraftView:
+        cfg, c = self.cfg, self.cfg.max_context_len
+        out: list[DraftStepView] = []
+        if self.tree:
+            max_k = self._max_k(host, 0, n, bs, c)
+            prefix: PagedView = part_view(self._prefix, bs, self._cu_k_prefix_q, max_q=cfg.topk,
+                               max_k=max_k, page_size=cfg.page_size, causal=False)
+            w = draft_expand_width(cfg)
+            pad_len = min(cfg.pad_seq_len, w)
+            for d, b in enumerate(self._e_steps):
+                e: PagedView = part_view(b, bs * cfg.topk, self._arange, max_q=1,
+                                         max_k=max(min(w, cfg.page_size + d), pad_len),
+                                         page_size=1,
+                                         causal=False)
+                out.append(DraftStepView(d + 1, prefix, e))
+        else:
+            for d, b in enumerate(self._chain):
+                v: PagedView = part_view(b, bs, self._arange, max_q=1,
+                              max_k=self._max_k(host, d + 1, n, bs, c),
+                              page_size=cfg.page_size, causal=True)
+                out.append(DraftStepView(d + 1, v, None))
+        return DraftView(bs=bs, steps=tuple(out))
+
+
+def _no_table(b: PagedBuffers) -> PagedBuffers:
+    """The same part without its shared page table (written once per round, not per step)."""
+    return PagedBuffers(b.cache_seqlens, b.cu_seqlens_k, None, b.kv_indptr, b.kv_indices,
+                        b.kv_last_page_len)
+

@@ -1,0 +1,87 @@
+"""Draft extend: a variable number of accepted tokens per request. DESIGN §4."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..arena import Arena
+from ..config import Phase
+from ..update import reference as ref
+from ..views import DraftExtendView
+from ._checks import check_bs, check_req_to_token, check_tensor, host_lens
+from .base import PhaseBase, part_view
+
+
+class DraftExtendPhase(PhaseBase):
+    """``pool.draft_extend``: request ``i`` runs ``accept_lens[i]`` queries (1..N) causally over
+    ``cache_seqlens = seq_lens`` (which include those tokens).
+
+    The captured query buffer holds ``bs*N`` tokens; real requests' queries are packed first
+    (``cu_seqlens_q = [0, cumsum(accept_lens)]``) and each padded row gets one query, so
+    ``cu_seqlens_q`` stays non-decreasing and never points past the buffer.
+    """
+
+    phase = Phase.DRAFT_EXTEND
+
+    def __init__(self, arena: Arena) -> None:
+        super().__init__(arena)
+        self._b = self._paged()
+        self._cu_q = arena.buffer(self.phase, "cu_seqlens_q")
+
+    def view(self, bs: int) -> DraftExtendView:
+        check_bs(self.cfg, bs)
+        self._ready(bs)
+        return self._view(bs, self.cfg.max_context_len)
+
+    def update_(
+        self,
+        bs: int,
+        seq_lens: Tensor,
+        accept_lens: Tensor,
+        req_pool_indices: Tensor,
+        req_to_token: Tensor,
+        seq_lens_cpu: Tensor | Sequence[int] | None = None,
+        accept_lens_cpu: Tensor | Sequence[int] | None = None,
+    ) -> DraftExtendView:
+        """Refill for ``n`` requests.
+
+        Args:
+            seq_lens: ``[n]`` KV lengths including the accepted tokens, in ``[1, C]``.
+            accept_lens: ``[n]`` int queries per request, each in ``[1, min(N, seq_len)]``
+                (checked when ``accept_lens_cpu`` is given).
+            (other arguments as in :meth:`DecodePhase.update_`.)
+        """
+        cfg = self.cfg
+        seq_lens = check_tensor("seq_lens", seq_lens, cfg, 1)
+        n = seq_lens.shape[0]
+        check_bs(cfg, bs, n)
+        acc = check_tensor("accept_lens", accept_lens, cfg, 1, rows=n)
+        rpi = check_tensor("req_pool_indices", req_pool_indices, cfg, 1, rows=n)
+        table = check_req_to_token(req_to_token, cfg)
+        host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
+        host_lens("accept_lens_cpu", accept_lens_cpu, n, 1, cfg.num_draft_tokens)
+        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+        pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+        # --- writes start here ---
+        self._write(bs, seq_lens, acc, pages)
+        self.arena.mark_written(self.phase, bs)
+        return self._view(bs, self._max_k(host, 0, n, bs, cfg.max_context_len))
+
+    def _write(self, bs: int, seq_lens: Tensor, acc: Tensor, pages: Tensor) -> None:
+        n = acc.shape[0]
+        cu = self._cu_q
+        ref.cumsum_(cu, acc)
+        # padded rows: one query each, continuing from the real total (device value, no sync)
+        torch.add(self._arange[1 : bs - n + 1], cu[n : n + 1], out=cu[n + 1 : bs + 1])
+        self._write_part(self._b, bs, seq_lens, pages)
+
+    def _write_capture_state(self) -> None:
+        none = self._arange[:0]
+        self._write(self.cfg.max_bs, none, none, self._empty_pages())
+
+    def _view(self, bs: int, max_k: int) -> DraftExtendView:
+        return part_view(self._b, bs, self._cu_q, max_q=self.cfg.num_draft_tokens, max_k=max_k,
+                         page_size=self.cfg.page_size, causal=True, cls=DraftExtendView)

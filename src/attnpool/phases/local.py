@@ -1,0 +1,120 @@
+"""Chunked local attention as virtual batches, for decode and verify. DESIGN §4, "local"."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..arena import Arena
+from ..config import Phase
+from ..errors import InputError
+from ..specs import local_rows_per_request
+from ..update import reference as ref
+from ..views import LocalView
+from ._checks import check_bs, check_req_to_token, check_tensor, host_lens
+from .base import PhaseBase, part_view
+
+
+class LocalPhase(PhaseBase):
+    """``pool.local``: the chunked-local-attention view that goes with a decode or verify step.
+
+    Each request's queries are split into virtual rows, one per chunk of size A their positions
+    touch; a row attends only to the keys of its chunk up to its queries. Everything is computed
+    on the device from the lengths (no ``.item()``), and the capacity is fixed by the config:
+    ``V = 1`` row per request in decode, ``V = min(N, (N-1)//A + 2)`` in verify, rows of
+    ``ceil(A / P)`` pages. ``for_phase`` picks which: the two shapes never run in the same forward.
+    """
+
+    phase = Phase.LOCAL
+
+    def __init__(self, arena: Arena) -> None:
+        super().__init__(arena)
+        self._b = self._paged()
+        self._cu_q = arena.buffer(self.phase, "cu_seqlens_q")
+        chunk = self.cfg.attention_chunk_size
+        self.chunk = chunk if chunk is not None else self.cfg.max_context_len
+        self._pad = min(self.cfg.pad_seq_len, self.chunk)  # a padded row must fit in one chunk
+        self._state: Phase | None = None  # which for_phase the capture state was written for
+        self._for = Phase.DECODE
+
+    def _shape(self, for_phase: Phase) -> tuple[int, int, int]:
+        """(queries per request, extra KV tokens, rows per request) of ``for_phase``."""
+        if for_phase is Phase.DECODE:
+            return 1, 0, 1
+        if for_phase is Phase.VERIFY and self.cfg.num_draft_tokens > 0:
+            nd = self.cfg.num_draft_tokens
+            return nd, nd, local_rows_per_request(self.cfg)
+        raise InputError(f"for_phase must be Phase.DECODE or Phase.VERIFY (with "
+                         f"num_draft_tokens > 0), got {for_phase}")
+
+    def view(self, bs: int, for_phase: Phase = Phase.DECODE) -> LocalView:
+        check_bs(self.cfg, bs)
+        self._shape(for_phase)
+        if self._state is not for_phase:
+            self.arena.mark_written(self.phase, 0)  # the other shape's state is not valid here
+        self._for = for_phase
+        self._ready(bs)
+        self._state = for_phase
+        return self._view(bs, for_phase)
+
+    def update_(
+        self,
+        bs: int,
+        seq_lens: Tensor,
+        req_pool_indices: Tensor,
+        req_to_token: Tensor,
+        for_phase: Phase = Phase.DECODE,
+        seq_lens_cpu: Tensor | Sequence[int] | None = None,
+    ) -> LocalView:
+        """Refill for ``n`` requests.
+
+        Args:
+            seq_lens: ``[n]`` as the matching phase takes them: decode lengths (including the
+                token being decoded) or verify's committed lengths (drafts excluded).
+            for_phase: ``Phase.DECODE`` (one query, KV length ``seq_lens``) or ``Phase.VERIFY``
+                (N queries, KV length ``seq_lens + N``).
+            (other arguments as in :meth:`DecodePhase.update_`.)
+        """
+        cfg = self.cfg
+        q, extra, per = self._shape(for_phase)
+        seq_lens = check_tensor("seq_lens", seq_lens, cfg, 1)
+        n = seq_lens.shape[0]
+        check_bs(cfg, bs, n)
+        rpi = check_tensor("req_pool_indices", req_pool_indices, cfg, 1, rows=n)
+        table = check_req_to_token(req_to_token, cfg)
+        host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - extra)
+        kv = seq_lens + extra if extra else seq_lens
+        q_lens, kv_lens, off, valid = ref.local_rows(kv, q, self.chunk, per, self._pad)
+        width = -(-min(self.chunk, cfg.max_context_len) // cfg.page_size)
+        pages = ref.gather_pages(table, rpi.repeat_interleave(per), cfg.page_size, width, off)
+        pages = torch.where(valid[:, None], pages, cfg.pad_page)
+        # --- writes start here ---
+        self._write(bs, q, per, q_lens, kv_lens, pages)
+        self.arena.mark_written(self.phase, bs)
+        self._state = for_phase
+        return self._view(bs, for_phase)
+
+    def _write(self, bs: int, q: int, per: int, q_lens: Tensor, kv_lens: Tensor, pages: Tensor
+               ) -> None:
+        rows, real = bs * per, q_lens.shape[0]
+        cu = self._cu_q
+        ref.cumsum_(cu, q_lens)
+        # Padded requests: their first row takes the q queries, the others none, so request
+        # i's queries start at cu[i*V] = i*q as in the caller's packed query buffer.
+        pad = torch.div(self._arange[: rows - real], per, rounding_mode="floor").add_(1).mul_(q)
+        torch.add(pad, cu[real : real + 1], out=cu[real + 1 : rows + 1])
+        self._write_part(self._b, rows, kv_lens, pages, pad_len=self._pad)
+
+    def _write_capture_state(self) -> None:
+        q, _, per = self._shape(self._for)
+        none = self._arange[:0]
+        self._write(self.cfg.max_bs, q, per, none, none, self._empty_pages())
+
+    def _view(self, bs: int, for_phase: Phase) -> LocalView:
+        q, _, per = self._shape(for_phase)
+        max_k = min(self.chunk, self.cfg.max_context_len)
+        return part_view(self._b, bs * per, self._cu_q, max_q=q, max_k=max_k,
+                         page_size=self.cfg.page_size, causal=True, cls=LocalView,
+                         rows_per_request=per)

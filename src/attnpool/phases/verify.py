@@ -1,0 +1,107 @@
+"""Target verify: N draft tokens per request, chain (topk 1) or tree (topk > 1). DESIGN §4."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..arena import Arena
+from ..config import Phase
+from ..errors import InputError
+from ..update import reference as ref
+from ..views import PagedView, VerifyView
+from ._checks import check_bs, check_req_to_token, check_tensor, host_lens
+from .base import PhaseBase, part_view
+
+
+class VerifyPhase(PhaseBase):
+    """``pool.verify``: chain verify is one causal pass over ``seq_lens + N``; tree verify is a
+    non-causal prefix pass over ``seq_lens`` plus an expand pass over the allowed draft tokens,
+    merged by log-sum-exp (see :class:`attnpool.VerifyView`).
+
+    Expand rows are token-slot rows (``page_size = 1``) of width N: never a buffer of width C per
+    draft token. Padded expand rows list ``min(pad_seq_len, N)`` copies of the pad page's first
+    slot, so they stay inside the part's width.
+    """
+
+    phase = Phase.VERIFY
+
+    def __init__(self, arena: Arena) -> None:
+        super().__init__(arena)
+        self.tree = self.cfg.topk > 1
+        self._p = self._paged()
+        self._e = self._paged("expand_") if self.tree else None
+        self._cu_q = arena.buffer(None, "arange_n")
+
+    def view(self, bs: int) -> VerifyView:
+        """The ``bs``-request view for capture (valid padded values, static bounds)."""
+        check_bs(self.cfg, bs)
+        self._ready(bs)
+        return self._view(bs, self.cfg.max_context_len)
+
+    def update_(
+        self,
+        bs: int,
+        seq_lens: Tensor,
+        req_pool_indices: Tensor,
+        req_to_token: Tensor,
+        seq_lens_cpu: Tensor | Sequence[int] | None = None,
+        tree_mask: Tensor | None = None,
+    ) -> VerifyView:
+        """Refill for ``n = len(seq_lens)`` requests, each verifying N draft tokens.
+
+        Args:
+            seq_lens: ``[n]`` committed lengths (drafts excluded), each in ``[1, C - N]``; the
+                draft tokens' slots are ``req_to_token[r, seq_len .. seq_len + N - 1]``.
+            tree_mask: ``[n, N, N]`` bool, required when ``topk > 1``: ``tree_mask[i, j, k]``
+                says draft ``j`` of request ``i`` may attend draft ``k`` (its ancestors and
+                itself; ``tree_mask[i, j, j]`` must be True).
+            (other arguments as in :meth:`DecodePhase.update_`.)
+        """
+        cfg, nd = self.cfg, self.cfg.num_draft_tokens
+        seq_lens = check_tensor("seq_lens", seq_lens, cfg, 1)
+        n = seq_lens.shape[0]
+        check_bs(cfg, bs, n)
+        rpi = check_tensor("req_pool_indices", req_pool_indices, cfg, 1, rows=n)
+        table = check_req_to_token(req_to_token, cfg)
+        host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - nd)
+        mask: Tensor | None = None
+        if self.tree:
+            mask = check_tensor("tree_mask", tree_mask, cfg, 3, dtypes=(torch.bool,), rows=n)
+            if tuple(mask.shape[1:]) != (nd, nd):
+                raise InputError(f"tree_mask must be [n, {nd}, {nd}], got {tuple(mask.shape)}")
+        elif tree_mask is not None:
+            raise InputError(f"tree_mask is only for topk > 1, got one with topk={cfg.topk}")
+        add = 0 if self.tree else nd
+        width = self._width(host, add, cfg.page_size, cfg.max_pages)
+        pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+        expand = None if mask is None else ref.tree_expand(mask, seq_lens, rpi, table)
+        # --- writes start here ---
+        self._write_part(self._p, bs, seq_lens, pages, add=add)
+        if expand is not None and self._e is not None:
+            self._write_expand(bs, *expand)
+        self.arena.mark_written(self.phase, bs)
+        return self._view(bs, self._max_k(host, add, n, bs, cfg.max_context_len))
+
+    def _write_expand(self, bs: int, lens: Tensor, slots: Tensor) -> None:
+        cfg, nd = self.cfg, self.cfg.num_draft_tokens
+        if self._e is not None:
+            self._write_part(self._e, bs * nd, lens, slots, page_size=1,
+                             pad_len=min(cfg.pad_seq_len, nd), pad_id=cfg.pad_page * cfg.page_size)
+
+    def _write_capture_state(self) -> None:
+        bs = self.cfg.max_bs
+        self._write_part(self._p, bs, self._arange[:0], self._empty_pages())
+        self._write_expand(bs, self._arange[:0], self._empty_pages())
+
+    def _view(self, bs: int, max_k: int) -> VerifyView:
+        cfg, nd = self.cfg, self.cfg.num_draft_tokens
+        prefix: PagedView = part_view(self._p, bs, self._cu_q, max_q=nd, max_k=max_k,
+                           page_size=cfg.page_size, causal=not self.tree)
+        expand: PagedView | None = None
+        if self._e is not None:
+            expand = part_view(self._e, bs * nd, self._arange, max_q=1, max_k=nd, page_size=1,
+                               causal=False)
+        return VerifyView(bs=bs, prefix=prefix, expand=expand)
