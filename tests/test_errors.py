@@ -32,6 +32,7 @@ from batches import make_batch
         ({"device": "nonsense"}, "device"),
         ({"max_bs": 2.0}, "max_bs must be an int"),
         ({"num_pages": 0}, "num_pages"),
+        ({"spec_steps": 2, "layout": Layout.FLASHINFER}, "needs Layout.FLASH_ATTN"),
     ],
 )
 def test_bad_config(kwargs: dict[str, object], match: str) -> None:

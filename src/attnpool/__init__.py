@@ -13,7 +13,16 @@ from .check import ReadRegionError, check_view
 from .config import Impl, Layout, Phase, PoolConfig
 from .errors import CapacityError, InputError, LayoutError, MissingPhaseError, PoolError
 from .pool import BufferPool
-from .views import DecodeView, PagedView
+from .views import (
+    DecodeView,
+    DraftExtendView,
+    DraftStepView,
+    DraftView,
+    EncoderView,
+    LocalView,
+    PagedView,
+    VerifyView,
+)
 
 __version__ = "0.1.0"
 
@@ -22,16 +31,22 @@ __all__ = [
     "BufferPool",
     "CapacityError",
     "DecodeView",
+    "DraftExtendView",
+    "DraftStepView",
+    "DraftView",
+    "EncoderView",
     "Impl",
     "InputError",
     "Layout",
     "LayoutError",
+    "LocalView",
     "MissingPhaseError",
     "PagedView",
     "Phase",
     "PoolConfig",
     "PoolError",
     "ReadRegionError",
+    "VerifyView",
     "__version__",
     "check_view",
     "plan_arena",

@@ -154,6 +154,10 @@ class PoolConfig:
         need(isinstance(self.layout, Layout) and bool(self.layout),
              "layout must be a non-empty attnpool.Layout", self.layout)
         need(isinstance(self.impl, Impl), "impl must be an attnpool.Impl", self.impl)
+        # Chain draft steps share one 2-D page table; FlashInfer's CSR cannot share one page list
+        # between rows of different lengths, so they need the FLASH_ATTN layout.
+        need(self.spec_steps == 0 or self.topk > 1 or bool(self.layout & Layout.FLASH_ATTN),
+             "spec_steps > 0 with topk == 1 needs Layout.FLASH_ATTN in layout", self.layout)
         object.__setattr__(self, "_device", _resolve_device(self.device))
 
     # ---- derived sizes -------------------------------------------------------------------------
