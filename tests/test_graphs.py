@@ -1,0 +1,84 @@
+"""GraphRunner: eager fallback on CPU; capture + replay on CUDA (cuda marker)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from attnpool import BufferPool, InputError, Layout, Phase, PoolConfig
+from attnpool.graphs import GraphRunner, default_capture_sizes
+
+from batches import make_batch, make_table
+
+
+def _meta_forward(view: Any, x: torch.Tensor) -> torch.Tensor:
+    """A forward whose output depends on the metadata a kernel reads (lengths, first page)."""
+    rows = view.bs
+    lens = view.cache_seqlens[:rows].to(x.dtype)
+    first = view.page_table[:rows, 0].to(x.dtype)
+    return x * lens[:, None] + first[:, None]
+
+
+def test_default_capture_sizes() -> None:
+    assert default_capture_sizes(160)[:6] == [1, 2, 4, 8, 16, 24]
+    assert default_capture_sizes(160)[-1] == 160
+    assert default_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert default_capture_sizes(3) == [1, 2, 3]
+
+
+def test_eager_runner_on_cpu_matches_direct() -> None:
+    cfg = PoolConfig(max_bs=8, max_context_len=128, page_size=16, device="cpu")
+    pool = BufferPool(cfg, poison=True)
+    runner = GraphRunner(pool, Phase.DECODE, _meta_forward, torch.empty(1, 4))
+    assert not runner.use_graphs
+    rng = random.Random(0)
+    table = make_table(cfg, 16, rng)
+    for n in (1, 3, 8):
+        b = make_batch(cfg, n, rng, table=table)
+        seq, rpi, tab = b.tensors()
+        x = torch.randn(n, 4)
+        out = runner.run(x, seq_lens=seq, req_pool_indices=rpi, req_to_token=tab)
+        view = BufferPool(cfg).decode.update_(n, seq, rpi, tab)
+        assert torch.equal(out, _meta_forward(view, x))
+
+
+def test_runner_rejects_bad_input() -> None:
+    cfg = PoolConfig(max_bs=4, max_context_len=64, device="cpu")
+    runner = GraphRunner(BufferPool(cfg), Phase.DECODE, _meta_forward, torch.empty(1, 4))
+    seq = torch.tensor([3, 4])
+    with pytest.raises(InputError, match="x must be"):
+        runner.run(torch.randn(3, 4), seq_lens=seq, req_pool_indices=seq,
+                   req_to_token=torch.zeros(8, 64, dtype=torch.int32))
+    with pytest.raises(InputError, match="at least one"):
+        runner.run(torch.randn(0, 4), seq_lens=seq[:0], req_pool_indices=seq[:0],
+                   req_to_token=torch.zeros(8, 64, dtype=torch.int32))
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_match_eager() -> None:
+    cfg = PoolConfig(max_bs=32, max_context_len=4096, page_size=16, device="cuda",
+                     layout=Layout.BOTH)
+    pool = BufferPool(cfg, poison=True)
+    runner = GraphRunner(pool, Phase.DECODE, _meta_forward, torch.empty(1, 8, device="cuda"))
+    assert runner.use_graphs and set(runner._graphs) == set(runner.capture_sizes)
+    ptrs = {k: v.data_ptr() for k, v in pool.arena.buffers().items()}
+    rng = random.Random(0)
+    table = make_table(cfg, 64, rng).cuda()
+    torch.cuda.synchronize()
+    mem0 = torch.cuda.memory_allocated()
+    ref_pool = BufferPool(cfg)
+    for step in range(1000):
+        n = rng.randint(1, 32)
+        b = make_batch(cfg, n, rng, table=table)
+        seq, rpi, tab = b.tensors("cuda")
+        x = torch.randn(n, 8, device="cuda")
+        out = runner.run(x, seq_lens=seq, req_pool_indices=rpi, req_to_token=tab)
+        want = _meta_forward(ref_pool.decode.update_(n, seq, rpi, tab), x)
+        assert torch.equal(out, want), step
+        del seq, rpi, tab, x, out, want
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == mem0
+    assert {k: v.data_ptr() for k, v in pool.arena.buffers().items()} == ptrs
