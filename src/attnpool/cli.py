@@ -46,6 +46,12 @@ def _demo(a: argparse.Namespace) -> int:
     return run_demo(device=a.device, steps=a.steps, seed=a.seed)
 
 
+def _bench(a: argparse.Namespace) -> int:
+    from .bench import run_cli  # benchmarks build pools and baselines; keep `plan` light
+
+    return run_cli(quick=a.quick, json_path=a.json, plot_path=a.plot, device=a.device)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attnpool", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -58,6 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=40)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(fn=_demo)
+    b = sub.add_parser("bench", help="time attnpool against the classic per-buffer baseline")
+    b.add_argument("--quick", action="store_true", help="fewer, smaller cases (well under a minute)")
+    b.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
+    b.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw update time vs batch size (needs the 'plot' extra: matplotlib)")
+    b.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    b.set_defaults(fn=_bench)
     a = parser.parse_args(argv)
     try:
         return int(a.fn(a))

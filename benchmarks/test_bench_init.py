@@ -1,0 +1,24 @@
+"""Pool init: per-buffer ``torch.zeros`` (engine style) vs per-buffer ``torch.empty`` vs the arena.
+
+The buffer list is whatever :func:`attnpool.plan_arena` reports for each config, so new phases
+join the benchmark by themselves. Bytes go to ``extra_info``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import Record, run_timed
+
+from attnpool import PoolConfig, bench
+
+
+@pytest.mark.parametrize("impl", bench.INIT_IMPLS, ids=lambda i: i.name.replace(" ", "-"))
+@pytest.mark.parametrize("name", list(bench.INIT_CONFIGS))
+def test_init(benchmark: Any, record: Record, device: torch.device, name: str,
+              impl: bench.InitImpl) -> None:
+    cfg = PoolConfig(device=device, **bench.INIT_CONFIGS[name])
+    record(f"init {name}", cfg, impl=impl.name, baseline=impl.baseline, nbytes=impl.nbytes(cfg))
+    run_timed(benchmark, impl.prepare(cfg), device, budget_s=0.2)

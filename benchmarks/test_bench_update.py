@@ -1,0 +1,54 @@
+"""Metadata update per step: the classic per-op replay vs attnpool's update paths.
+
+Cases come from :data:`attnpool.bench.FULL` (bs 1/8/64/160/256 with 1/8 of each batch padded,
+mixed context lengths up to 32K, page sizes 1 and 16, decode and chain verify); paths from
+:data:`attnpool.bench.UPDATE_IMPLS`. Each benchmark also records the update's aten op counts
+(launches, host syncs, temporaries; see ``dispatch_count.py``) in ``extra_info``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import Record, run_timed
+from dispatch_count import count
+
+import attnpool
+from attnpool import bench
+
+HAS_VERIFY = hasattr(attnpool.BufferPool, "verify")
+CASES = bench.update_cases(bench.FULL)
+
+
+def _param(case: bench.UpdateCase) -> Any:
+    marks = [] if case.phase != "verify" or HAS_VERIFY else [
+        pytest.mark.skip(reason="this attnpool has no pool.verify phase yet")]
+    return pytest.param(case, id=case.name, marks=marks)
+
+
+@pytest.fixture(scope="module")
+def inputs() -> dict[bench.UpdateCase, bench.UpdateInputs]:
+    return {}
+
+
+@pytest.mark.parametrize("impl", bench.UPDATE_IMPLS, ids=lambda i: i.name)
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_update(benchmark: Any, record: Record, device: torch.device, case: bench.UpdateCase,
+                impl: bench.UpdateImpl, inputs: dict[bench.UpdateCase, bench.UpdateInputs]
+                ) -> None:
+    why = impl.skip(case, device)
+    if why is not None:
+        pytest.skip(why)
+    if case not in inputs:
+        inputs.clear()  # one case's inputs at a time: tables are up to 64 MiB
+        inputs[case] = bench.make_inputs(case, device)
+    x = inputs[case]
+    fn = impl.prepare(case, x, device)
+    fn()
+    ops = count(fn, device, host=[x.seq_lens_cpu])
+    record(f"update {case.phase} p{case.page_size}", case.config(device), impl=impl.name,
+           baseline=impl.baseline, bs=case.bs, n=case.n,
+           launches=ops.launch, host_syncs=ops.sync, temporaries=ops.alloc)
+    run_timed(benchmark, fn, device)
