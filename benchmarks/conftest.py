@@ -2,7 +2,8 @@
 
 The cases and the implementations compared come from :mod:`attnpool.bench`, so
 ``pytest benchmarks --benchmark-only`` and ``python -m attnpool bench`` measure the same things.
-Every benchmark records the machine (device, torch version) and the pool config in ``extra_info``.
+Every benchmark records the machine (device, torch version) and the pool config in ``extra_info``;
+at the end of the run the ``attnpool / baseline`` median ratios are printed (the headline figures).
 Benchmarks run on CUDA when a GPU is present, else on the CPU; Triton's interpret mode is never
 timed.
 """
@@ -16,6 +17,8 @@ import pytest
 import torch
 
 from attnpool import PoolConfig, bench
+
+_RESULTS: list[dict[str, Any]] = []
 
 
 @pytest.fixture(scope="session")
@@ -33,20 +36,36 @@ Record = Callable[..., None]
 
 @pytest.fixture
 def record(benchmark: Any, machine: dict[str, Any]) -> Record:
-    """``record(group, cfg, **extra)``: name the group and fill ``extra_info``."""
+    """``record(group, case, impl, cfg, **extra)``: name the benchmark group, fill
+    ``extra_info``."""
 
-    def rec(group: str, cfg: PoolConfig, **extra: Any) -> None:
-        benchmark.group = group
+    def rec(group: str, case: str, impl: str, cfg: PoolConfig, **extra: Any) -> None:
+        benchmark.group = f"{group} {case}"
         benchmark.extra_info.update(machine)
-        benchmark.extra_info["config"] = bench.config_info(cfg)
-        benchmark.extra_info.update(extra)
+        benchmark.extra_info.update({"group_name": group, "case": case, "impl": impl,
+                                     "config": bench.config_info(cfg), **extra})
 
     return rec
 
 
 def run_timed(benchmark: Any, fn: Callable[[], object], device: torch.device,
               budget_s: float = 0.25) -> None:
-    """Time ``fn`` (synchronised on CUDA) for about ``budget_s``, a modest fixed round count."""
+    """Time ``fn`` (synchronised on CUDA) for about ``budget_s``: a modest, fixed round count."""
     fn = bench.synced(fn, device)
     rounds = bench.rounds_for(fn, budget_s, lo=5, hi=100)
     benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
+    stats = getattr(benchmark, "stats", None)
+    if stats is not None and "impl" in benchmark.extra_info:
+        info = benchmark.extra_info
+        _RESULTS.append({"group": info["group_name"], "case": info["case"],
+                         "impl": info["impl"], "median_s": stats.stats.median})
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    rows = bench.ratios(_RESULTS)
+    if not rows:
+        return
+    terminalreporter.section("attnpool / baseline (median ratios; < 1: attnpool faster)")
+    for r in rows:
+        terminalreporter.write_line(f"{r['group']:<7} {r['case']:<30} {r['impl']:<28} "
+                                    f"{r['ratio']:6.2f}  (vs {r['baseline']})")

@@ -12,7 +12,8 @@ ops are decomposed, i.e. what would reach a device kernel. Each op is classified
 * ``host``: an op whose tensor inputs all live on the host (e.g. ``seq_lens_cpu.max()`` and its
   ``.item()``): no device work, no sync.
 
-Launches that allocate a new output tensor are also counted as ``alloc`` (temporaries). Python-level
+Launches that allocate a new output tensor are also counted as ``alloc`` (temporaries), and so
+are bare device allocations (``aten.empty``), which launch nothing. Python-level
 host work that does not dispatch (``Tensor.tolist()`` of a host tensor) is not counted.
 
 On a CPU-only machine the "device" is the CPU too, so host tensors are told apart by tagging: pass
@@ -34,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+_ALLOC_ONLY = ("aten.empty.", "aten.empty_strided.", "aten.new_empty.", "aten.new_empty_strided.")
 _SYNC_SHAPE_OPS = {"aten.nonzero.default", "aten.masked_select.default", "aten._unique2.default",
                    "aten.unique_consecutive.default"}
 
@@ -74,12 +76,17 @@ class DispatchCounter(TorchDispatchMode):
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         c = self.counts
         c.ops[name] += 1
-        host_in = bool(ins) and all(self._is_host(t) for t in ins)
+        # an op reads the host only when every tensor it touches is a host tensor (for a factory
+        # op with no tensor input: when its output is one)
+        host_in = all(self._is_host(t) for t in (ins or outs)) and bool(ins or outs)
         if host_in:
             for o in outs:
                 self._host[o] = True
         if func.is_view:
             c.view += 1
+            return out
+        if name.startswith(_ALLOC_ONLY):
+            c.alloc += 0 if host_in else 1  # an allocation, no kernel
             return out
         if name.startswith("aten._local_scalar_dense"):
             kind = "host" if host_in else "sync"
@@ -144,14 +151,18 @@ def update_counts(device: torch.device | None = None) -> list[tuple[str, str, Co
 
 
 def main() -> None:
-    print(f"torch {torch.__version__}; bs 64 with 56 real rows (8 padded), context 8192\n")
+    from attnpool import bench
+
+    dev = bench.device_of("auto")
+    print(f"torch {torch.__version__} on {dev}; bs 64 with 56 real rows (8 padded), context 8192\n")
     print("| case | path | launches | empty | views | temporaries | host syncs | host-only ops |")
     print("|---|---|---|---|---|---|---|---|")
-    for case, impl, c in update_counts():
+    rows = update_counts(dev)
+    for case, impl, c in rows:
         print(f"| {case} | {impl} | {c.launch} | {c.empty} | {c.view} | {c.alloc} | {c.sync} "
               f"| {c.host} |")
     print()
-    for case, impl, c in update_counts():
+    for case, impl, c in rows:
         ops = ", ".join(f"{k.removeprefix('aten.')} x{v}" for k, v in sorted(c.ops.items()))
         print(f"- {case} {impl}: {ops}")
 

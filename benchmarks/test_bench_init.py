@@ -20,5 +20,5 @@ from attnpool import PoolConfig, bench
 def test_init(benchmark: Any, record: Record, device: torch.device, name: str,
               impl: bench.InitImpl) -> None:
     cfg = PoolConfig(device=device, **bench.INIT_CONFIGS[name])
-    record(f"init {name}", cfg, impl=impl.name, baseline=impl.baseline, nbytes=impl.nbytes(cfg))
+    record("init", name, impl.name, cfg, baseline=impl.baseline, nbytes=impl.nbytes(cfg))
     run_timed(benchmark, impl.prepare(cfg), device, budget_s=0.2)

@@ -37,6 +37,6 @@ def test_memory(benchmark: Any, record: Record, device: torch.device, name: str)
         extra["cuda_allocated_arena"] = _allocated(device, lambda: BufferPool(cfg))
         extra["cuda_allocated_per_buffer"] = _allocated(
             device, lambda: alloc_per_buffer(cfg, Fill.ZEROS))
-    record("memory (plan)", cfg, **extra)
+    record("memory", name, "plan_arena", cfg, **extra)
     run_timed(benchmark, lambda: plan_arena(cfg), device, budget_s=0.05)
     assert plan.nbytes <= plan.separate_nbytes

@@ -48,7 +48,7 @@ def test_update(benchmark: Any, record: Record, device: torch.device, case: benc
     fn = impl.prepare(case, x, device)
     fn()
     ops = count(fn, device, host=[x.seq_lens_cpu])
-    record(f"update {case.phase} p{case.page_size}", case.config(device), impl=impl.name,
-           baseline=impl.baseline, bs=case.bs, n=case.n,
+    record("update", case.name, impl.name, case.config(device), baseline=impl.baseline,
+           bs=case.bs, n=case.n,
            launches=ops.launch, host_syncs=ops.sync, temporaries=ops.alloc)
     run_timed(benchmark, fn, device)

@@ -13,7 +13,9 @@ tests, that the comparison is like for like: for every real row its ``cache_seql
   assumed to still be the zero of init), reads the longest length from the *host* copy of the
   lengths to choose ``max_pages``, gathers ``req_to_token[req_pool_indices[:, None],
   page_starts[:max_pages]]``, floor-divides by the page size and copies the block into
-  ``page_table[:, :max_pages]``. Every op is its own kernel launch.
+  ``page_table[:, :max_pages]`` (with page size 1 every column starts a page, so the gather is the
+  row gather ``req_to_token[req_pool_indices, :max_pages]``, as engines write it, and there is
+  nothing to divide). Every op is its own kernel launch.
 
 Padded rows therefore read request slot 0's pages (whatever that request is), not a reserved pad
 page; attnpool's padded rows differ on purpose and are excluded from the parity tests.
@@ -22,6 +24,7 @@ page; attnpool's padded rows differ on purpose and are excluded from the parity 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +43,10 @@ class Fill(enum.Enum):
     EMPTY = "empty"
 
 
-def alloc_per_buffer(cfg: PoolConfig, fill: Fill = Fill.ZEROS) -> dict[str, Tensor]:
-    """Allocate every buffer of ``cfg``'s plan separately, one allocator call each (no overlay).
+def per_buffer_allocator(cfg: PoolConfig, fill: Fill = Fill.ZEROS
+                         ) -> Callable[[], dict[str, Tensor]]:
+    """A call that allocates every buffer of ``cfg``'s plan separately, one allocator call each
+    (no overlay). Shapes are worked out once, here, so timing the call times allocation only.
 
     The buffer list comes from :func:`attnpool.plan_arena`, so it grows with every phase the
     library learns: the baseline always allocates exactly what the pool holds, just one by one.
@@ -49,11 +54,14 @@ def alloc_per_buffer(cfg: PoolConfig, fill: Fill = Fill.ZEROS) -> dict[str, Tens
     """
     make = torch.zeros if fill is Fill.ZEROS else torch.empty
     dev = cfg.torch_device
-    out: dict[str, Tensor] = {}
-    for p in plan_arena(cfg).placements:
-        where = p.spec.phase.value if p.spec.phase else "shared"
-        out[f"{where}.{p.spec.name}"] = make(p.shape, dtype=p.spec.dtype, device=dev)
-    return out
+    shapes = [(f"{p.spec.phase.value if p.spec.phase else 'shared'}.{p.spec.name}", p.shape,
+               p.spec.dtype) for p in plan_arena(cfg).placements]
+    return lambda: {key: make(shape, dtype=dt, device=dev) for key, shape, dt in shapes}
+
+
+def alloc_per_buffer(cfg: PoolConfig, fill: Fill = Fill.ZEROS) -> dict[str, Tensor]:
+    """Allocate ``cfg``'s buffers one by one now (see :func:`per_buffer_allocator`)."""
+    return per_buffer_allocator(cfg, fill)()
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,9 +151,10 @@ class ClassicPaged:
             max_len = max(max_len, cfg.pad_seq_len)
         max_len += self.add
         max_pages = -(-max_len // p)
-        pages = req_to_token[rpi[:, None], self.page_starts[:max_pages][None, :]]
         if p > 1:
-            pages = pages // p
+            pages = req_to_token[rpi[:, None], self.page_starts[:max_pages][None, :]] // p
+        else:  # every column starts a page: engines gather whole rows of a column slice
+            pages = req_to_token[rpi, :max_pages]
         self.page_table[:bs, :max_pages].copy_(pages)
         return ClassicView(
             bs=bs,

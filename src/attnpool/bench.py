@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .arena import plan_arena
-from .baseline import ClassicPaged, Fill
+from .baseline import ClassicPaged, Fill, per_buffer_allocator
 from .config import Impl, PoolConfig
 from .errors import PoolError
 from .pool import BufferPool
@@ -112,19 +112,10 @@ class InitImpl:
     nbytes: Callable[[PoolConfig], int]
 
 
-def _per_buffer(fill: Fill) -> Callable[[PoolConfig], Callable[[], object]]:
-    def prepare(cfg: PoolConfig) -> Callable[[], object]:
-        make = torch.zeros if fill is Fill.ZEROS else torch.empty
-        dev = cfg.torch_device
-        shapes = [(p.shape, p.spec.dtype) for p in plan_arena(cfg).placements]
-        return lambda: [make(shape, dtype=dt, device=dev) for shape, dt in shapes]
-    return prepare
-
-
 INIT_IMPLS: tuple[InitImpl, ...] = (
-    InitImpl("per-buffer zeros", True, _per_buffer(Fill.ZEROS),
+    InitImpl("per-buffer zeros", True, lambda c: per_buffer_allocator(c, Fill.ZEROS),
              lambda c: plan_arena(c).separate_nbytes),
-    InitImpl("per-buffer empty", False, _per_buffer(Fill.EMPTY),
+    InitImpl("per-buffer empty", False, lambda c: per_buffer_allocator(c, Fill.EMPTY),
              lambda c: plan_arena(c).separate_nbytes),
     # The pool's call includes planning its layout: a user pays for it at construction.
     InitImpl("attnpool arena", False, lambda c: lambda: BufferPool(c),
@@ -268,15 +259,6 @@ def rounds_for(fn: Callable[[], object], budget_s: float, lo: int, hi: int) -> i
     return max(lo, min(hi, int(budget_s / dt)))
 
 
-def time_calls(fn: Callable[[], object], rounds: int) -> list[float]:
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 # ---- runner -----------------------------------------------------------------------------------
 class _Progress:
     """A plain-text progress bar on stderr (no dependency): redrawn in place on a terminal, a
@@ -290,9 +272,8 @@ class _Progress:
         self.done += 1
         if not self.enabled:
             return
-        w = 30
-        fill = w * self.done // self.total
-        line = f"[{'#' * fill}{'.' * (w - fill)}] {self.done}/{self.total} {label}"
+        fill = 30 * self.done // self.total
+        line = f"[{'#' * fill}{'.' * (30 - fill)}] {self.done}/{self.total} {label}"
         if self.tty:
             sys.stderr.write(f"\r{line[:100]:<100}" + ("\n" if self.done == self.total else ""))
         elif self.done == self.total or (4 * self.done // self.total
@@ -310,10 +291,13 @@ def run(suite: Suite, device: torch.device, progress: bool = True) -> dict[str, 
     memory: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
 
-    def measure(group: str, case: str, impl: str, fn: Callable[[], object],
-                cfg: PoolConfig, **extra: Any) -> None:
-        fn = synced(fn, device)
-        ts = time_calls(fn, rounds_for(fn, suite.budget_s, suite.min_rounds, suite.max_rounds))
+    def measure(group: str, case: str, impl: str, fn: Callable[[], object], cfg: PoolConfig,
+                **extra: Any) -> None:
+        fn, ts = synced(fn, device), []
+        for _ in range(rounds_for(fn, suite.budget_s, suite.min_rounds, suite.max_rounds)):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
         results.append({"group": group, "case": case, "impl": impl,
                         "median_s": statistics.median(ts), "min_s": min(ts), "rounds": len(ts),
                         "config": config_info(cfg), **extra})
@@ -337,7 +321,7 @@ def run(suite: Suite, device: torch.device, progress: bool = True) -> dict[str, 
                 skipped.append({"case": case.name, "impl": ui.name, "reason": why})
                 continue
             measure("update", case.name, ui.name, ui.prepare(case, x, device),
-                    case.config(device), bs=case.bs, n=case.n)
+                    case.config(device), part=case.name.rsplit("-bs", 1)[0], bs=case.bs, n=case.n)
     return {"machine": machine_info(device), "results": results, "memory": memory,
             "ratios": ratios(results), "skipped": skipped}
 
@@ -361,10 +345,6 @@ def ratios(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---- output -----------------------------------------------------------------------------------
 def _fmt_s(s: float) -> str:
     return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
-
-
-def _fmt_b(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -393,8 +373,8 @@ def format_report(rep: dict[str, Any]) -> str:
             rows.append(row)
         if rows:
             out += ["", f"{group} (median per call)", _table(header, rows)]
-    mem = [[m["case"], _fmt_b(m["separate_nbytes"]), _fmt_b(m["overlaid_nbytes"]),
-            f"{m['ratio']:.2f}"] for m in rep["memory"]]
+    mem = [[m["case"], f"{m['separate_nbytes'] / 2**20:.1f} MiB",
+            f"{m['overlaid_nbytes'] / 2**20:.1f} MiB", f"{m['ratio']:.2f}"] for m in rep["memory"]]
     if mem:
         out += ["", "memory", _table(["case", "separate", "overlaid", "overlaid / separate"], mem)]
     why: dict[tuple[str, str], int] = {}
@@ -412,13 +392,12 @@ def plot(rep: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     rs = [r for r in rep["results"] if r["group"] == "update"]
-    panels = list(dict.fromkeys(r["case"].rsplit("-bs", 1)[0] for r in rs))
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4),
-                             squeeze=False)
-    for ax, panel in zip(axes[0], panels, strict=False):
+    panels = list(dict.fromkeys(r["part"] for r in rs)) or ["(no update cases)"]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
         for impl in dict.fromkeys(r["impl"] for r in rs):
             pts = sorted((r["bs"], r["median_s"] * 1e6) for r in rs
-                         if r["impl"] == impl and r["case"].rsplit("-bs", 1)[0] == panel)
+                         if r["impl"] == impl and r["part"] == panel)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
         ax.set(title=panel, xlabel="batch size", ylabel="median us / step", yscale="log")
