@@ -82,6 +82,11 @@ def test_bench_plot_writes_png(tiny: None, tmp_path: pathlib.Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_bad_device_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--quick", "--device", "tpu0"]) == 2
+    assert "--device must be cpu, cuda[:N] or auto, got 'tpu0'" in capsys.readouterr().err
+
+
 def test_bench_help_names_the_options() -> None:
     out = subprocess.run([sys.executable, "-m", "attnpool", "bench", "--help"],
                          capture_output=True, text=True, timeout=120, check=False)

@@ -75,9 +75,16 @@ QUICK = Suite(("bs160-c32k-p1", "bs256-c128k-p16", "eagle-tree-bs160-c128k-p1"),
 
 
 def device_of(name: str) -> torch.device:
+    """``"auto"`` (CUDA when available), or a device that exists here (else :class:`PoolError`)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise PoolError(f"--device must be cpu, cuda[:N] or auto, got {name!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise PoolError(f"--device {name!r}: no CUDA device is available here (use cpu or auto)")
+    return dev
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
