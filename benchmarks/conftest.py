@@ -4,6 +4,8 @@ The cases and the implementations compared come from :mod:`attnpool.bench`, so
 ``pytest benchmarks --benchmark-only`` and ``python -m attnpool bench`` measure the same things.
 Every benchmark records the machine (device, torch version) and the pool config in ``extra_info``;
 at the end of the run the ``attnpool / baseline`` median ratios are printed (the headline figures).
+Helpers are fixtures, not imports: ``tests/`` has a ``conftest.py`` too, and ``import conftest``
+would pick whichever directory comes first on ``sys.path``.
 Benchmarks run on CUDA when a GPU is present, else on the CPU; Triton's interpret mode is never
 timed.
 """
@@ -48,17 +50,25 @@ def record(benchmark: Any, machine: dict[str, Any]) -> Record:
     return rec
 
 
-def run_timed(benchmark: Any, fn: Callable[[], object], device: torch.device,
-              budget_s: float = 0.25) -> None:
-    """Time ``fn`` (synchronised on CUDA) for about ``budget_s``: a modest, fixed round count."""
-    fn = bench.synced(fn, device)
-    rounds = bench.rounds_for(fn, budget_s, lo=5, hi=100)
-    benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
-    stats = getattr(benchmark, "stats", None)
-    if stats is not None and "impl" in benchmark.extra_info:
-        info = benchmark.extra_info
-        _RESULTS.append({"group": info["group_name"], "case": info["case"],
-                         "impl": info["impl"], "median_s": stats.stats.median})
+Timed = Callable[..., None]
+
+
+@pytest.fixture
+def timed(benchmark: Any, device: torch.device) -> Timed:
+    """``timed(fn, budget_s=0.25)``: time ``fn`` (synchronised on CUDA) for about ``budget_s``,
+    a modest, fixed round count, and keep its median for the ratio summary."""
+
+    def run(fn: Callable[[], object], budget_s: float = 0.25) -> None:
+        fn = bench.synced(fn, device)
+        rounds = bench.rounds_for(fn, budget_s, lo=5, hi=100)
+        benchmark.pedantic(fn, rounds=rounds, iterations=1, warmup_rounds=1)
+        stats = getattr(benchmark, "stats", None)
+        if stats is not None and "impl" in benchmark.extra_info:
+            info = benchmark.extra_info
+            _RESULTS.append({"group": info["group_name"], "case": info["case"],
+                             "impl": info["impl"], "median_s": stats.stats.median})
+
+    return run
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

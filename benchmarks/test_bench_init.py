@@ -6,19 +6,18 @@ join the benchmark by themselves. Bytes go to ``extra_info``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import Record, run_timed
 
 from attnpool import PoolConfig, bench
 
 
 @pytest.mark.parametrize("impl", bench.INIT_IMPLS, ids=lambda i: i.name.replace(" ", "-"))
 @pytest.mark.parametrize("name", list(bench.INIT_CONFIGS))
-def test_init(benchmark: Any, record: Record, device: torch.device, name: str,
-              impl: bench.InitImpl) -> None:
+def test_init(record: Callable[..., None], timed: Callable[..., None], device: torch.device,
+              name: str, impl: bench.InitImpl) -> None:
     cfg = PoolConfig(device=device, **bench.INIT_CONFIGS[name])
     record("init", name, impl.name, cfg, baseline=impl.baseline, nbytes=impl.nbytes(cfg))
-    run_timed(benchmark, impl.prepare(cfg), device, budget_s=0.2)
+    timed(impl.prepare(cfg), budget_s=0.2)

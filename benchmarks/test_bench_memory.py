@@ -7,11 +7,11 @@ take from the caching allocator are measured too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from conftest import Record, run_timed
 
 from attnpool import BufferPool, PoolConfig, bench, plan_arena
 from attnpool.baseline import Fill, alloc_per_buffer
@@ -28,7 +28,8 @@ def _allocated(device: torch.device, make: Any) -> int:
 
 
 @pytest.mark.parametrize("name", list(bench.INIT_CONFIGS))
-def test_memory(benchmark: Any, record: Record, device: torch.device, name: str) -> None:
+def test_memory(record: Callable[..., None], timed: Callable[..., None], device: torch.device,
+                name: str) -> None:
     cfg = PoolConfig(device=device, **bench.INIT_CONFIGS[name])
     plan = plan_arena(cfg)
     extra: dict[str, Any] = {"overlaid_nbytes": plan.nbytes, "separate_nbytes": plan.separate_nbytes,
@@ -38,5 +39,5 @@ def test_memory(benchmark: Any, record: Record, device: torch.device, name: str)
         extra["cuda_allocated_per_buffer"] = _allocated(
             device, lambda: alloc_per_buffer(cfg, Fill.ZEROS))
     record("memory", name, "plan_arena", cfg, **extra)
-    run_timed(benchmark, lambda: plan_arena(cfg), device, budget_s=0.05)
+    timed(lambda: plan_arena(cfg), budget_s=0.05)
     assert plan.nbytes <= plan.separate_nbytes

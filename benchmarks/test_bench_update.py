@@ -8,11 +8,11 @@ mixed context lengths up to 32K, page sizes 1 and 16, decode and chain verify); 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from conftest import Record, run_timed
 from dispatch_count import count
 
 import attnpool
@@ -35,9 +35,9 @@ def inputs() -> dict[bench.UpdateCase, bench.UpdateInputs]:
 
 @pytest.mark.parametrize("impl", bench.UPDATE_IMPLS, ids=lambda i: i.name)
 @pytest.mark.parametrize("case", [_param(c) for c in CASES])
-def test_update(benchmark: Any, record: Record, device: torch.device, case: bench.UpdateCase,
-                impl: bench.UpdateImpl, inputs: dict[bench.UpdateCase, bench.UpdateInputs]
-                ) -> None:
+def test_update(record: Callable[..., None], timed: Callable[..., None], device: torch.device,
+                case: bench.UpdateCase, impl: bench.UpdateImpl,
+                inputs: dict[bench.UpdateCase, bench.UpdateInputs]) -> None:
     why = impl.skip(case, device)
     if why is not None:
         pytest.skip(why)
@@ -51,4 +51,4 @@ def test_update(benchmark: Any, record: Record, device: torch.device, case: benc
     record("update", case.name, impl.name, case.config(device), baseline=impl.baseline,
            bs=case.bs, n=case.n,
            launches=ops.launch, host_syncs=ops.sync, temporaries=ops.alloc)
-    run_timed(benchmark, fn, device)
+    timed(fn)
