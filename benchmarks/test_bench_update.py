@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from dispatch_count import count
 
 import attnpool
 from attnpool import bench
+
+from dispatch_count import count
 
 HAS_VERIFY = hasattr(attnpool.BufferPool, "verify")
 CASES = bench.update_cases(bench.FULL)

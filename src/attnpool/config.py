@@ -111,6 +111,7 @@ class PoolConfig:
     impl: Impl = Impl.AUTO
     fa3_scheduler_metadata: bool = False
     _device: torch.device = field(init=False, repr=False, compare=False)
+    _phases: tuple[Phase, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str, got: object) -> None:
@@ -159,6 +160,15 @@ class PoolConfig:
         need(self.spec_steps == 0 or self.topk > 1 or bool(self.layout & Layout.FLASH_ATTN),
              "spec_steps > 0 with topk == 1 needs Layout.FLASH_ATTN in layout", self.layout)
         object.__setattr__(self, "_device", _resolve_device(self.device))
+        on = {
+            Phase.DECODE: True,
+            Phase.VERIFY: self.num_draft_tokens > 0,
+            Phase.DRAFT: self.spec_steps > 0,
+            Phase.DRAFT_EXTEND: self.num_draft_tokens > 0,
+            Phase.ENCODER: self.max_encoder_len > 0,
+            Phase.LOCAL: self.attention_chunk_size is not None,
+        }
+        object.__setattr__(self, "_phases", tuple(p for p in Phase if on[p]))
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -178,13 +188,5 @@ class PoolConfig:
 
     @property
     def phases(self) -> tuple[Phase, ...]:
-        """The phases this config enables, in declaration order."""
-        on = {
-            Phase.DECODE: True,
-            Phase.VERIFY: self.num_draft_tokens > 0,
-            Phase.DRAFT: self.spec_steps > 0,
-            Phase.DRAFT_EXTEND: self.num_draft_tokens > 0,
-            Phase.ENCODER: self.max_encoder_len > 0,
-            Phase.LOCAL: self.attention_chunk_size is not None,
-        }
-        return tuple(p for p in Phase if on[p])
+        """The phases this config enables, in declaration order (computed once)."""
+        return self._phases
