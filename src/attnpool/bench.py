@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .arena import plan_arena
 from .baseline import ClassicPaged, Fill, per_buffer_allocator
+from .bench_report import format_report, plot
 from .config import Impl, PoolConfig
 from .errors import PoolError
 from .pool import BufferPool
@@ -349,72 +350,6 @@ def ratios(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-# ---- output -----------------------------------------------------------------------------------
-def _fmt_s(s: float) -> str:
-    return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A Markdown table (readable as plain text too)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def format_report(rep: dict[str, Any]) -> str:
-    """Tables of medians with ``impl / baseline`` ratios, one per group, plus memory."""
-    out = [f"machine: {json.dumps(rep['machine'])}"]
-    rat = {(r["group"], r["case"], r["impl"]): r["ratio"] for r in rep["ratios"]}
-    for group in ("init", "update"):
-        rs = [r for r in rep["results"] if r["group"] == group]
-        impls = list(dict.fromkeys(r["impl"] for r in rs))
-        base = [i for i in impls if i in _baselines()]
-        others = [i for i in impls if i not in base]
-        med = {(r["case"], r["impl"]): r["median_s"] for r in rs}
-        header = ["case", *impls, *(f"{i} / {base[0]}" for i in others if base)]
-        rows = []
-        for case in dict.fromkeys(r["case"] for r in rs):
-            row = [case] + [_fmt_s(med[(case, i)]) if (case, i) in med else "-" for i in impls]
-            row += [f"{rat[(group, case, i)]:.2f}" if (group, case, i) in rat else "-"
-                    for i in others if base]
-            rows.append(row)
-        if rows:
-            out += ["", f"{group} (median per call)", _table(header, rows)]
-    mem = [[m["case"], f"{m['separate_nbytes'] / 2**20:.1f} MiB",
-            f"{m['overlaid_nbytes'] / 2**20:.1f} MiB", f"{m['ratio']:.2f}"] for m in rep["memory"]]
-    if mem:
-        out += ["", "memory", _table(["case", "separate", "overlaid", "overlaid / separate"], mem)]
-    why: dict[tuple[str, str], int] = {}
-    for s in rep["skipped"]:
-        why[(s["impl"], s["reason"])] = why.get((s["impl"], s["reason"]), 0) + 1
-    out += [f"skipped {impl} ({k} cases): {reason}" for (impl, reason), k in why.items()]
-    return "\n".join(out)
-
-
-def plot(rep: dict[str, Any], path: str) -> None:
-    """Per-step update time vs batch size, one panel per phase/page size, one line per path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rs = [r for r in rep["results"] if r["group"] == "update"]
-    panels = list(dict.fromkeys(r["part"] for r in rs)) or ["(no update cases)"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, panel in zip(axes[0], panels, strict=True):
-        for impl in dict.fromkeys(r["impl"] for r in rs):
-            pts = sorted((r["bs"], r["median_s"] * 1e6) for r in rs
-                         if r["impl"] == impl and r["part"] == panel)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
-        ax.set(title=panel, xlabel="batch size", ylabel="median us / step", yscale="log")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"metadata update per step ({rep['machine']['device']})")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def run_cli(quick: bool, json_path: str | None, plot_path: str | None, device: str,
             progress: bool = True) -> int:
     """``attnpool bench``: measure, print the tables, optionally write JSON and a plot."""
@@ -425,7 +360,7 @@ def run_cli(quick: bool, json_path: str | None, plot_path: str | None, device: s
     dev = device_of(device)
     rep = run(QUICK if quick else FULL, dev, progress=progress)
     rep["quick"] = quick
-    print(format_report(rep))
+    print(format_report(rep, _baselines()))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(rep, f, indent=2)
