@@ -1,0 +1,23 @@
+"""Adapters: turn a pool's views into attention kernel calls.
+
+* :mod:`attnpool.adapters.sdpa`: paged attention with PyTorch's ``scaled_dot_product_attention``
+  for every :class:`attnpool.PagedView` and both layouts; runs on CPU and CUDA. The library's CPU
+  backend and the oracle the kernel adapters are checked against.
+* :mod:`attnpool.adapters.flash_attn`: keyword arguments of flash-attn's
+  ``flash_attn_with_kvcache`` (FA2 and FA3) built from a view, and the kernel call.
+* :mod:`attnpool.adapters.flashinfer`: FlashInfer CUDA-graph wrappers on the pool's FLASHINFER
+  buffers, and planning from a view before replay.
+
+Every adapter returns the same convention: the output ``[total_q, H, D]`` packed like the queries
+(``cu_seqlens_q``) and the natural-log log-sum-exp ``[total_q, H]`` float32, so two passes of a
+tree view merge with :func:`merge_by_lse` whatever kernel produced them.
+
+This package imports only torch: flash-attn and FlashInfer are imported inside the functions that
+call them, so ``import attnpool.adapters`` works (and initialises no CUDA) without them.
+"""
+
+from __future__ import annotations
+
+from .sdpa import Attn, attention, cache_as_pages, check_qkv, merge_by_lse, paged_attention
+
+__all__ = ["Attn", "attention", "cache_as_pages", "check_qkv", "merge_by_lse", "paged_attention"]
