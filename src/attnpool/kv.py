@@ -1,0 +1,444 @@
+"""Paged KV-cache pool: every layer's pages and the slot mapping in one ``torch.empty``.
+
+Layout. One uint8 allocation holds the cache ``[num_layers, parts, num_pages + 1, ...page]`` and,
+on the next 256-byte boundary, ``slot_mapping [max_tokens] int64``. MHA has two parts (K and V),
+each page ``[page_size, num_kv_heads, head_dim]`` (``KVLayout.NHD``, flash-attn's order) or
+``[num_kv_heads, page_size, head_dim]`` (``KVLayout.HND``, a FlashInfer option). MLA has one part
+whose row is the latent (``kv_lora_rank``) followed by the rope part (``rope_dim``), one head.
+
+Pages. Page 0 is the **pad page**: attention metadata of padded rows points there (``pad_page = 0``
+in :class:`attnpool.PoolConfig`), so the engine's allocator must never hand it out. It is zeroed at
+construction (the only write there is): padded rows then compute finite values that are discarded.
+Each layer part also has one hidden **scratch page** after the last user page: the reference store
+sends skipped tokens there instead of branching, which keeps it free of host syncs. Users see
+``[num_pages, ...]`` views; the scratch page's bytes are meaningless.
+
+Why ``torch.empty`` is safe: attention reads only the tokens ``< cache_seqlens`` of a row, and every
+such token was written by a store first; the pad page is written at construction. No memset of the
+cache ever happens (a multi-GiB memset is what ``torch.zeros`` costs engines at start-up).
+
+Slots. Token slot ``s`` is offset ``s % page_size`` of page ``s // page_size``. ``slot_mapping``
+holds, per token of a forward, where its new K/V go; padded tokens have ``-1`` and stores skip
+them. ``update_slots_`` writes the real slots and ``-1`` for the rest of the captured size from a
+device tensor, with no host sync, so a CUDA graph captured on ``slot_view(bs)`` stays valid.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .arena import sentinel
+from .check import ReadRegionError
+from .config import Impl
+from .errors import CapacityError, InputError, LayoutError, PoolError
+
+ALIGN = 256
+PAD_PAGE = 0
+
+
+class KVLayout(enum.Enum):
+    """Order of one page: ``NHD`` = ``[page_size, heads, dim]`` (flash-attn's), ``HND`` =
+    ``[heads, page_size, dim]`` (a FlashInfer option)."""
+
+    NHD = "nhd"
+    HND = "hnd"
+
+
+class KVKind(enum.Enum):
+    """``MHA`` (and GQA/MQA): separate K and V caches. ``MLA``: one latent+rope cache, one head."""
+
+    MHA = "mha"
+    MLA = "mla"
+
+
+def _int(name: str, v: object, lo: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise PoolError(f"KVCacheConfig: {name} must be an int >= {lo}, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheConfig:
+    """Sizes of a paged KV cache. Frozen: the cache never changes shape.
+
+    Args:
+        num_pages: pages per layer part, the pad page 0 included (so ``>= 2``).
+        page_size: tokens per page.
+        max_tokens: capacity of ``slot_mapping``: tokens of the largest captured forward.
+        num_layers: attention layers sharing the allocation.
+        kind: :class:`KVKind` (MHA needs ``num_kv_heads`` and ``head_dim``; MLA needs
+            ``kv_lora_rank`` and may have ``rope_dim``, with one head and ``head_dim = 0``).
+        dtype: element type (a floating type; fp8 included).
+        layout: page order (:class:`KVLayout`); irrelevant for MLA's single head.
+        device: ``"cpu"``, ``"cuda"``, a ``torch.device``, or ``"auto"``.
+    """
+
+    num_pages: int
+    page_size: int
+    max_tokens: int
+    num_layers: int = 1
+    kind: KVKind = KVKind.MHA
+    num_kv_heads: int = 1
+    head_dim: int = 0
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    dtype: torch.dtype = torch.float16
+    layout: KVLayout = KVLayout.NHD
+    device: str | torch.device = "auto"
+    _device: torch.device = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _int("num_pages", self.num_pages, 2)
+        for name in ("page_size", "max_tokens", "num_layers", "num_kv_heads"):
+            _int(name, getattr(self, name), 1)
+        for name in ("head_dim", "kv_lora_rank", "rope_dim"):
+            _int(name, getattr(self, name), 0)
+        if not isinstance(self.kind, KVKind) or not isinstance(self.layout, KVLayout):
+            raise PoolError(f"KVCacheConfig: kind must be a KVKind and layout a KVLayout, got "
+                            f"{self.kind!r}, {self.layout!r}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise PoolError(f"KVCacheConfig: dtype must be a floating torch.dtype, got {self.dtype!r}")
+        if self.kind is KVKind.MHA and (self.head_dim < 1 or self.kv_lora_rank or self.rope_dim):
+            raise PoolError("KVCacheConfig: MHA needs head_dim >= 1 and kv_lora_rank = rope_dim = 0,"
+                            f" got head_dim={self.head_dim}, kv_lora_rank={self.kv_lora_rank}, "
+                            f"rope_dim={self.rope_dim}")
+        if self.kind is KVKind.MLA and (self.kv_lora_rank < 1 or self.head_dim
+                                        or self.num_kv_heads != 1):
+            raise PoolError("KVCacheConfig: MLA needs kv_lora_rank >= 1, head_dim = 0 and "
+                            f"num_kv_heads = 1, got kv_lora_rank={self.kv_lora_rank}, "
+                            f"head_dim={self.head_dim}, num_kv_heads={self.num_kv_heads}")
+        dev = self.device
+        if str(dev) == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            object.__setattr__(self, "_device", torch.device(dev))
+        except (RuntimeError, TypeError) as e:
+            raise PoolError(f"KVCacheConfig: bad device {self.device!r}") from e
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def parts(self) -> int:
+        """Caches per layer: 2 (K, V) for MHA, 1 for MLA."""
+        return 2 if self.kind is KVKind.MHA else 1
+
+    @property
+    def row_dim(self) -> int:
+        """Elements per token and head of one part: ``head_dim``, or latent + rope for MLA."""
+        return self.head_dim if self.kind is KVKind.MHA else self.kv_lora_rank + self.rope_dim
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer part, the pad page's included."""
+        return self.num_pages * self.page_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes across all layers and parts."""
+        per = self.parts * self.num_kv_heads * self.row_dim * self.dtype.itemsize
+        return self.num_layers * per
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    def page_shape(self) -> tuple[int, int, int]:
+        h, p, d = self.num_kv_heads, self.page_size, self.row_dim
+        return (p, h, d) if self.layout is KVLayout.NHD else (h, p, d)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _fmt(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def _triton_ok(device: torch.device) -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def store_reference_(
+    pairs: tuple[tuple[Tensor, Tensor], ...], slots: Tensor, page_size: int, num_slots: int
+) -> None:
+    """Vectorised torch store: ``dst[page, off] = src`` for each ``(src [n, H, d], dst)`` pair.
+
+    ``dst`` is a layer part in NHD order ``[num_pages + 1, P, H, >= d]`` (a transposed view for
+    HND). Slots outside ``[0, num_slots)`` are redirected to the scratch page ``num_pages`` with
+    ``torch.where``: no boolean-mask indexing, so no host sync and a fixed shape (graph-safe).
+    """
+    s = slots.to(torch.int64)
+    skip = (s < 0) | (s >= num_slots)
+    page = torch.where(skip, num_slots // page_size, torch.div(s, page_size, rounding_mode="floor"))
+    off = torch.where(skip, 0, torch.remainder(s, page_size))
+    for src, dst in pairs:
+        dst.index_put_((page, off), src)
+
+
+class KVCachePool:
+    """A paged KV cache and its ``slot_mapping``, allocated with one ``torch.empty``.
+
+    Args:
+        cfg: :class:`KVCacheConfig`.
+        poison: fill the cache with NaN and ``slot_mapping`` with int64 max (the pad page is still
+            zeroed), so :meth:`check_written` and :meth:`check_slots` find anything read unwritten.
+    """
+
+    def __init__(self, cfg: KVCacheConfig, poison: bool = False) -> None:
+        if not isinstance(cfg, KVCacheConfig):
+            raise PoolError(f"KVCachePool expects a KVCacheConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.poisoned = poison
+        shape = (cfg.num_layers, cfg.parts, cfg.num_pages + 1, *cfg.page_shape())
+        numel = 1
+        for d in shape:
+            numel *= d
+        cache_nbytes = numel * cfg.dtype.itemsize
+        off = _align(cache_nbytes)
+        self.nbytes = off + cfg.max_tokens * 8
+        # The one allocation. torch.empty: no memset (see the module docstring).
+        self.storage = torch.empty(self.nbytes, dtype=torch.uint8, device=cfg.torch_device)
+        self._cache = self.storage[:cache_nbytes].view(cfg.dtype).view(shape)
+        #: ``[max_tokens] int64``: where each token of a forward stores its K/V (-1: skip).
+        self.slot_mapping = self.storage[off:].view(torch.int64)
+        self._valid_tokens = 0
+        if poison:
+            self.poison_()
+        else:
+            self._cache[:, :, PAD_PAGE].zero_()
+
+    # ---- views ---------------------------------------------------------------------------------
+    def _part(self, layer: int, part: int) -> Tensor:
+        """Layer part with the scratch page, in NHD order ``[num_pages + 1, P, H, row_dim]``."""
+        if not isinstance(layer, int) or not 0 <= layer < self.cfg.num_layers:
+            raise InputError(f"layer must be an int in [0, {self.cfg.num_layers}), got {layer!r}")
+        t = self._cache[layer, part]
+        return t if self.cfg.layout is KVLayout.NHD else t.transpose(1, 2)
+
+    def _need(self, kind: KVKind) -> None:
+        if self.cfg.kind is not kind:
+            raise LayoutError(f"this cache is {self.cfg.kind.name}, the call needs {kind.name}")
+
+    def k_cache(self, layer: int) -> Tensor:
+        """MHA K pages of ``layer``: ``[num_pages, P, H, D]`` (NHD) or ``[num_pages, H, P, D]``."""
+        self._need(KVKind.MHA)
+        return self._cache[self._ok(layer), 0, : self.cfg.num_pages]
+
+    def v_cache(self, layer: int) -> Tensor:
+        """MHA V pages of ``layer`` (same shape as :meth:`k_cache`)."""
+        self._need(KVKind.MHA)
+        return self._cache[self._ok(layer), 1, : self.cfg.num_pages]
+
+    def kv_cache(self, layer: int) -> Tensor:
+        """MLA pages of ``layer``: ``[num_pages, P, 1, kv_lora_rank + rope_dim]``."""
+        self._need(KVKind.MLA)
+        return self._cache[self._ok(layer), 0, : self.cfg.num_pages]
+
+    def latent_cache(self, layer: int) -> Tensor:
+        """The latent columns of :meth:`kv_cache` (a strided view)."""
+        return self.kv_cache(layer)[..., : self.cfg.kv_lora_rank]
+
+    def rope_cache(self, layer: int) -> Tensor:
+        """The rope columns of :meth:`kv_cache` (a strided view)."""
+        return self.kv_cache(layer)[..., self.cfg.kv_lora_rank :]
+
+    def _ok(self, layer: int) -> int:
+        self._part(layer, 0)
+        return layer
+
+    # ---- slot mapping --------------------------------------------------------------------------
+    def _check_bs(self, bs: object) -> int:
+        if not isinstance(bs, int) or isinstance(bs, bool) or not 1 <= bs <= self.cfg.max_tokens:
+            raise CapacityError(f"bs must be an int in [1, max_tokens={self.cfg.max_tokens}], "
+                                f"got {bs!r}")
+        return bs
+
+    def slot_view(self, bs: int) -> Tensor:
+        """``slot_mapping[:bs]`` for capture: elements never written yet are set to ``-1`` first,
+        so a captured store skips every token until an update writes real slots."""
+        self._check_bs(bs)
+        if self._valid_tokens < bs:
+            self.slot_mapping[self._valid_tokens : bs].fill_(-1)
+            self._valid_tokens = bs
+        return self.slot_mapping[:bs]
+
+    def update_slots_(self, slots: Tensor, bs: int | None = None) -> Tensor:
+        """Copy ``slots [n]`` (int32/int64, on the cache's device) into ``slot_mapping[:n]`` and
+        write ``-1`` to ``[n, bs)``; return ``slot_mapping[:bs]``. Two in-place ops, no host
+        sync. Replay the graph captured for the same ``bs``: elements past ``bs`` are not
+        rewritten and may hold older slots."""
+        self._check_tensor("slots", slots, 1, (torch.int32, torch.int64))
+        n = slots.shape[0]
+        bs = n if bs is None else bs
+        self._check_bs(bs)
+        if n > bs:
+            raise CapacityError(f"slots has {n} tokens, more than bs={bs}")
+        self.slot_mapping[:n].copy_(slots)
+        self.slot_mapping[n:bs].fill_(-1)
+        self._valid_tokens = max(self._valid_tokens, bs)
+        return self.slot_mapping[:bs]
+
+    # ---- stores --------------------------------------------------------------------------------
+    def _check_tensor(self, name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]
+                      ) -> Tensor:
+        if not isinstance(t, Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise InputError(f"{name} must have {ndim} dim(s), got shape {tuple(t.shape)}")
+        if t.dtype not in dtypes:
+            raise InputError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+        want = self.cfg.torch_device
+        if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+            raise InputError(f"{name} must be on {want}, got {t.device}")
+        return t
+
+    def _src(self, name: str, t: object, n: int | None, dim: int) -> Tensor:
+        """A source ``[n, H, dim]`` of the cache dtype with unit last stride (2-D for one head)."""
+        heads = self.cfg.num_kv_heads
+        if isinstance(t, Tensor) and t.dim() == 2 and heads == 1:
+            t = t.unsqueeze(1)  # a view
+        src = self._check_tensor(name, t, 3, (self.cfg.dtype,))
+        if tuple(src.shape[1:]) != (heads, dim) or (n is not None and src.shape[0] != n):
+            want = ("n" if n is None else str(n), heads, dim)
+            raise InputError(f"{name} must have shape {want}, got {tuple(src.shape)}")
+        if src.shape[0] and dim and src.stride(2) != 1:
+            raise InputError(f"{name} must have stride 1 in its last dim, got {src.stride()}")
+        return src
+
+    def _slots(self, slot_mapping: Tensor | None, n: int) -> Tensor:
+        if slot_mapping is None:
+            if n > self.cfg.max_tokens:
+                raise CapacityError(f"{n} tokens > max_tokens={self.cfg.max_tokens}")
+            return self.slot_mapping[:n]
+        s = self._check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
+        if s.shape[0] != n:
+            raise InputError(f"slot_mapping must have {n} elements (one per token), got {s.shape[0]}")
+        return s
+
+    def _check_range(self, slots: Tensor) -> None:
+        """Debug check (syncs): every slot is -1 or a distinct slot past the pad page."""
+        vals = [int(x) for x in slots.detach().cpu().tolist()]
+        lo, hi = self.cfg.page_size, self.cfg.num_slots
+        for i, s in enumerate(vals):
+            if s != -1 and not lo <= s < hi:
+                raise CapacityError(f"slot_mapping[{i}] must be -1 or in [{lo}, {hi}), got {s}")
+        real = [s for s in vals if s != -1]
+        if len(set(real)) != len(real):
+            raise InputError("slot_mapping has repeated slots; each token needs its own slot")
+
+    def _store(self, pairs: tuple[tuple[Tensor, Tensor], ...], slots: Tensor, impl: Impl,
+               check_range: bool) -> None:
+        if not isinstance(impl, Impl):
+            raise InputError(f"impl must be an attnpool.Impl, got {impl!r}")
+        fused = impl is Impl.TRITON or (impl is Impl.AUTO and self.cfg.torch_device.type == "cuda")
+        if fused and not _triton_ok(self.cfg.torch_device):
+            if impl is Impl.TRITON:
+                raise LayoutError("Impl.TRITON needs triton and a CUDA cache (or TRITON_INTERPRET=1"
+                                  f" on CPU); device is {self.cfg.torch_device}")
+            fused = False
+        if check_range:
+            self._check_range(slots)
+        p, ns = self.cfg.page_size, self.cfg.num_slots
+        if fused:
+            from .update import triton_kv
+
+            a, b = pairs if len(pairs) == 2 else (pairs[0], (pairs[0][0][:, :, :0], pairs[0][1]))
+            triton_kv.store_((a, b), slots, p, ns)
+        else:
+            store_reference_(pairs, slots, p, ns)
+
+    def store_kv_(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor | None = None, *,
+                  impl: Impl = Impl.AUTO, check_range: bool = False) -> None:
+        """MHA: write ``k``, ``v`` ``[n, H, D]`` at ``slot_mapping [n]`` (default: the pool's
+        ``slot_mapping[:n]``); tokens whose slot is negative are skipped.
+
+        ``impl``: ``AUTO`` uses the fused Triton store on CUDA when triton imports, else the torch
+        reference; ``TRITON`` forces the fused store (on CPU only under ``TRITON_INTERPRET=1``).
+        Shapes, dtypes and devices are checked before any write; slot values are not (that needs a
+        sync) unless ``check_range=True``, a debugging aid. Slots past the cache are skipped.
+        """
+        self._need(KVKind.MHA)
+        kp, vp = self._part(layer, 0), self._part(layer, 1)
+        k_ = self._src("k", k, None, self.cfg.head_dim)
+        v_ = self._src("v", v, k_.shape[0], self.cfg.head_dim)
+        slots = self._slots(slot_mapping, k_.shape[0])
+        self._store(((k_, kp), (v_, vp)), slots, impl, check_range)
+
+    def store_mla_(self, layer: int, latent: Tensor, rope: Tensor | None = None,
+                   slot_mapping: Tensor | None = None, *, impl: Impl = Impl.AUTO,
+                   check_range: bool = False) -> None:
+        """MLA: write ``latent [n, kv_lora_rank]`` and ``rope [n, rope_dim]`` (or ``[n, 1, .]``)
+        into one row per token; see :meth:`store_kv_` for slots, ``impl`` and checks."""
+        self._need(KVKind.MLA)
+        part = self._part(layer, 0)
+        r = self.cfg.kv_lora_rank
+        lat = self._src("latent", latent, None, r)
+        pairs: tuple[tuple[Tensor, Tensor], ...] = ((lat, part[..., :r]),)
+        if self.cfg.rope_dim:
+            if rope is None:
+                raise InputError(f"rope must be given: rope_dim={self.cfg.rope_dim}")
+            pairs += ((self._src("rope", rope, lat.shape[0], self.cfg.rope_dim), part[..., r:]),)
+        elif rope is not None:
+            raise InputError("rope must be None: this cache has rope_dim=0")
+        self._store(pairs, self._slots(slot_mapping, lat.shape[0]), impl, check_range)
+
+    # ---- reads, poison, checks, report ---------------------------------------------------------
+    def gather(self, layer: int, slots: Tensor) -> tuple[Tensor, ...]:
+        """Rows ``[n, H, row_dim]`` of valid ``slots`` per part (K, V; or the MLA row): a copy."""
+        s = self._check_tensor("slots", slots, 1, (torch.int32, torch.int64)).to(torch.int64)
+        page = torch.div(s, self.cfg.page_size, rounding_mode="floor")
+        off = torch.remainder(s, self.cfg.page_size)
+        return tuple(self._part(layer, i)[page, off] for i in range(self.cfg.parts))
+
+    def poison_(self) -> None:
+        """Fill cache and slot mapping with sentinels (NaN, int64 max); re-zero the pad page."""
+        self._cache.fill_(sentinel(self.cfg.dtype))
+        self._cache[:, :, PAD_PAGE].zero_()
+        self.slot_mapping.fill_(sentinel(torch.int64))
+        self._valid_tokens = 0
+
+    def check_slots(self, bs: int) -> None:
+        """Raise :class:`ReadRegionError` unless ``slot_mapping[:bs]`` is all ``-1`` or in-range."""
+        self._check_bs(bs)
+        for i, s in enumerate(self.slot_mapping[:bs].cpu().tolist()):
+            if s != -1 and not self.cfg.page_size <= s < self.cfg.num_slots:
+                raise ReadRegionError(f"slot_mapping[{i}] is {s}, expected -1 or in "
+                                      f"[{self.cfg.page_size}, {self.cfg.num_slots})")
+
+    def check_written(self, layer: int, slots: Tensor) -> None:
+        """Raise :class:`ReadRegionError` if a row at ``slots`` still holds poison (NaN)."""
+        for i, rows in enumerate(self.gather(layer, slots)):
+            bad = torch.isnan(rows.float()).flatten(1).any(1)
+            if bool(bad.any()):
+                j = int(bad.nonzero()[0, 0])
+                raise ReadRegionError(f"layer {layer} part {i}: slot {int(slots[j])} was never "
+                                      "written (poison)")
+
+    def report(self) -> str:
+        """Shape, bytes per token and per page, and the single allocation's size."""
+        c = self.cfg
+        what = (f"K, V x {c.num_kv_heads} heads x {c.head_dim}" if c.kind is KVKind.MHA else
+                f"latent {c.kv_lora_rank} + rope {c.rope_dim}")
+        return "\n".join([
+            f"kv cache: {c.kind.name} {c.layout.name} {str(c.dtype).removeprefix('torch.')}, "
+            f"{c.num_layers} layers x {c.num_pages} pages x {c.page_size} tokens ({what})",
+            f"bytes per token: {c.bytes_per_token} ({_fmt(c.bytes_per_token)})",
+            f"bytes per page:  {c.bytes_per_page} ({_fmt(c.bytes_per_page)})",
+            f"usable pages:    {c.num_pages - 1} (page {PAD_PAGE} is the pad page; plus one "
+            "hidden scratch page per layer part)",
+            f"slot_mapping:    [{c.max_tokens}] int64",
+            f"total:           {_fmt(self.nbytes)} (one allocation)",
+        ])

@@ -1,0 +1,82 @@
+"""Fused KV store: one Triton launch writes every new token's rows into a paged KV cache.
+
+Imported lazily by :mod:`attnpool.kv` (never at ``import attnpool``). One program per token: it
+loads the token's slot, and when the slot lies in ``[0, num_slots)`` it copies the token's rows of
+two sources into the cache page ``slot // page_size`` at offset ``slot % page_size``; other slots
+(``-1`` padding, or a caller bug past the cache) write nothing. The two sources are K and V for MHA,
+or the latent and rope parts of one MLA row (the second written at a column offset).
+
+The destination strides are passed in NHD order (page, offset in page, head), so the same kernel
+serves NHD and HND caches; the last dimension of every tensor must have stride 1. Offsets are
+computed in int64: a cache of many GiB overflows int32 element offsets.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit  # type: ignore[untyped-decorator,misc]
+def _store_kernel(  # type: ignore[no-untyped-def]
+    slot_ptr,
+    src1, src1_tok, src1_head, dst1,
+    src2, src2_tok, src2_head, dst2,
+    page_stride, off_stride, head_stride,
+    num_slots, num_heads, dim1, dim2,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    # The slot test is broadcast to the tile: a scalar mask is not accepted everywhere.
+    s = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot
+    ok = (s >= 0) & (s < num_slots) & (h < num_heads)
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    base = page * page_stride + off * off_stride + h.to(tl.int64) * head_stride + d
+    m1 = ok & (d < dim1)
+    x1 = tl.load(src1 + t * src1_tok + h * src1_head + d, mask=m1)
+    tl.store(dst1 + base, x1, mask=m1)
+    m2 = ok & (d < dim2)
+    x2 = tl.load(src2 + t * src2_tok + h * src2_head + d, mask=m2)
+    tl.store(dst2 + base, x2, mask=m2)
+
+
+def store_(
+    pairs: tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]],
+    slots: Tensor,
+    page_size: int,
+    num_slots: int,
+) -> None:
+    """Write ``src [n, H, d]`` rows into ``dst [pages, P, H, >= d]`` (NHD-ordered strides) for two
+    ``(src, dst)`` pairs sharing destination strides, in one launch over the ``n`` tokens.
+
+    The caller (:mod:`attnpool.kv`) has validated shapes, dtypes, devices and unit last strides.
+    """
+    (s1, d1), (s2, d2) = pairs
+    n = slots.shape[0]
+    if n == 0:
+        return
+    heads = d1.shape[2]
+    block_d = triton.next_power_of_2(max(s1.shape[2], s2.shape[2], 1))
+    args: list[Any] = [
+        slots,
+        s1, s1.stride(0), s1.stride(1), d1,
+        s2, s2.stride(0), s2.stride(1), d2,
+        d1.stride(0), d1.stride(1), d1.stride(2),
+        num_slots, heads, s1.shape[2], s2.shape[2],
+    ]
+    # Launch on the cache's device (the current device may be another GPU).
+    guard = torch.cuda.device(slots.device) if slots.device.type == "cuda" else nullcontext()
+    with guard:
+        _store_kernel[(n,)](*args, PAGE_SIZE=page_size,
+                            BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=block_d)
