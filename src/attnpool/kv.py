@@ -8,7 +8,7 @@ whose row is the latent (``kv_lora_rank``) followed by the rope part (``rope_dim
 
 Pages. Page 0 is the **pad page**: attention metadata of padded rows points there (``pad_page = 0``
 in :class:`attnpool.PoolConfig`), so the engine's allocator must never hand it out. It is zeroed at
-construction (the only write there is): padded rows then compute finite values that are discarded.
+construction (the constructor's only write): padded rows then compute finite, discarded values.
 Each layer part also has one hidden **scratch page** after the last user page: the reference store
 sends skipped tokens there instead of branching, which keeps it free of host syncs. Users see
 ``[num_pages, ...]`` views; the scratch page's bytes are meaningless.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -35,7 +36,7 @@ from torch import Tensor
 
 from .arena import sentinel
 from .check import ReadRegionError
-from .config import Impl
+from .config import Impl, _resolve_device
 from .errors import CapacityError, InputError, LayoutError, PoolError
 
 ALIGN = 256
@@ -103,22 +104,15 @@ class KVCacheConfig:
                             f"{self.kind!r}, {self.layout!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise PoolError(f"KVCacheConfig: dtype must be a floating torch.dtype, got {self.dtype!r}")
-        if self.kind is KVKind.MHA and (self.head_dim < 1 or self.kv_lora_rank or self.rope_dim):
-            raise PoolError("KVCacheConfig: MHA needs head_dim >= 1 and kv_lora_rank = rope_dim = 0,"
-                            f" got head_dim={self.head_dim}, kv_lora_rank={self.kv_lora_rank}, "
-                            f"rope_dim={self.rope_dim}")
-        if self.kind is KVKind.MLA and (self.kv_lora_rank < 1 or self.head_dim
-                                        or self.num_kv_heads != 1):
-            raise PoolError("KVCacheConfig: MLA needs kv_lora_rank >= 1, head_dim = 0 and "
-                            f"num_kv_heads = 1, got kv_lora_rank={self.kv_lora_rank}, "
-                            f"head_dim={self.head_dim}, num_kv_heads={self.num_kv_heads}")
-        dev = self.device
-        if str(dev) == "auto":
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            object.__setattr__(self, "_device", torch.device(dev))
-        except (RuntimeError, TypeError) as e:
-            raise PoolError(f"KVCacheConfig: bad device {self.device!r}") from e
+        mha = self.head_dim >= 1 and not (self.kv_lora_rank or self.rope_dim)
+        mla = self.kv_lora_rank >= 1 and not self.head_dim and self.num_kv_heads == 1
+        if not (mha if self.kind is KVKind.MHA else mla):
+            need = ("head_dim >= 1, kv_lora_rank = rope_dim = 0" if self.kind is KVKind.MHA else
+                    "kv_lora_rank >= 1, head_dim = 0, num_kv_heads = 1")
+            raise PoolError(f"KVCacheConfig: {self.kind.name} needs {need}; got head_dim="
+                            f"{self.head_dim}, kv_lora_rank={self.kv_lora_rank}, rope_dim="
+                            f"{self.rope_dim}, num_kv_heads={self.num_kv_heads}")
+        object.__setattr__(self, "_device", _resolve_device(self.device))
 
     @property
     def torch_device(self) -> torch.device:
@@ -159,9 +153,9 @@ def _align(n: int) -> int:
 
 
 def _fmt(n: int) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div:
-            return f"{n / div:.2f} {unit}"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >> shift:
+            return f"{n / (1 << shift):.2f} {unit}"
     return f"{n} B"
 
 
@@ -203,10 +197,7 @@ class KVCachePool:
         self.cfg = cfg
         self.poisoned = poison
         shape = (cfg.num_layers, cfg.parts, cfg.num_pages + 1, *cfg.page_shape())
-        numel = 1
-        for d in shape:
-            numel *= d
-        cache_nbytes = numel * cfg.dtype.itemsize
+        cache_nbytes = math.prod(shape) * cfg.dtype.itemsize
         off = _align(cache_nbytes)
         self.nbytes = off + cfg.max_tokens * 8
         # The one allocation. torch.empty: no memset (see the module docstring).
@@ -228,24 +219,23 @@ class KVCachePool:
         t = self._cache[layer, part]
         return t if self.cfg.layout is KVLayout.NHD else t.transpose(1, 2)
 
-    def _need(self, kind: KVKind) -> None:
+    def _pages(self, kind: KVKind, layer: int, part: int) -> Tensor:
         if self.cfg.kind is not kind:
             raise LayoutError(f"this cache is {self.cfg.kind.name}, the call needs {kind.name}")
+        self._part(layer, part)  # validates layer
+        return self._cache[layer, part, : self.cfg.num_pages]
 
     def k_cache(self, layer: int) -> Tensor:
         """MHA K pages of ``layer``: ``[num_pages, P, H, D]`` (NHD) or ``[num_pages, H, P, D]``."""
-        self._need(KVKind.MHA)
-        return self._cache[self._ok(layer), 0, : self.cfg.num_pages]
+        return self._pages(KVKind.MHA, layer, 0)
 
     def v_cache(self, layer: int) -> Tensor:
         """MHA V pages of ``layer`` (same shape as :meth:`k_cache`)."""
-        self._need(KVKind.MHA)
-        return self._cache[self._ok(layer), 1, : self.cfg.num_pages]
+        return self._pages(KVKind.MHA, layer, 1)
 
     def kv_cache(self, layer: int) -> Tensor:
         """MLA pages of ``layer``: ``[num_pages, P, 1, kv_lora_rank + rope_dim]``."""
-        self._need(KVKind.MLA)
-        return self._cache[self._ok(layer), 0, : self.cfg.num_pages]
+        return self._pages(KVKind.MLA, layer, 0)
 
     def latent_cache(self, layer: int) -> Tensor:
         """The latent columns of :meth:`kv_cache` (a strided view)."""
@@ -254,10 +244,6 @@ class KVCachePool:
     def rope_cache(self, layer: int) -> Tensor:
         """The rope columns of :meth:`kv_cache` (a strided view)."""
         return self.kv_cache(layer)[..., self.cfg.kv_lora_rank :]
-
-    def _ok(self, layer: int) -> int:
-        self._part(layer, 0)
-        return layer
 
     # ---- slot mapping --------------------------------------------------------------------------
     def _check_bs(self, bs: object) -> int:
@@ -328,16 +314,16 @@ class KVCachePool:
             raise InputError(f"slot_mapping must have {n} elements (one per token), got {s.shape[0]}")
         return s
 
-    def _check_range(self, slots: Tensor) -> None:
+    def _check_range(self, slots: Tensor, err: type[PoolError] = CapacityError) -> None:
         """Debug check (syncs): every slot is -1 or a distinct slot past the pad page."""
-        vals = [int(x) for x in slots.detach().cpu().tolist()]
+        vals: list[int] = slots.detach().cpu().tolist()
         lo, hi = self.cfg.page_size, self.cfg.num_slots
         for i, s in enumerate(vals):
             if s != -1 and not lo <= s < hi:
-                raise CapacityError(f"slot_mapping[{i}] must be -1 or in [{lo}, {hi}), got {s}")
+                raise err(f"slot_mapping[{i}] is {s}, expected -1 or in [{lo}, {hi})")
         real = [s for s in vals if s != -1]
         if len(set(real)) != len(real):
-            raise InputError("slot_mapping has repeated slots; each token needs its own slot")
+            raise err("slot_mapping has repeated slots; each token needs its own slot")
 
     def _store(self, pairs: tuple[tuple[Tensor, Tensor], ...], slots: Tensor, impl: Impl,
                check_range: bool) -> None:
@@ -370,7 +356,7 @@ class KVCachePool:
         Shapes, dtypes and devices are checked before any write; slot values are not (that needs a
         sync) unless ``check_range=True``, a debugging aid. Slots past the cache are skipped.
         """
-        self._need(KVKind.MHA)
+        self._pages(KVKind.MHA, layer, 0)
         kp, vp = self._part(layer, 0), self._part(layer, 1)
         k_ = self._src("k", k, None, self.cfg.head_dim)
         v_ = self._src("v", v, k_.shape[0], self.cfg.head_dim)
@@ -382,7 +368,7 @@ class KVCachePool:
                    check_range: bool = False) -> None:
         """MLA: write ``latent [n, kv_lora_rank]`` and ``rope [n, rope_dim]`` (or ``[n, 1, .]``)
         into one row per token; see :meth:`store_kv_` for slots, ``impl`` and checks."""
-        self._need(KVKind.MLA)
+        self._pages(KVKind.MLA, layer, 0)
         part = self._part(layer, 0)
         r = self.cfg.kv_lora_rank
         lat = self._src("latent", latent, None, r)
@@ -411,21 +397,17 @@ class KVCachePool:
         self._valid_tokens = 0
 
     def check_slots(self, bs: int) -> None:
-        """Raise :class:`ReadRegionError` unless ``slot_mapping[:bs]`` is all ``-1`` or in-range."""
-        self._check_bs(bs)
-        for i, s in enumerate(self.slot_mapping[:bs].cpu().tolist()):
-            if s != -1 and not self.cfg.page_size <= s < self.cfg.num_slots:
-                raise ReadRegionError(f"slot_mapping[{i}] is {s}, expected -1 or in "
-                                      f"[{self.cfg.page_size}, {self.cfg.num_slots})")
+        """Raise :class:`ReadRegionError` unless ``slot_mapping[:bs]`` holds only ``-1`` and
+        distinct in-range slots (no poison, nothing in the pad page)."""
+        self._check_range(self.slot_mapping[: self._check_bs(bs)], ReadRegionError)
 
     def check_written(self, layer: int, slots: Tensor) -> None:
         """Raise :class:`ReadRegionError` if a row at ``slots`` still holds poison (NaN)."""
         for i, rows in enumerate(self.gather(layer, slots)):
-            bad = torch.isnan(rows.float()).flatten(1).any(1)
-            if bool(bad.any()):
-                j = int(bad.nonzero()[0, 0])
-                raise ReadRegionError(f"layer {layer} part {i}: slot {int(slots[j])} was never "
-                                      "written (poison)")
+            bad = torch.isnan(rows.float()).flatten(1).any(1).nonzero().flatten().tolist()
+            if bad:
+                raise ReadRegionError(f"layer {layer} part {i}: slot {int(slots[bad[0]])} was "
+                                      "never written (poison)")
 
     def report(self) -> str:
         """Shape, bytes per token and per page, and the single allocation's size."""
