@@ -124,6 +124,18 @@ class _Model:
 
 
 def run_demo(device: str = "auto", steps: int = 40, seed: int = 0) -> int:
+    """Run ``steps`` steps; returns 0, or exits with a message when a check fails."""
+    threads = torch.get_num_threads()
+    # The demo's tensors are tiny: on CPU, intra-op threads only contend with each other (and
+    # with whatever else the machine runs), so it runs single-threaded and restores the setting.
+    torch.set_num_threads(1)
+    try:
+        return _run(device, steps, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(device: str, steps: int, seed: int) -> int:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     nd = DRAFT_TOKENS
