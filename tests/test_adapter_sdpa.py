@@ -276,6 +276,20 @@ def test_capture_view_runs_before_any_update() -> None:
             assert torch.isfinite(got.out).all()
 
 
+def test_q_with_only_the_real_rows() -> None:
+    """Queries past q's end (padded rows' positions) are skipped; real rows are unchanged."""
+    pool = _pool(16)
+    b = make_batch(pool.cfg, 3, random.Random(4))
+    view = pool.decode.update_(6, *b.tensors())
+    k, v = _kv(b.req_to_token, 16, 2, 4)
+    q = _q(6, 4, 4)
+    full = paged_attention(view, q, k, v)
+    part = paged_attention(view, q[:3], k, v)
+    assert part.out.shape == (3, 4, D)
+    torch.testing.assert_close(part.out, full.out[:3], atol=0, rtol=0)
+    torch.testing.assert_close(part.lse, full.lse[:3], atol=0, rtol=0)
+
+
 # ---- merge_by_lse -------------------------------------------------------------------------------
 
 

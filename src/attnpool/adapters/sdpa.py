@@ -8,7 +8,7 @@ favours being obviously right over being fast, while staying vectorised:
   ``[bs, Qmax, H, D]`` (``Qmax = view.max_seqlen_q``); a boolean mask hides the lanes past a row's
   length (and, when ``view.causal``, keys after each query, aligned to the end of the KV row as in
   flash-attn and FlashInfer). The extents are the view's host ints, so nothing is read back from
-  the device: the adapter issues no host sync and can run inside a CUDA graph. Views refilled with
+  the device: the adapter issues no host sync. Views refilled with
   ``seq_lens_cpu`` carry tight bounds; capture views carry ``max_context_len`` (correct, bigger).
 * **Both layouts, read as a kernel reads them.** ``FLASH_ATTN``: a row's length is
   ``cache_seqlens[i]`` and its pages ``page_table[i, :ceil(len / page_size)]``. ``FLASHINFER``: its
