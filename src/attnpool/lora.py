@@ -145,17 +145,14 @@ def _host(name: str, v: object, integer: bool) -> np.ndarray:
             raise InputError(f"{name} must be a sequence of numbers, got {type(v).__name__}") from e
     if a.ndim != 1:
         raise InputError(f"{name} must be 1-D, got shape {a.shape}")
-    if a.size and integer and not np.issubdtype(a.dtype, np.integer):
-        raise InputError(f"{name} must hold ints, got dtype {a.dtype}")
-    if a.size and not integer and not np.issubdtype(a.dtype, np.number):
-        raise InputError(f"{name} must hold numbers, got dtype {a.dtype}")
+    if a.size and a.dtype.kind not in ("iu" if integer else "iuf"):  # (bool is kind "b")
+        raise InputError(f"{name} must hold {'ints' if integer else 'numbers'}, got dtype {a.dtype}")
     return a
 
 
 def _in_range(name: str, a: np.ndarray, lo: int, hi: int) -> None:
-    bad = (a < lo) | (a > hi)
-    if bad.any():
-        i = int(np.argmax(bad))
+    if a.size and (a.min() < lo or a.max() > hi):
+        i = int(np.argmax((a < lo) | (a > hi)))
         raise CapacityError(f"{name}[{i}] must be in [{lo}, {hi}], got {a[i]}")
 
 
