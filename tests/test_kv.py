@@ -346,3 +346,34 @@ def test_poison_checks_find_unwritten() -> None:
     assert not bits(pool.k_cache(0)[0]).any()  # pad page re-zeroed
     with pytest.raises(ReadRegionError):
         pool.check_written(0, torch.tensor([5]))
+
+
+# ---- CUDA (skipped without a GPU) -------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.triton
+@needs_triton
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_cuda_auto_store_is_fused_and_equals_reference(layout: KVLayout,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnpool.update import triton_kv
+
+    calls: list[int] = []
+    real = triton_kv.store_
+
+    def counted(*a: object, **kw: object) -> None:
+        calls.append(1)
+        real(*a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_kv, "store_", counted)
+    cfg = KVCacheConfig(num_pages=64, page_size=16, max_tokens=256, num_layers=2,
+                        num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, layout=layout,
+                        device="cuda")
+    ref, fused = KVCachePool(cfg, poison=True), KVCachePool(cfg, poison=True)
+    slots = torch.tensor(random_slots(cfg, 200, random.Random(0), 0.2), device="cuda")
+    k = torch.randn(slots.shape[0], 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ref.store_kv_(1, k, v, slots, impl=Impl.REFERENCE)
+    fused.store_kv_(1, k, v, slots)  # AUTO on CUDA: the Triton store
+    assert calls == [1]
+    assert torch.equal(bits(ref.k_cache(1)), bits(fused.k_cache(1)))
+    assert torch.equal(bits(ref.v_cache(1)), bits(fused.v_cache(1)))

@@ -269,3 +269,24 @@ def test_poison_is_caught_and_rewritten() -> None:
                            3, 8)
     with pytest.raises(ReadRegionError, match="permutation"):
         pool.check(broken)
+
+
+# ---- CUDA (skipped without a GPU) -------------------------------------------------------------
+@pytest.mark.cuda
+def test_cuda_pinned_staging_matches_cpu_over_many_steps() -> None:
+    """Pinned, double-buffered staging: each step's device bytes equal a CPU pool's."""
+    kw = {"max_bs": 32, "max_loras_per_batch": 4, "max_lora_rank": 16, "max_tokens_per_req": 2}
+    gpu = LoRABatchPool(LoRAConfig(device="cuda", **kw), poison=True)  # type: ignore[arg-type]
+    cpu = LoRABatchPool(LoRAConfig(device="cpu", **kw))  # type: ignore[arg-type]
+    assert gpu.staging and all(img.is_pinned() for img in gpu._images)
+    rng = random.Random(0)
+    for step in range(6):
+        bs = rng.randint(1, 32)
+        w = [rng.randrange(4) for _ in range(rng.randint(0, bs))]
+        lens = [rng.randint(0, 2) for _ in w]
+        ranks = [rng.randint(0, 16) for _ in range(4)] if step % 2 == 0 else None
+        gpu.update_(bs, w, lens, ranks, [1.0] * 4 if ranks else None)
+        cpu.update_(bs, w, lens, ranks, [1.0] * 4 if ranks else None)
+        torch.cuda.synchronize()
+        for name, t in gpu.buffers.items():
+            assert torch.equal(t.cpu(), cpu.buffers[name]), (step, name)
