@@ -1,0 +1,283 @@
+"""Fused update path: one Triton launch per phase part, capturable, writes ∝ live pages.
+
+Each function here writes exactly the bytes the reference path (:mod:`.reference`) writes in every
+read region of a part (DESIGN §1), in **one kernel launch**, and nothing else on the hot path: no
+``.item()``, no ``.cpu()``, no allocation, no aten op, no shape that depends on a tensor's values.
+Host checks (shapes, dtypes, devices, capacities) read only tensor metadata and raise attnpool
+errors before the launch, so a rejected call writes nothing.
+
+Two ways to use them:
+
+* **Eager, one launch per part** (``num_real=None``): ``seq_lens`` etc. hold the ``n`` real rows,
+  ``n`` is their Python length, rows ``n..bs`` are padding. The grid is ``bs`` programs.
+* **Inside the engine's own CUDA graph** (``num_real`` given): the inputs are padded to ``bs``
+  rows (the values of rows past the real count are never read) and ``num_real`` is a one-element
+  int32/int64 device tensor holding the real count ``n``. Everything the launch bakes into a graph
+  (grid, block sizes, pointers, ``bs``) is then independent of ``n``, so an engine can record the
+  update in the same graph as the forward and change the real count per replay by writing
+  ``num_real`` (and the inputs) in place, without recapture. ``num_real`` is clamped to
+  ``[0, bs]`` on the device.
+
+Incremental page tables (``keep``): the page id of page ``p`` of a request never changes once the
+page exists, so a row whose request is the same as at the previous update already holds its old
+pages. ``keep [bs]`` (a device tensor, non-zero = same request as last time; see
+:func:`keep_flags`) makes such rows write only page-table columns from the previous length's page
+count onward, where the previous length is what ``cache_seqlens`` holds before this update. That is
+valid only if nothing else wrote this part's buffers since the previous update (an overlaid phase,
+a capture state) and ``extra``/``token_offset`` are unchanged for the row: the caller (the phase)
+tracks that and passes ``keep=None`` otherwise. FlashInfer's CSR is always written in full: its
+positions shift whenever an earlier row's page count changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from ..errors import CapacityError, InputError, LayoutError
+from .reference import PagedBuffers
+
+__all__ = ["keep_flags", "paged_update_", "tree_expand_update_"]
+
+_INT = (torch.int32, torch.int64)
+_MAX_BLOCK_P = 1024  # page columns per loop step of a row (a row loops over its own live pages)
+
+
+def _kernels() -> ModuleType:
+    """The jit kernels; imported on first use so importing attnpool never imports triton."""
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, x - 1).bit_length())
+
+
+def _need(ok: bool, err: type[Exception], msg: str) -> None:
+    if not ok:
+        raise err(msg)
+
+
+def _vec(name: str, t: object, rows: int, dev: torch.device, dtypes: tuple[torch.dtype, ...] = _INT
+         ) -> Tensor:
+    """A 1-D tensor of ``rows`` elements on ``dev`` with unit stride (the kernels index it flat)."""
+    if not isinstance(t, Tensor):
+        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _need(t.dim() == 1 and t.shape[0] == rows, InputError,
+          f"{name} must have shape [{rows}], got {tuple(t.shape)}")
+    _need(t.dtype in dtypes, InputError,
+          f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    _need(t.device == dev, InputError, f"{name} must be on {dev}, got {t.device}")
+    _need(rows <= 1 or t.stride(0) == 1, InputError,
+          f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
+    return t
+
+
+def _buf(name: str, t: Tensor, numel: int, dev: torch.device) -> None:
+    """A pool buffer: int32, on ``dev``, contiguous rows, at least ``numel`` elements (leading dim)."""
+    _need(t.dtype == torch.int32, InputError, f"{name} must be int32, got {t.dtype}")
+    _need(t.device == dev, InputError, f"{name} must be on {dev}, got {t.device}")
+    _need(t.shape[0] >= numel, CapacityError,
+          f"{name} must have >= {numel} rows for this batch, got {t.shape[0]}")
+    _need(t.stride(-1) == 1, InputError, f"{name} must have unit stride in its last dim")
+
+
+def _table(t: object, dev: torch.device) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise InputError(f"req_to_token must be a torch.Tensor, got {type(t).__name__}")
+    _need(t.dim() == 2 and t.shape[0] >= 1 and t.shape[1] >= 1, InputError,
+          f"req_to_token must be a non-empty 2-D table, got shape {tuple(t.shape)}")
+    _need(t.dtype in _INT, InputError, f"req_to_token must be int32/int64, got {t.dtype}")
+    _need(t.device == dev, InputError, f"req_to_token must be on {dev}, got {t.device}")
+    _need(t.stride(1) == 1, InputError,
+          f"req_to_token rows must be contiguous (stride(1)=1), got {t.stride()}")
+    return t
+
+
+def _layouts(b: PagedBuffers, rows: int, dev: torch.device, min_width: int) -> tuple[bool, bool]:
+    """Check the part's buffers for ``rows`` rows; return (has page table, has CSR)."""
+    _buf("cache_seqlens", b.cache_seqlens, rows, dev)
+    _buf("cu_seqlens_k", b.cu_seqlens_k, rows + 1, dev)
+    has_pt = b.page_table is not None
+    if b.page_table is not None:
+        _buf("page_table", b.page_table, rows, dev)
+        _need(b.page_table.dim() == 2 and b.page_table.shape[1] >= min_width, CapacityError,
+              f"page_table must be 2-D with >= {min_width} columns, got {tuple(b.page_table.shape)}")
+    csr = (b.kv_indptr, b.kv_indices, b.kv_last_page_len)
+    has_fi = all(t is not None for t in csr)
+    _need(has_fi or all(t is None for t in csr), LayoutError,
+          "kv_indptr, kv_indices and kv_last_page_len must all be given or all be None")
+    if b.kv_indptr is not None and b.kv_indices is not None and b.kv_last_page_len is not None:
+        _buf("kv_indptr", b.kv_indptr, rows + 1, dev)
+        _buf("kv_indices", b.kv_indices, 1, dev)
+        _buf("kv_last_page_len", b.kv_last_page_len, rows, dev)
+    return has_pt, has_fi
+
+
+def _real_count(num_real: Tensor | None, n: int, bs: int, dev: torch.device) -> None:
+    if num_real is None:
+        _need(n <= bs, CapacityError, f"real rows n must be <= bs={bs}, got n={n}")
+    else:
+        _vec("num_real", num_real, 1, dev)
+
+
+def paged_update_(
+    b: PagedBuffers,
+    *,
+    bs: int,
+    seq_lens: Tensor,
+    req_pool_indices: Tensor,
+    req_to_token: Tensor,
+    extra: int,
+    page_size: int,
+    pad_seq_len: int,
+    pad_page: int,
+    token_offset: Tensor | None = None,
+    num_real: Tensor | None = None,
+    keep: Tensor | None = None,
+    q_lens: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    pad_q: int = 1,
+) -> None:
+    """Write one paged part's read region for ``bs`` rows in one launch.
+
+    Same bytes in every read region as ``reference.lengths_`` + ``reference.paged_`` over
+    ``reference.gather_pages`` (page ``p`` of row ``i`` is ``req_to_token[r_i, off_i + p*P] // P``):
+    ``cache_seqlens = seq_lens + extra`` (``pad_seq_len`` for padded rows), ``cu_seqlens_k =
+    [0, cumsum]`` (element 0 written every time), page-table rows = live page ids (padded rows:
+    ``pad_page`` in their first ``ceil(pad_seq_len / P)`` columns), CSR rows = live pages with
+    ``kv_last_page_len = (len-1) % P + 1`` (padded rows own no pages, ``kv_last_page_len = 1``).
+    Columns past a row's live pages are not written (outside the read region).
+
+    Args:
+        b: the part's buffers; ``page_table`` and/or the CSR triple may be None (layouts).
+        bs: rows to write (the captured size); the grid is ``bs`` programs.
+        seq_lens, req_pool_indices, token_offset: ``[n]`` (``[bs]`` with ``num_real``) int32/int64.
+        extra: added to every real length (verify chain N, draft step d).
+        page_size: ``P`` of this part (1 for token-slot parts).
+        num_real: capturable mode (see the module docstring): ``[1]`` device count of real rows.
+        keep: incremental page table (module docstring): ``[bs]`` device flags.
+        q_lens, cu_seqlens_q: optional query part: ``cu_seqlens_q = [0, cumsum(q_lens)]`` with
+            ``pad_q`` queries per padded row (draft extend), written by the same launch.
+    """
+    dev = b.cache_seqlens.device
+    _need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
+    if not isinstance(seq_lens, Tensor):
+        raise InputError(f"seq_lens must be a torch.Tensor, got {type(seq_lens).__name__}")
+    rows = bs if num_real is not None else seq_lens.shape[0]
+    _need(page_size >= 1, InputError, f"page_size must be >= 1, got {page_size}")
+    _need(pad_seq_len >= 0, InputError, f"pad_seq_len must be >= 0, got {pad_seq_len}")
+    seq_lens = _vec("seq_lens", seq_lens, rows, dev)
+    n = seq_lens.shape[0]
+    _real_count(num_real, n, bs, dev)
+    req_pool_indices = _vec("req_pool_indices", req_pool_indices, rows, dev)
+    table = _table(req_to_token, dev)
+    if token_offset is not None:
+        _vec("token_offset", token_offset, rows, dev)
+    pad_pages = -(-pad_seq_len // page_size)
+    has_pt, has_fi = _layouts(b, bs, dev, pad_pages)
+    if keep is not None:
+        _vec("keep", keep, bs, dev, (torch.bool, torch.int8, torch.uint8, torch.int32, torch.int64))
+    if (q_lens is None) != (cu_seqlens_q is None):
+        raise InputError("q_lens and cu_seqlens_q must be given together")
+    if q_lens is not None and cu_seqlens_q is not None:
+        _vec("q_lens", q_lens, rows, dev)
+        _buf("cu_seqlens_q", cu_seqlens_q, bs + 1, dev)
+    # most page columns a row may write: the table's width (a CSR-only part: a whole token row)
+    if b.page_table is not None:
+        width, pt_stride = b.page_table.shape[1], b.page_table.stride(0)
+    else:
+        width, pt_stride = -(-table.shape[1] // page_size), 0
+
+    dummy = b.cache_seqlens
+    k = _kernels()
+    k.paged_kernel[(bs,)](
+        seq_lens, req_pool_indices, table,
+        token_offset if token_offset is not None else dummy,
+        num_real if num_real is not None else dummy,
+        keep if keep is not None else dummy,
+        q_lens if q_lens is not None else dummy,
+        b.cache_seqlens, b.cu_seqlens_k,
+        b.page_table if b.page_table is not None else dummy,
+        b.kv_indptr if b.kv_indptr is not None else dummy,
+        b.kv_indices if b.kv_indices is not None else dummy,
+        b.kv_last_page_len if b.kv_last_page_len is not None else dummy,
+        cu_seqlens_q if cu_seqlens_q is not None else dummy,
+        n, bs, extra, pad_seq_len, pad_page, pad_pages, pad_q,
+        page_size, table.shape[0], table.shape[1], table.stride(0), pt_stride, width,
+        b.kv_indices.shape[0] if b.kv_indices is not None else 0,
+        HAS_OFF=token_offset is not None, DEVICE_N=num_real is not None, HAS_PT=has_pt,
+        HAS_FI=has_fi, INCR=keep is not None, HAS_Q=q_lens is not None,
+        BLOCK=_pow2(bs), BLOCK_P=min(_MAX_BLOCK_P, _pow2(width)),
+    )
+
+
+def tree_expand_update_(
+    e: PagedBuffers,
+    *,
+    bs: int,
+    tree_mask: Tensor,
+    seq_lens: Tensor,
+    req_pool_indices: Tensor,
+    req_to_token: Tensor,
+    pad_len: int,
+    pad_id: int,
+    num_real: Tensor | None = None,
+) -> None:
+    """Write the verify tree *expand* part (``bs*N`` token-slot rows, page size 1) in one launch.
+
+    Row ``i*N + j`` lists the slots ``req_to_token[r_i, seq_lens[i] + k]`` of the drafts ``k``
+    that ``tree_mask[i, j, k]`` allows, allowed first in increasing ``k``; its length is the
+    allowed count. Rows of padded requests get ``pad_len`` copies of ``pad_id`` (the pad page's
+    first slot). Same bytes in every read region as ``reference.tree_expand`` written with
+    ``page_size=1``. ``num_real`` works as in :func:`paged_update_` (inputs padded to ``bs``).
+    """
+    dev = e.cache_seqlens.device
+    if not isinstance(tree_mask, Tensor):
+        raise InputError(f"tree_mask must be a torch.Tensor, got {type(tree_mask).__name__}")
+    _need(tree_mask.dim() == 3 and tree_mask.shape[1] == tree_mask.shape[2] >= 1, InputError,
+          f"tree_mask must be [n, N, N], got {tuple(tree_mask.shape)}")
+    _need(tree_mask.dtype == torch.bool, InputError, f"tree_mask must be bool, got {tree_mask.dtype}")
+    _need(tree_mask.device == dev, InputError, f"tree_mask must be on {dev}, got {tree_mask.device}")
+    n, nd = tree_mask.shape[0], tree_mask.shape[1]
+    _need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
+    if num_real is not None:
+        _need(n == bs, InputError, f"with num_real, tree_mask must have bs={bs} rows, got {n}")
+    _real_count(num_real, n, bs, dev)
+    _need(0 <= pad_len <= nd, InputError, f"pad_len must be in [0, N={nd}], got {pad_len}")
+    seq_lens = _vec("seq_lens", seq_lens, n, dev)
+    req_pool_indices = _vec("req_pool_indices", req_pool_indices, n, dev)
+    table = _table(req_to_token, dev)
+    has_pt, has_fi = _layouts(e, bs * nd, dev, nd)
+    dummy = e.cache_seqlens
+    bn = _pow2(nd, 2)
+    k = _kernels()
+    k.tree_expand_kernel[(bs,)](
+        tree_mask, seq_lens, req_pool_indices, table,
+        num_real if num_real is not None else dummy,
+        e.cache_seqlens, e.cu_seqlens_k,
+        e.page_table if e.page_table is not None else dummy,
+        e.kv_indptr if e.kv_indptr is not None else dummy,
+        e.kv_indices if e.kv_indices is not None else dummy,
+        e.kv_last_page_len if e.kv_last_page_len is not None else dummy,
+        n, bs, nd, pad_len, pad_id, *tree_mask.stride(),
+        table.shape[0], table.shape[1], table.stride(0),
+        e.page_table.stride(0) if e.page_table is not None else 0,
+        e.kv_indices.shape[0] if e.kv_indices is not None else 0,
+        DEVICE_N=num_real is not None, HAS_PT=has_pt, HAS_FI=has_fi,
+        BLOCK_N=bn, BLOCK_R=max(1, 4096 // bn),
+    )
+
+
+def keep_flags(prev_ids: Sequence[int] | None, ids: Sequence[int], bs: int) -> list[int]:
+    """Host-side ``keep`` values for :func:`paged_update_`: 1 where row ``i`` serves the same
+    request (``req_pool_indices``) as at the previous update, 0 for new requests, padded rows and
+    when there was no previous update. The caller copies them into its ``[bs]`` device tensor
+    (``copy_(..., non_blocking=True)`` from pinned memory keeps the host from waiting)."""
+    _need(len(ids) <= bs, CapacityError, f"ids must have <= bs={bs} values, got {len(ids)}")
+    prev = list(prev_ids) if prev_ids is not None else []
+    return [int(i < len(prev) and prev[i] == x) for i, x in enumerate(ids)] + [0] * (bs - len(ids))

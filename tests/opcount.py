@@ -1,0 +1,98 @@
+"""Counters for the hot path of an update: aten ops (a ``TorchDispatchMode``) and Triton launches.
+
+``count(fn)`` runs ``fn`` once under both counters and returns :class:`Counts`:
+
+* ``launches``: Triton kernel launches. On a GPU they are counted by triton's own launch hook
+  (``knobs.runtime.launch_enter_hook``, called by the compiled launcher for every launch); in
+  interpret mode (``TRITON_INTERPRET=1``, no GPU) by wrapping ``InterpretedFunction.run``, the
+  function a ``kernel[grid](...)`` call ends in (warmup calls, which launch nothing, excluded).
+* ``ops``: every aten op dispatched while ``fn`` ran (allocations, copies, views and compute
+  alike), *except* those dispatched from inside a Triton launch. Those go to ``launch_ops``: the
+  interpreter emulates a kernel on the host with tensor ops of its own (mapping the arguments'
+  storages, copying them back), which a compiled launch does not do.
+
+Both counters count what actually happens; nothing is inferred from the code under test.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass
+class Counts:
+    launches: int = 0
+    kernels: list[str] = field(default_factory=list)  # name of each launched kernel, in order
+    ops: collections.Counter[str] = field(default_factory=collections.Counter)
+    launch_ops: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    @property
+    def num_ops(self) -> int:
+        return sum(self.ops.values())
+
+
+class _State:
+    def __init__(self) -> None:
+        self.counts = Counts()
+        self.in_launch = 0
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts each aten op; ops issued while ``state.in_launch`` go to ``launch_ops``."""
+
+    def __init__(self, state: _State) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.state = state
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        c = self.state.counts
+        (c.launch_ops if self.state.in_launch else c.ops)[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def launch_counter(state: _State) -> Iterator[None]:
+    """Count Triton launches into ``state`` (see the module docstring for how)."""
+    from triton import knobs
+    from triton.runtime.interpreter import InterpretedFunction
+
+    orig_run = InterpretedFunction.run
+
+    def run(self: Any, *args: Any, grid: Any, warmup: Any, **kwargs: Any) -> Any:
+        if not warmup:
+            state.counts.launches += 1
+            state.counts.kernels.append(self.__name__)
+        state.in_launch += 1
+        try:
+            return orig_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        finally:
+            state.in_launch -= 1
+
+    def hook(metadata: Any) -> None:
+        state.counts.launches += 1
+        name = "?"
+        with contextlib.suppress(Exception):
+            name = str(metadata.get()["name"])
+        state.counts.kernels.append(name)
+
+    InterpretedFunction.run = run  # type: ignore[method-assign]
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = orig_run  # type: ignore[method-assign]
+        knobs.runtime.launch_enter_hook.remove(hook)
+
+
+def count(fn: Callable[[], object]) -> Counts:
+    """Run ``fn`` once under both counters."""
+    state = _State()
+    with launch_counter(state), OpCounter(state):
+        fn()
+    return state.counts

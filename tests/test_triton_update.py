@@ -1,0 +1,453 @@
+"""Fused Triton updates equal the reference path exactly (``torch.equal``) in every read region.
+
+On a CPU-only machine the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
+conftest.py). Both paths write into separate buffers filled with *different* poison values first,
+so equal read regions also prove that each path wrote all of its read region. Outside the read
+region (columns past a row's live pages, the CSR scratch slot) the paths may differ by design.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from attnpool.errors import CapacityError, InputError, LayoutError, PoolError
+from attnpool.update import reference as ref
+from attnpool.update import triton as tt
+from attnpool.update.reference import PagedBuffers
+
+pytestmark = pytest.mark.triton
+
+POISON_REF, POISON_TT = -1_000_001, -2_000_002
+SETTINGS = settings(max_examples=25, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+I32, I64 = torch.int32, torch.int64
+
+
+def bufs(rows: int, width: int, pt: bool, fi: bool, fill: int) -> PagedBuffers:
+    def t(*shape: int) -> Tensor:
+        return torch.full(shape, fill, dtype=I32)
+
+    return PagedBuffers(t(rows), t(rows + 1), t(rows, width) if pt else None,
+                        t(rows + 1) if fi else None, t(rows * width + 1) if fi else None,
+                        t(rows) if fi else None)
+
+
+def snapshot(b: PagedBuffers) -> list[Tensor | None]:
+    return [None if (x := getattr(b, f.name)) is None else x.clone() for f in fields(b)]
+
+
+def assert_read_region_equal(a: PagedBuffers, b: PagedBuffers, bs: int, page: int) -> None:
+    """Every element a kernel may read for ``bs`` rows, compared exactly."""
+    assert torch.equal(a.cache_seqlens[:bs], b.cache_seqlens[:bs])
+    assert torch.equal(a.cu_seqlens_k[: bs + 1], b.cu_seqlens_k[: bs + 1])
+    lens = a.cache_seqlens[:bs].to(I64)
+    npages = torch.div(lens + page - 1, page, rounding_mode="floor")
+    if a.page_table is not None and b.page_table is not None:
+        cols = torch.arange(a.page_table.shape[1])
+        read = cols[None, :] < npages[:, None]
+        assert torch.equal(a.page_table[:bs][read], b.page_table[:bs][read])
+    if a.kv_indptr is not None and b.kv_indptr is not None:
+        assert b.kv_indices is not None and a.kv_indices is not None
+        assert b.kv_last_page_len is not None and a.kv_last_page_len is not None
+        assert torch.equal(a.kv_indptr[: bs + 1], b.kv_indptr[: bs + 1])
+        end = int(a.kv_indptr[bs])
+        assert torch.equal(a.kv_indices[:end], b.kv_indices[:end])
+        assert torch.equal(a.kv_last_page_len[:bs], b.kv_last_page_len[:bs])
+
+
+@dataclass
+class Case:
+    page: int
+    bs: int
+    seq: Tensor  # [n]
+    rpi: Tensor  # [n]
+    table: Tensor  # [R, cols]
+    extra: int
+    pad_seq_len: int
+    pad_page: int
+    pt: bool
+    fi: bool
+    off: Tensor | None
+    width: int  # page-table width (max pages)
+
+    @property
+    def n(self) -> int:
+        return self.seq.shape[0]
+
+
+@st.composite
+def cases(draw: st.DrawFn, max_bs: int = 12) -> Case:
+    page = draw(st.sampled_from([1, 16, 64]))
+    max_pages = draw(st.integers(1, 6 if page > 1 else 40))
+    ctx = page * max_pages
+    bs = draw(st.integers(1, max_bs))
+    n = draw(st.integers(0, bs))
+    extra = draw(st.sampled_from([0, 0, 1, 3]))
+    extra = min(extra, ctx)
+    use_off = draw(st.booleans())
+    num_req = draw(st.integers(1, 5))
+    cols = ctx + draw(st.sampled_from([0, 0, 7]))
+    seq_l: list[int] = []
+    off_l: list[int] = []
+    for _ in range(n):
+        o = draw(st.integers(0, ctx - extra)) if use_off else 0
+        seq_l.append(draw(st.integers(0, ctx - extra - o)))
+        off_l.append(o)
+    wide = draw(st.booleans())
+    tdt = draw(st.sampled_from([I32, I64]))
+    lo, hi = (-(2**33), 2**33) if wide and tdt == I64 else (-5, 2**20)
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    table = torch.randint(lo, hi, (num_req, cols), generator=gen, dtype=I64).to(tdt)
+    rpi = torch.tensor([draw(st.integers(0, num_req - 1)) for _ in range(n)],
+                       dtype=draw(st.sampled_from([I32, I64])))
+    seq = torch.tensor(seq_l, dtype=draw(st.sampled_from([I32, I64])))
+    off = torch.tensor(off_l, dtype=draw(st.sampled_from([I32, I64]))) if use_off else None
+    pad_seq_len = draw(st.sampled_from([1, 1, 0, page + 3]))
+    if -(-pad_seq_len // page) > max_pages:
+        pad_seq_len = 1
+    layout = draw(st.sampled_from([(True, True), (True, False), (False, True), (False, False)]))
+    return Case(page, bs, seq, rpi, table, extra, pad_seq_len, draw(st.integers(0, 5)),
+                *layout, off, max_pages)
+
+
+def run_reference(c: Case, b: PagedBuffers) -> None:
+    pages = ref.gather_pages(c.table, c.rpi, c.page, c.width, c.off)
+    ref.lengths_(b.cache_seqlens, c.seq, c.extra, c.bs, c.pad_seq_len)
+    arange = torch.arange(max(c.width, c.bs) + 1, dtype=I32)
+    ref.paged_(b, bs=c.bs, pages=pages, page_size=c.page, pad_page=c.pad_page,
+               pad_pages=-(-c.pad_seq_len // c.page), arange=arange)
+
+
+def run_triton(c: Case, b: PagedBuffers, **kw: object) -> None:
+    tt.paged_update_(b, bs=c.bs, seq_lens=c.seq, req_pool_indices=c.rpi, req_to_token=c.table,
+                     extra=c.extra, page_size=c.page, pad_seq_len=c.pad_seq_len,
+                     pad_page=c.pad_page, token_offset=c.off, **kw)  # type: ignore[arg-type]
+
+
+def pair(c: Case, rows: int | None = None) -> tuple[PagedBuffers, PagedBuffers]:
+    r = rows if rows is not None else c.bs + 2  # spare rows: nothing past bs may matter
+    return (bufs(r, c.width, c.pt, c.fi, POISON_REF), bufs(r, c.width, c.pt, c.fi, POISON_TT))
+
+
+@SETTINGS
+@given(cases())
+def test_paged_equals_reference(c: Case) -> None:
+    a, b = pair(c)
+    run_reference(c, a)
+    run_triton(c, b)
+    assert_read_region_equal(a, b, c.bs, c.page)
+
+
+def padded_inputs(c: Case, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The case's inputs padded to ``bs`` rows with garbage the kernel must never read."""
+    k = c.bs - c.n
+
+    def pad(t: Tensor, lo: int, hi: int) -> Tensor:
+        junk = torch.randint(lo, hi, (k,), generator=gen, dtype=I64).to(t.dtype)
+        return torch.cat([t, junk])
+
+    off = None if c.off is None else pad(c.off, -(10**6), 10**6)
+    return pad(c.seq, -(10**6), 10**6), pad(c.rpi, -(10**6), 10**6), off
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(0, 2**31))
+def test_paged_device_count_equals_reference(c: Case, seed: int) -> None:
+    """Capturable mode: inputs padded to bs, the real count in a device scalar."""
+    a, b = pair(c)
+    run_reference(c, a)
+    seq, rpi, off = padded_inputs(c, torch.Generator().manual_seed(seed))
+    num_real = torch.tensor([c.n], dtype=I32)
+    tt.paged_update_(b, bs=c.bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=c.table,
+                     extra=c.extra, page_size=c.page, pad_seq_len=c.pad_seq_len,
+                     pad_page=c.pad_page, token_offset=off, num_real=num_real)
+    assert_read_region_equal(a, b, c.bs, c.page)
+
+
+def test_device_count_varies_per_replay_without_new_arguments() -> None:
+    """One set of argument tensors (as a graph would bake them); only their contents change."""
+    bs, page, ctx = 6, 16, 128
+    gen = torch.Generator().manual_seed(1)
+    table = torch.randint(0, 5000, (8, ctx), generator=gen, dtype=I32)
+    seq = torch.zeros(bs, dtype=I64)
+    rpi = torch.zeros(bs, dtype=I64)
+    num_real = torch.zeros(1, dtype=I32)
+    b = bufs(bs, ctx // page, True, True, POISON_TT)
+    for n in (6, 2, 0, 5, 1):
+        real_seq = torch.randint(1, ctx, (n,), generator=gen)
+        real_rpi = torch.randint(0, 8, (n,), generator=gen)
+        seq[:n], rpi[:n] = real_seq, real_rpi
+        seq[n:] = 10**6  # stale rows of an earlier replay: never read
+        num_real.fill_(n)
+        tt.paged_update_(b, bs=bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                         extra=0, page_size=page, pad_seq_len=1, pad_page=0, num_real=num_real)
+        c = Case(page, bs, real_seq, real_rpi, table, 0, 1, 0, True, True, None, ctx // page)
+        a = bufs(bs, ctx // page, True, True, POISON_REF)
+        run_reference(c, a)
+        assert_read_region_equal(a, b, bs, page)
+
+
+def test_large_batch_single_launch() -> None:
+    """bs = 160 * 8 rows (a tree expand's worth): the in-register scan covers 2048 lanes."""
+    bs, n, page, ctx = 1280, 1001, 16, 64
+    gen = torch.Generator().manual_seed(2)
+    table = torch.randint(0, 10**6, (64, ctx), generator=gen, dtype=I64)
+    c = Case(page, bs, torch.randint(0, ctx + 1, (n,), generator=gen),
+             torch.randint(0, 64, (n,), generator=gen), table, 0, 1, 3, True, True, None,
+             ctx // page)
+    a, b = pair(c)
+    run_reference(c, a)
+    run_triton(c, b)
+    assert_read_region_equal(a, b, bs, page)
+
+
+def test_writes_only_live_pages() -> None:
+    """Columns past a real row's live pages (and past a padded row's pad pages) stay untouched."""
+    c = Case(16, 4, torch.tensor([1, 40]), torch.tensor([0, 1]),
+             torch.randint(0, 999, (2, 128), dtype=I32), 0, 1, 0, True, True, None, 8)
+    _, b = pair(c)
+    run_triton(c, b)
+    assert b.page_table is not None and b.kv_indices is not None
+    assert (b.page_table[0, 1:] == POISON_TT).all() and (b.page_table[1, 3:] == POISON_TT).all()
+    assert (b.page_table[2:4, 1:] == POISON_TT).all()
+    assert (b.kv_indices[4:] == POISON_TT).all()  # 1 + 3 live pages
+    assert (b.cache_seqlens[4:] == POISON_TT).all()  # rows past bs
+
+
+# ---- incremental page table ---------------------------------------------------------------------
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from([1, 16, 64]), st.integers(1, 8), st.booleans(), st.data())
+def test_incremental_equals_full_and_skips_old_pages(page: int, bs: int, fi: bool,
+                                                     data: st.DataObject) -> None:
+    max_pages = 5 if page > 1 else 24
+    ctx = page * max_pages
+    num_req = 6
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    table = torch.randint(0, 10**5, (num_req, ctx), generator=gen, dtype=I32)
+    n1 = data.draw(st.integers(0, bs))
+    ids1 = data.draw(st.lists(st.integers(0, num_req - 1), min_size=n1, max_size=n1))
+    len1 = data.draw(st.lists(st.integers(1, ctx - 4), min_size=n1, max_size=n1))
+    n2 = data.draw(st.integers(0, bs))
+    ids2 = [ids1[i] if i < n1 and data.draw(st.booleans()) else data.draw(
+        st.integers(0, num_req - 1)) for i in range(n2)]
+    len2 = [min(ctx, len1[i] + data.draw(st.integers(0, 2 * page))) if i < n1 and ids2[i] == ids1[i]
+            else data.draw(st.integers(1, ctx)) for i in range(n2)]
+
+    def mk(ids: list[int], lens: list[int]) -> Case:
+        return Case(page, bs, torch.tensor(lens, dtype=I64), torch.tensor(ids, dtype=I64), table,
+                    0, 1, 0, True, fi, None, max_pages)
+
+    c1, c2 = mk(ids1, len1), mk(ids2, len2)
+    a, b = pair(c2)
+    run_triton(c1, b)
+    keep = torch.tensor(tt.keep_flags(ids1, ids2, bs), dtype=torch.int8)
+    # mark the pages a kept row already holds: an incremental update must not rewrite them
+    assert b.page_table is not None
+    old_np = [-(-len1[i] // page) for i in range(n1)]
+    for i in range(n2):
+        if keep[i]:
+            b.page_table[i, : old_np[i]] = -7 - i
+    marked = b.page_table.clone()
+    run_triton(c2, b, keep=keep)
+    for i in range(n2):
+        if keep[i]:
+            assert torch.equal(b.page_table[i, : old_np[i]], marked[i, : old_np[i]])
+            b.page_table[i, : old_np[i]] = ref.gather_pages(table, c2.rpi[i : i + 1], page,
+                                                            old_np[i])[0]
+    run_reference(c2, a)
+    assert_read_region_equal(a, b, bs, page)
+
+
+@pytest.mark.parametrize(("page", "len1", "len2"), [(1, 5, 8), (16, 16, 17), (16, 20, 40),
+                                                    (64, 1, 130), (16, 40, 20)])
+def test_incremental_writes_exactly_the_new_pages(page: int, len1: int, len2: int) -> None:
+    """A kept row writes page-table columns ceil(len1/P) .. ceil(len2/P)-1 and nothing else."""
+    table = torch.randint(0, 10**5, (3, 256), dtype=I32)
+
+    def mk(n: int) -> Case:
+        return Case(page, 2, torch.tensor([n, 3]), torch.tensor([2, 0]), table, 0, 1, 0, True,
+                    False, None, 256 // page)
+
+    _, b = pair(mk(len1))
+    run_triton(mk(len1), b)
+    assert b.page_table is not None
+    b.page_table.fill_(-5)
+    run_triton(mk(len2), b, keep=torch.tensor([1, 0], dtype=torch.bool))
+    old, new = -(-len1 // page), -(-len2 // page)
+    want = ref.gather_pages(table, torch.tensor([2]), page, 256 // page)[0]
+    row = b.page_table[0]
+    assert (row[:old] == -5).all() and (row[max(old, new):] == -5).all()
+    assert torch.equal(row[old:new], want[old:new])
+    assert int(b.page_table[1, 0]) == int(table[0, 0]) // page
+
+
+def test_keep_flags() -> None:
+    assert tt.keep_flags(None, [3, 4], 3) == [0, 0, 0]
+    assert tt.keep_flags([3, 5, 7], [3, 4, 7], 4) == [1, 0, 1, 0]
+    assert tt.keep_flags([3], [3, 3], 2) == [1, 0]
+    with pytest.raises(CapacityError):
+        tt.keep_flags([], [1, 2], 1)
+
+
+# ---- query part (draft extend) ------------------------------------------------------------------
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.integers(1, 8), st.integers(0, 2**31), st.booleans(), st.sampled_from([1, 2]))
+def test_query_part_equals_reference(c: Case, nd: int, seed: int, device_n: bool,
+                                     pad_q: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    acc = torch.randint(1, nd + 1, (c.n,), generator=gen, dtype=c.seq.dtype)
+    a, b = pair(c)
+    cu_a = torch.full((c.bs + 3,), POISON_REF, dtype=I32)
+    cu_b = torch.full((c.bs + 3,), POISON_TT, dtype=I32)
+    run_reference(c, a)
+    ref.cumsum_(cu_a, acc)
+    pad = torch.arange(1, c.bs - c.n + 1, dtype=I32) * pad_q
+    torch.add(pad, cu_a[c.n : c.n + 1], out=cu_a[c.n + 1 : c.bs + 1])
+    if device_n:
+        seq, rpi, off = padded_inputs(c, gen)
+        q = torch.cat([acc, torch.full((c.bs - c.n,), 10**6, dtype=acc.dtype)])
+        tt.paged_update_(b, bs=c.bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=c.table,
+                         extra=c.extra, page_size=c.page, pad_seq_len=c.pad_seq_len,
+                         pad_page=c.pad_page, token_offset=off, q_lens=q, cu_seqlens_q=cu_b,
+                         pad_q=pad_q, num_real=torch.tensor([c.n]))
+    else:
+        run_triton(c, b, q_lens=acc, cu_seqlens_q=cu_b, pad_q=pad_q)
+    assert torch.equal(cu_a[: c.bs + 1], cu_b[: c.bs + 1])
+    assert_read_region_equal(a, b, c.bs, c.page)
+
+
+# ---- verify tree expand -------------------------------------------------------------------------
+@st.composite
+def tree_cases(draw: st.DrawFn) -> tuple[Case, Tensor, int, int]:
+    nd = draw(st.integers(1, 6))
+    bs = draw(st.integers(1, 6))
+    n = draw(st.integers(0, bs))
+    page = draw(st.sampled_from([1, 16, 64]))
+    ctx = page * draw(st.integers(1, 3)) + nd
+    num_req = draw(st.integers(1, 4))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    table = torch.randint(0, 10**6, (num_req, ctx), generator=gen,
+                          dtype=I64).to(draw(st.sampled_from([I32, I64])))
+    seq = torch.randint(1, ctx - nd + 1, (n,), generator=gen).to(draw(st.sampled_from([I32, I64])))
+    rpi = torch.randint(0, num_req, (n,), generator=gen).to(draw(st.sampled_from([I32, I64])))
+    mask = torch.rand((n, nd, nd), generator=gen) < draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+    if draw(st.booleans()):
+        mask |= torch.eye(nd, dtype=torch.bool)  # the contract: a draft attends to itself
+    if draw(st.booleans()):
+        mask = mask.transpose(1, 2).contiguous().transpose(1, 2)  # strided, same values
+    layout = draw(st.sampled_from([(True, True), (True, False), (False, True), (False, False)]))
+    pad_seq_len = draw(st.sampled_from([1, 0, 5]))
+    c = Case(1, bs * nd, seq, rpi, table, 0, min(pad_seq_len, nd), 0, *layout, None, nd)
+    return c, mask, nd, draw(st.integers(0, 3)) * page
+
+
+def tree_reference(c: Case, mask: Tensor, pad_id: int, e: PagedBuffers) -> None:
+    lens, slots = ref.tree_expand(mask, c.seq, c.rpi, c.table)
+    ref.lengths_(e.cache_seqlens, lens, 0, c.bs, c.pad_seq_len)
+    ref.paged_(e, bs=c.bs, pages=slots, page_size=1, pad_page=pad_id, pad_pages=c.pad_seq_len,
+               arange=torch.arange(c.bs + c.width + 1, dtype=I32))
+
+
+@SETTINGS
+@given(tree_cases(), st.booleans(), st.integers(0, 2**31))
+def test_tree_expand_equals_reference(tc: tuple[Case, Tensor, int, int], device_n: bool,
+                                      seed: int) -> None:
+    c, mask, nd, pad_id = tc
+    bs = c.bs // nd
+    a, b = pair(c)
+    tree_reference(c, mask, pad_id, a)
+    if device_n:
+        n = mask.shape[0]
+        gen = torch.Generator().manual_seed(seed)
+        junk = torch.rand((bs - n, nd, nd), generator=gen) < 0.5
+        seq = torch.cat([c.seq, torch.full((bs - n,), 10**6, dtype=c.seq.dtype)])
+        rpi = torch.cat([c.rpi, torch.full((bs - n,), -(10**6), dtype=c.rpi.dtype)])
+        tt.tree_expand_update_(b, bs=bs, tree_mask=torch.cat([mask, junk]), seq_lens=seq,
+                               req_pool_indices=rpi, req_to_token=c.table, pad_len=c.pad_seq_len,
+                               pad_id=pad_id, num_real=torch.tensor([n], dtype=I64))
+    else:
+        tt.tree_expand_update_(b, bs=bs, tree_mask=mask, seq_lens=c.seq, req_pool_indices=c.rpi,
+                               req_to_token=c.table, pad_len=c.pad_seq_len, pad_id=pad_id)
+    assert_read_region_equal(a, b, c.bs, 1)
+
+
+def test_tree_expand_large_batch() -> None:
+    """bs = 160 requests, N = 8: every program sums its predecessors' mask rows in tiles."""
+    bs, n, nd, ctx = 160, 150, 8, 64
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randint(0, 10**6, (200, ctx), generator=gen, dtype=I32)
+    seq = torch.randint(1, ctx - nd + 1, (n,), generator=gen)
+    rpi = torch.randint(0, 200, (n,), generator=gen)
+    mask = (torch.rand((n, nd, nd), generator=gen) < 0.4) | torch.eye(nd, dtype=torch.bool)
+    c = Case(1, bs * nd, seq, rpi, table, 0, 1, 0, True, True, None, nd)
+    a, b = pair(c)
+    tree_reference(c, mask, 0, a)
+    tt.tree_expand_update_(b, bs=bs, tree_mask=mask, seq_lens=seq, req_pool_indices=rpi,
+                           req_to_token=table, pad_len=1, pad_id=0)
+    assert_read_region_equal(a, b, c.bs, 1)
+
+
+# ---- bad input: an attnpool error before any write ----------------------------------------------
+def _base() -> dict[str, object]:
+    return dict(bs=4, seq_lens=torch.tensor([3, 5]), req_pool_indices=torch.tensor([0, 1]),
+                req_to_token=torch.zeros((2, 64), dtype=I32), extra=0, page_size=16,
+                pad_seq_len=1, pad_page=0)
+
+
+@pytest.mark.parametrize(("change", "err"), [
+    (dict(bs=1), CapacityError),
+    (dict(seq_lens=torch.tensor([3.0, 5.0])), InputError),
+    (dict(seq_lens=[3, 5]), InputError),
+    (dict(req_pool_indices=torch.tensor([0, 1, 2])), InputError),
+    (dict(req_to_token=torch.zeros((2, 64), dtype=I32).t()), InputError),
+    (dict(req_to_token=torch.zeros((64,), dtype=I32)), InputError),
+    (dict(token_offset=torch.tensor([0])), InputError),
+    (dict(pad_seq_len=16 * 4 + 1), CapacityError),
+    (dict(bs=9), CapacityError),
+    (dict(num_real=torch.tensor([2])), InputError),  # inputs must then have bs rows
+    (dict(keep=torch.ones(3, dtype=torch.int8)), InputError),
+    (dict(q_lens=torch.tensor([1, 1])), InputError),
+    (dict(page_size=0), InputError),
+])
+def test_bad_input_raises_before_any_write(change: dict[str, object], err: type[PoolError]
+                                           ) -> None:
+    b = bufs(8, 4, True, True, POISON_TT)
+    before = snapshot(b)
+    with pytest.raises(err):
+        tt.paged_update_(b, **{**_base(), **change})  # type: ignore[arg-type]
+    assert all((x is None and y is None) or torch.equal(x, y)  # type: ignore[arg-type]
+               for x, y in zip(before, snapshot(b), strict=True))
+
+
+def test_half_a_csr_layout_is_a_layout_error() -> None:
+    b = bufs(8, 4, True, True, POISON_TT)
+    half = PagedBuffers(b.cache_seqlens, b.cu_seqlens_k, b.page_table, b.kv_indptr, None, None)
+    with pytest.raises(LayoutError):
+        tt.paged_update_(half, **_base())  # type: ignore[arg-type]
+
+
+def test_tree_bad_input() -> None:
+    e = bufs(16, 4, True, True, POISON_TT)
+    good: dict[str, object] = dict(bs=4, tree_mask=torch.ones((2, 4, 4), dtype=torch.bool),
+                                   seq_lens=torch.tensor([3, 5]),
+                                   req_pool_indices=torch.tensor([0, 1]),
+                                   req_to_token=torch.zeros((2, 64), dtype=I32), pad_len=1,
+                                   pad_id=0)
+    for change, err in [
+        (dict(tree_mask=torch.ones((2, 4, 4), dtype=I32)), InputError),
+        (dict(tree_mask=torch.ones((2, 4, 3), dtype=torch.bool)), InputError),
+        (dict(bs=5), CapacityError),  # 5 * 4 rows > 16
+        (dict(pad_len=5), InputError),
+        (dict(num_real=torch.tensor([2])), InputError),  # the mask must then have bs rows
+    ]:
+        before = snapshot(e)
+        with pytest.raises(err):
+            tt.tree_expand_update_(e, **{**good, **change})  # type: ignore[arg-type, dict-item]
+        assert all((x is None and y is None) or torch.equal(x, y)  # type: ignore[arg-type]
+                   for x, y in zip(before, snapshot(e), strict=True))
