@@ -122,6 +122,29 @@ def test_fused_tree_expand_is_one_launch_and_no_aten_op(device_n: bool) -> None:
     assert c.num_ops == 0, c.ops
 
 
+def _local_args(bs: int, n: int, device_n: bool) -> dict[str, object]:
+    per, rows = 2, bs if device_n else n
+    args: dict[str, object] = dict(
+        cu_seqlens_q=torch.zeros(bs * per + 1, dtype=I32), bs=bs,
+        seq_lens=torch.arange(rows) * 7 + 30, req_pool_indices=torch.arange(rows) % 4,
+        req_to_token=torch.arange(4 * 128, dtype=I32).view(4, 128), extra=3, num_queries=3,
+        rows_per_request=per, chunk=32, page_size=16, pad_len=1, pad_page=0)
+    if device_n:
+        args["num_real"] = torch.tensor([n])
+    return args
+
+
+@pytest.mark.parametrize("device_n", [False, True])
+def test_fused_local_is_one_launch_and_no_aten_op(device_n: bool) -> None:
+    bs = 4
+    b = _bufs(bs * 2, 2)
+    args = _local_args(bs, 3, device_n)
+    tt.local_update_(b, **args)  # type: ignore[arg-type]
+    c = count(lambda: tt.local_update_(b, **args))  # type: ignore[arg-type]
+    assert c.launches == 1 and c.kernels == ["local_kernel"]
+    assert c.num_ops == 0, c.ops
+
+
 # ---- reference path: a fixed op count, whatever bs ----------------------------------------------
 def _reference_paged(bs: int, layout: tuple[bool, bool]) -> Counts:
     n, page, width = bs // 2 + 1, 16, 16
@@ -156,11 +179,40 @@ def _reference_tree(bs: int) -> Counts:
     return count(update)
 
 
-@pytest.mark.parametrize("part", ["paged both", "paged page_table", "paged csr", "tree expand"])
+def _reference_local(bs: int) -> Counts:
+    """The reference local phase's writes (phases/local.py) on plain buffers."""
+    n, per, page, width = bs // 2 + 1, 2, 16, 2
+    args = _local_args(bs, n, False)
+    seq, rpi, table, cu_q = (args[k] for k in ("seq_lens", "req_pool_indices", "req_to_token",
+                                               "cu_seqlens_q"))
+    assert isinstance(seq, Tensor) and isinstance(rpi, Tensor) and isinstance(table, Tensor)
+    assert isinstance(cu_q, Tensor)
+    b = _bufs(bs * per, width)
+    arange = torch.arange(bs * per + 1, dtype=I32)
+
+    def update() -> None:
+        q_lens, kv_lens, off, valid = ref.local_rows(seq + 3, 3, 32, per, 1)
+        pages = ref.gather_pages(table, rpi.repeat_interleave(per), page, width, off)
+        pages = torch.where(valid[:, None], pages, 0)
+        rows, real = bs * per, q_lens.shape[0]
+        ref.cumsum_(cu_q, q_lens)
+        pad = torch.div(arange[: rows - real], per, rounding_mode="floor").add_(1).mul_(3)
+        torch.add(pad, cu_q[real : real + 1], out=cu_q[real + 1 : rows + 1])
+        ref.lengths_(b.cache_seqlens, kv_lens, 0, rows, 1)
+        ref.paged_(b, bs=rows, pages=pages, page_size=page, pad_page=0, pad_pages=1,
+                   arange=arange)
+
+    return count(update)
+
+
+@pytest.mark.parametrize("part", ["paged both", "paged page_table", "paged csr", "tree expand",
+                                  "local"])
 def test_reference_op_count_is_fixed(part: str, record_property: Callable[[str, object], None]) -> None:
     sizes = (2, 16, 160)
     if part == "tree expand":
         got = [_reference_tree(bs) for bs in sizes]
+    elif part == "local":
+        got = [_reference_local(bs) for bs in sizes]
     else:
         layout = {"paged both": (True, True), "paged page_table": (True, False),
                   "paged csr": (False, True)}[part]

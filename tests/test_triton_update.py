@@ -451,3 +451,78 @@ def test_tree_bad_input() -> None:
             tt.tree_expand_update_(e, **{**good, **change})  # type: ignore[arg-type, dict-item]
         assert all((x is None and y is None) or torch.equal(x, y)  # type: ignore[arg-type]
                    for x, y in zip(before, snapshot(e), strict=True))
+
+
+# ---- chunked local attention --------------------------------------------------------------------
+@dataclass
+class LocalCase:
+    c: Case  # page, bs (requests), seq, rpi, table, extra, pad_seq_len (= pad_len), layouts, width
+    q: int
+    per: int
+    chunk: int
+
+    @property
+    def rows(self) -> int:
+        return self.c.bs * self.per
+
+
+@st.composite
+def local_cases(draw: st.DrawFn) -> LocalCase:
+    page = draw(st.sampled_from([1, 16, 64]))
+    chunk = page * draw(st.integers(1, 3)) * (draw(st.sampled_from([1, 4])) if page == 1 else 1)
+    nd = draw(st.sampled_from([0, 1, 3, 7]))  # 0: decode, else verify with N drafts
+    q, extra = (1, 0) if nd == 0 else (nd, nd)
+    per = min(q, (q - 1) // chunk + 2) + draw(st.sampled_from([0, 0, 1]))
+    ctx = chunk * draw(st.integers(1, 3)) + page * draw(st.integers(0, 2)) + extra
+    bs = draw(st.integers(1, 6))
+    n = draw(st.integers(0, bs))
+    num_req = draw(st.integers(1, 4))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    table = torch.randint(0, 10**6, (num_req, ctx), generator=gen,
+                          dtype=I64).to(draw(st.sampled_from([I32, I64])))
+    seq = torch.randint(1, ctx - extra + 1, (n,), generator=gen).to(
+        draw(st.sampled_from([I32, I64])))
+    rpi = torch.randint(0, num_req, (n,), generator=gen).to(draw(st.sampled_from([I32, I64])))
+    pad_len = min(draw(st.sampled_from([1, 2, page + 1])), chunk)
+    width = -(-min(chunk, ctx) // page)
+    layout = draw(st.sampled_from([(True, True), (True, False), (False, True)]))
+    c = Case(page, bs, seq, rpi, table, extra, pad_len, draw(st.integers(0, 3)), *layout, None,
+             width)
+    return LocalCase(c, q, per, chunk)
+
+
+def local_reference(lc: LocalCase, b: PagedBuffers, cu_q: Tensor) -> None:
+    """What the reference local phase writes (phases/local.py), on plain buffers."""
+    c = lc.c
+    kv = c.seq + c.extra if c.extra else c.seq
+    q_lens, kv_lens, off, valid = ref.local_rows(kv, lc.q, lc.chunk, lc.per, c.pad_seq_len)
+    pages = ref.gather_pages(c.table, c.rpi.repeat_interleave(lc.per), c.page, c.width, off)
+    pages = torch.where(valid[:, None], pages, c.pad_page)
+    rows, real = lc.rows, q_lens.shape[0]
+    ref.cumsum_(cu_q, q_lens)
+    arange = torch.arange(max(rows, c.width) + 1, dtype=I32)
+    pad = torch.div(arange[: rows - real], lc.per, rounding_mode="floor").add_(1).mul_(lc.q)
+    torch.add(pad, cu_q[real : real + 1], out=cu_q[real + 1 : rows + 1])
+    ref.lengths_(b.cache_seqlens, kv_lens, 0, rows, c.pad_seq_len)
+    ref.paged_(b, bs=rows, pages=pages, page_size=c.page, pad_page=c.pad_page,
+               pad_pages=-(-c.pad_seq_len // c.page), arange=arange)
+
+
+@SETTINGS
+@given(local_cases(), st.booleans(), st.integers(0, 2**31))
+def test_local_equals_reference(lc: LocalCase, device_n: bool, seed: int) -> None:
+    c = lc.c
+    a, b = pair(c, lc.rows + 2)
+    cu_a = torch.full((lc.rows + 3,), POISON_REF, dtype=I32)
+    cu_b = torch.full((lc.rows + 3,), POISON_TT, dtype=I32)
+    local_reference(lc, a, cu_a)
+    seq, rpi, num_real = c.seq, c.rpi, None
+    if device_n:
+        seq, rpi, _ = padded_inputs(c, torch.Generator().manual_seed(seed))
+        num_real = torch.tensor([c.n], dtype=I32)
+    tt.local_update_(b, cu_seqlens_q=cu_b, bs=c.bs, seq_lens=seq, req_pool_indices=rpi,
+                     req_to_token=c.table, extra=c.extra, num_queries=lc.q,
+                     rows_per_request=lc.per, chunk=lc.chunk, page_size=c.page,
+                     pad_len=c.pad_seq_len, pad_page=c.pad_page, num_real=num_real)
+    assert torch.equal(cu_a[: lc.rows + 1], cu_b[: lc.rows + 1])
+    assert_read_region_equal(a, b, lc.rows, c.page)

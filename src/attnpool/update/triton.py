@@ -40,7 +40,7 @@ from torch import Tensor
 from ..errors import CapacityError, InputError, LayoutError
 from .reference import PagedBuffers
 
-__all__ = ["keep_flags", "paged_update_", "tree_expand_update_"]
+__all__ = ["keep_flags", "local_update_", "paged_update_", "tree_expand_update_"]
 
 _INT = (torch.int32, torch.int64)
 _MAX_BLOCK_P = 1024  # page columns per loop step of a row (a row loops over its own live pages)
@@ -55,6 +55,11 @@ def _kernels() -> ModuleType:
 
 def _pow2(x: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, x - 1).bit_length())
+
+
+def _warps(rows: int) -> int:
+    """Warps per program: enough threads for the ``rows``-lane scan every program runs."""
+    return 4 if rows <= 2048 else 8 if rows <= 8192 else 16
 
 
 def _need(ok: bool, err: type[Exception], msg: str) -> None:
@@ -212,7 +217,7 @@ def paged_update_(
         b.kv_indices.shape[0] if b.kv_indices is not None else 0,
         HAS_OFF=token_offset is not None, DEVICE_N=num_real is not None, HAS_PT=has_pt,
         HAS_FI=has_fi, INCR=keep is not None, HAS_Q=q_lens is not None,
-        BLOCK=_pow2(bs), BLOCK_P=min(_MAX_BLOCK_P, _pow2(width)),
+        BLOCK=_pow2(bs), BLOCK_P=min(_MAX_BLOCK_P, _pow2(width)), num_warps=_warps(bs),
     )
 
 
@@ -270,6 +275,70 @@ def tree_expand_update_(
         e.kv_indices.shape[0] if e.kv_indices is not None else 0,
         DEVICE_N=num_real is not None, HAS_PT=has_pt, HAS_FI=has_fi,
         BLOCK_N=bn, BLOCK_R=max(1, 4096 // bn),
+    )
+
+
+def local_update_(
+    b: PagedBuffers,
+    *,
+    cu_seqlens_q: Tensor,
+    bs: int,
+    seq_lens: Tensor,
+    req_pool_indices: Tensor,
+    req_to_token: Tensor,
+    extra: int,
+    num_queries: int,
+    rows_per_request: int,
+    chunk: int,
+    page_size: int,
+    pad_len: int,
+    pad_page: int,
+    num_real: Tensor | None = None,
+) -> None:
+    """Write the chunked-local-attention part (``bs * rows_per_request`` virtual rows) in one launch.
+
+    Same bytes in every read region as the reference local phase: ``reference.local_rows`` over
+    ``seq_lens + extra`` with ``num_queries`` queries per request, pages gathered from each row's
+    chunk start (rows past a request's last chunk: ``pad_len`` keys on ``pad_page``), and
+    ``cu_seqlens_q`` where a padded request's first row takes ``num_queries`` queries so request
+    ``i``'s queries start at row ``i * rows_per_request``. ``num_real`` as in
+    :func:`paged_update_` (a count of requests; inputs padded to ``bs``).
+    """
+    dev = b.cache_seqlens.device
+    _need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
+    for name, x, lo in (("rows_per_request", rows_per_request, 1), ("chunk", chunk, 1),
+                        ("page_size", page_size, 1), ("num_queries", num_queries, 0),
+                        ("pad_len", pad_len, 0)):
+        _need(isinstance(x, int) and x >= lo, InputError, f"{name} must be an int >= {lo}, got {x}")
+    if not isinstance(seq_lens, Tensor):
+        raise InputError(f"seq_lens must be a torch.Tensor, got {type(seq_lens).__name__}")
+    seq_lens = _vec("seq_lens", seq_lens, bs if num_real is not None else seq_lens.shape[0], dev)
+    n = seq_lens.shape[0]
+    _real_count(num_real, n, bs, dev)
+    req_pool_indices = _vec("req_pool_indices", req_pool_indices, n, dev)
+    table = _table(req_to_token, dev)
+    rows = bs * rows_per_request
+    pad_pages = -(-pad_len // page_size)
+    has_pt, has_fi = _layouts(b, rows, dev, pad_pages)
+    _buf("cu_seqlens_q", cu_seqlens_q, rows + 1, dev)
+    if b.page_table is not None:
+        width, pt_stride = b.page_table.shape[1], b.page_table.stride(0)
+    else:
+        width, pt_stride = -(-min(chunk, table.shape[1]) // page_size), 0
+    dummy = b.cache_seqlens
+    _kernels().local_kernel[(rows,)](
+        seq_lens, req_pool_indices, table, num_real if num_real is not None else dummy,
+        b.cache_seqlens, b.cu_seqlens_k, cu_seqlens_q,
+        b.page_table if b.page_table is not None else dummy,
+        b.kv_indptr if b.kv_indptr is not None else dummy,
+        b.kv_indices if b.kv_indices is not None else dummy,
+        b.kv_last_page_len if b.kv_last_page_len is not None else dummy,
+        n, bs, rows_per_request, extra, num_queries, chunk, pad_len, pad_page,
+        page_size, table.shape[0], table.shape[1], table.stride(0), pt_stride, width,
+        b.kv_indices.shape[0] if b.kv_indices is not None else 0,
+        DEVICE_N=num_real is not None, HAS_PT=has_pt, HAS_FI=has_fi,
+        BLOCK=_pow2(rows), BLOCK_P=min(_MAX_BLOCK_P, _pow2(width)),
+        num_warps=_warps(rows),
     )
 
 

@@ -31,6 +31,41 @@ def _pick(v, me):  # type: ignore[no-untyped-def]
     return tl.sum(tl.where(me, v, 0), axis=0)
 
 
+@triton.jit
+def _row_pages(  # type: ignore[no-untyped-def]
+    row, n_gather, n_pt, n_csr, lo, pt_from, row_base, tok0, P, tok_cols, pad_page,
+    pt_ptr, pt_stride, indices_ptr, csr_start, indices_cap,
+    HAS_PT: tl.constexpr, HAS_FI: tl.constexpr, INCR: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """Write one row's pages, a ``BLOCK_P`` chunk at a time, from column ``lo``.
+
+    Column ``p < n_gather`` holds page ``row_base[tok0 + p*P] // P``, later ones ``pad_page``. The
+    page table gets ``n_pt`` columns (only from ``pt_from`` on with ``INCR``), the CSR ``n_csr``
+    entries from ``csr_start``. Block masks are built from block compares only (never
+    ``block & scalar_bool``, which the interpreter mistypes).
+    """
+    if HAS_PT and HAS_FI:
+        hi = tl.maximum(n_pt, n_csr)
+    elif HAS_PT:
+        hi = n_pt
+    else:
+        hi = n_csr
+    for c0 in range(lo, hi, BLOCK_P):
+        p = c0 + tl.arange(0, BLOCK_P)
+        col = tl.minimum(tl.maximum(tok0 + p.to(tl.int64) * P, 0), tok_cols - 1)
+        g = p < n_gather
+        tok = tl.load(row_base + col, mask=g, other=0)
+        pg = tl.where(g, _floor_div(tok, P), pad_page).to(tl.int32)
+        if HAS_PT:
+            m_pt = p < n_pt
+            if INCR:
+                m_pt = m_pt & (p >= pt_from)
+            tl.store(pt_ptr + row.to(tl.int64) * pt_stride + p, pg, mask=m_pt)
+        if HAS_FI:
+            pos = csr_start + p
+            tl.store(indices_ptr + pos, pg, mask=(p < n_csr) & (pos >= 0) & (pos < indices_cap))
+
+
 @triton.jit  # type: ignore[untyped-decorator]
 def paged_kernel(  # type: ignore[no-untyped-def]
     seq_ptr, rpi_ptr, tok_ptr, off_ptr, nreal_ptr, keep_ptr, qlen_ptr,
@@ -85,41 +120,25 @@ def paged_kernel(  # type: ignore[no-untyped-def]
         tl.store(last_ptr + pid, last)
 
     if HAS_PT or HAS_FI:
-        live = _floor_div(my_len + (P - 1), P)
-        cnt = tl.where(is_real, live, pad_pages if HAS_PT else 0)
-        cnt = tl.minimum(cnt, cap_pages)
-        pt_from = cnt * 0
+        live = tl.minimum(_floor_div(my_len + (P - 1), P), cap_pages)
+        zero = live * 0
+        n_gather = tl.where(is_real, live, 0)
+        pt_from = zero
         if INCR:
             kept = (tl.load(keep_ptr + pid) != 0) & is_real
             pt_from = tl.where(kept, tl.maximum(_floor_div(old_len + (P - 1), P), 0), 0)
-        lo = cnt * 0
+        lo = zero
         if INCR and not HAS_FI:
             lo = pt_from  # CSR positions move with every earlier row; only the table is incremental
         r = tl.load(rpi_ptr + pid, mask=is_real, other=0).to(tl.int64)
         r = tl.minimum(tl.maximum(r, 0), tok_rows - 1)
-        row_base = tok_ptr + r * tok_stride
         tok0 = r * 0
         if HAS_OFF:
             tok0 = tl.load(off_ptr + pid, mask=is_real, other=0).to(tl.int64)
-        # (block masks are built from block compares only: never `block & scalar_bool`)
-        live_cnt = tl.where(is_real, cnt, 0)  # columns holding gathered pages (0 for padding)
-        for c0 in range(lo, cnt, BLOCK_P):
-            p = c0 + tl.arange(0, BLOCK_P)
-            m = p < cnt
-            m_live = p < live_cnt
-            col = tok0 + p.to(tl.int64) * P
-            col = tl.minimum(tl.maximum(col, 0), tok_cols - 1)
-            tok = tl.load(row_base + col, mask=m_live, other=0)
-            pg = tl.where(is_real, _floor_div(tok, P), pad_page).to(tl.int32)
-            if HAS_PT:
-                m_pt = m
-                if INCR:
-                    m_pt = m & (p >= pt_from)
-                tl.store(pt_ptr + pid.to(tl.int64) * pt_stride + p, pg, mask=m_pt)
-            if HAS_FI:
-                pos = my_start + p
-                ok = m_live & (pos >= 0) & (pos < indices_cap)
-                tl.store(indices_ptr + pos, pg, mask=ok)
+        _row_pages(pid, n_gather, tl.where(is_real, live, tl.minimum(pad_pages, cap_pages)),
+                   n_gather, lo, pt_from, tok_ptr + r * tok_stride, tok0, P, tok_cols, pad_page,
+                   pt_ptr, pt_stride, indices_ptr, my_start, indices_cap,
+                   HAS_PT, HAS_FI, INCR, BLOCK_P)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -202,3 +221,73 @@ def tree_expand_kernel(  # type: ignore[no-untyped-def]
         val = tl.where(is_real, slot[None, :] + col * 0, pad_id)
         wm = tl.where(is_real, allowed, (kk[None, :] < pad_len) & k_ok[:, None])
         tl.store(pt_ptr + rows.to(tl.int64)[:, None] * pt_stride + tcol2, val, mask=wm)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def local_kernel(  # type: ignore[no-untyped-def]
+    seq_ptr, rpi_ptr, tok_ptr, nreal_ptr,
+    cache_ptr, cuk_ptr, cuq_ptr, pt_ptr, indptr_ptr, indices_ptr, last_ptr,
+    n, bs, per, extra, q, chunk, pad_len, pad_page,
+    P, tok_rows, tok_cols, tok_stride, pt_stride, cap_pages, indices_cap,
+    DEVICE_N: tl.constexpr, HAS_PT: tl.constexpr, HAS_FI: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """One program per virtual row ``pid < bs*per`` of chunked local attention.
+
+    Row ``i*per + v`` is chunk ``c = (L-q)//A + v`` of request ``i`` (``L = seq + extra``): keys
+    ``cA .. min((c+1)A, L)-1``, queries from ``max(cA, L-q)``. Rows past a request's last chunk
+    are "invalid": no queries, ``pad_len`` keys on the pad page, but still rows of a real request
+    (they own CSR pages). Padded requests' first rows take ``q`` queries, the others none.
+    """
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    n_req = n
+    if DEVICE_N:
+        n_req = tl.minimum(tl.maximum(tl.load(nreal_ptr).to(tl.int32), 0), bs)
+    req = offs // per
+    v = offs % per
+    rreal = req < n_req
+    inb = offs < bs * per
+    me = offs == pid
+    length = tl.load(seq_ptr + req, mask=rreal, other=0).to(tl.int64) + extra
+    c = _floor_div(length - q, chunk) + v
+    valid = (c <= _floor_div(length - 1, chunk)) & rreal
+    start = c * chunk
+    q_end = tl.minimum(start + chunk, length)
+    q_len = tl.where(valid, q_end - tl.maximum(start, length - q), 0)
+    q_len = tl.where(rreal, q_len, tl.where(v == 0, q, 0))
+    q_len = tl.where(inb, q_len, 0).to(tl.int32)
+    lens = tl.where(inb, tl.where(valid, (q_end - start).to(tl.int32), pad_len), 0)
+
+    my_len = _pick(lens, me)
+    my_cum = _pick(tl.cumsum(lens, axis=0), me)
+    tl.store(cache_ptr + pid, my_len)
+    tl.store(cuk_ptr + pid + 1, my_cum)
+    tl.store(cuq_ptr + pid + 1, _pick(tl.cumsum(q_len, axis=0), me))
+    if pid == 0:
+        tl.store(cuk_ptr, my_cum * 0)
+        tl.store(cuq_ptr, my_cum * 0)
+    my_req = pid // per
+    owns = my_req < n_req  # a real request's row (valid or not)
+
+    my_start = my_cum * 0
+    if HAS_FI:
+        npg = tl.where(rreal, _floor_div(lens + (P - 1), P), 0)
+        my_end = _pick(tl.cumsum(npg, axis=0), me)
+        my_start = my_end - _pick(npg, me)
+        tl.store(indptr_ptr + pid + 1, my_end)
+        if pid == 0:
+            tl.store(indptr_ptr, my_end * 0)
+        tl.store(last_ptr + pid, tl.where(owns, tl.maximum(my_len - 1, 0) % P + 1, 1))
+
+    if HAS_PT or HAS_FI:
+        live = tl.minimum(_floor_div(my_len + (P - 1), P), cap_pages)  # pad pages if not valid
+        my_valid = _pick(valid.to(tl.int32), me) != 0
+        r = tl.load(rpi_ptr + my_req, mask=owns, other=0).to(tl.int64)
+        r = tl.minimum(tl.maximum(r, 0), tok_rows - 1)
+        tok0 = _pick(tl.where(valid, start, 0), me)
+        zero = live * 0
+        _row_pages(pid, tl.where(my_valid, live, 0), live, tl.where(owns, live, 0), zero, zero,
+                   tok_ptr + r * tok_stride, tok0, P, tok_cols, pad_page,
+                   pt_ptr, pt_stride, indices_ptr, my_start, indices_cap,
+                   HAS_PT, HAS_FI, False, BLOCK_P)
