@@ -31,7 +31,7 @@ def _pick(v, me):  # type: ignore[no-untyped-def]
     return tl.sum(tl.where(me, v, 0), axis=0)
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _row_pages(  # type: ignore[no-untyped-def]
     row, n_gather, n_pt, n_csr, lo, pt_from, row_base, tok0, P, tok_cols, pad_page,
     pt_ptr, pt_stride, indices_ptr, csr_start, indices_cap,
