@@ -526,3 +526,64 @@ def test_local_equals_reference(lc: LocalCase, device_n: bool, seed: int) -> Non
                      pad_len=c.pad_seq_len, pad_page=c.pad_page, num_real=num_real)
     assert torch.equal(cu_a[: lc.rows + 1], cu_b[: lc.rows + 1])
     assert_read_region_equal(a, b, lc.rows, c.page)
+
+
+# ---- draft rounds: chain steps in one launch, tree prefix over whole pages ----------------------
+def _stacked(c: Case, steps: int, fill: int) -> PagedBuffers:
+    rows = c.bs + 2
+    pt = torch.full((rows, c.width), fill, dtype=I32) if c.pt else None
+    return PagedBuffers(torch.full((steps + 1, rows), fill, dtype=I32),
+                        torch.full((steps + 1, rows + 1), fill, dtype=I32), pt, None, None, None)
+
+
+def _step(b: PagedBuffers, d: int, table: bool) -> PagedBuffers:
+    return PagedBuffers(b.cache_seqlens[d], b.cu_seqlens_k[d], b.page_table if table else None,
+                        None, None, None)
+
+
+@SETTINGS
+@given(cases(), st.integers(2, 4), st.booleans())
+def test_chain_steps_equal_reference_per_step(c: Case, steps: int, device_n: bool) -> None:
+    """Step d's lengths and cumsum equal a reference part with ``extra + d``; the shared table
+    equals the last step's (its row prefixes serve the earlier steps)."""
+    limit = c.width * c.page - c.extra - (steps - 1)
+    off = c.off if c.off is not None else torch.zeros_like(c.seq)
+    c.seq = torch.minimum(c.seq, (limit - off).clamp(min=0).to(c.seq.dtype))
+    a, b = _stacked(c, steps, POISON_REF), _stacked(c, steps, POISON_TT)
+    for d in range(steps):
+        run_reference(Case(**{**c.__dict__, "extra": c.extra + d}), _step(a, d, d == steps - 1))
+    if device_n:
+        seq, rpi, off_p = padded_inputs(c, torch.Generator().manual_seed(c.n))
+        tt.paged_update_(b, bs=c.bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=c.table,
+                         extra=c.extra, page_size=c.page, pad_seq_len=c.pad_seq_len,
+                         pad_page=c.pad_page, token_offset=off_p, steps=steps,
+                         num_real=torch.tensor([c.n]))
+    else:
+        run_triton(c, b, steps=steps)
+    for d in range(steps):
+        assert_read_region_equal(_step(a, d, True), _step(b, d, True), c.bs, c.page)
+    assert (b.cache_seqlens[steps] == POISON_TT).all()  # nothing past the last step
+
+
+def test_chain_steps_refuse_csr() -> None:
+    c = Case(16, 2, torch.tensor([3]), torch.tensor([0]), torch.zeros((1, 64), dtype=I32), 1, 1,
+             0, True, False, None, 4)
+    b = _stacked(c, 2, 0)
+    csr = PagedBuffers(b.cache_seqlens, b.cu_seqlens_k, b.page_table, torch.zeros((2, 4), dtype=I32),
+                       torch.zeros((2, 9), dtype=I32), torch.zeros((2, 3), dtype=I32))
+    with pytest.raises(LayoutError):
+        run_triton(c, csr, steps=2)
+    with pytest.raises(InputError):  # steps > 1 needs [steps, rows] lengths
+        run_triton(c, PagedBuffers(b.cache_seqlens[0], b.cu_seqlens_k[0], None, None, None, None),
+                   steps=2)
+
+
+@SETTINGS
+@given(cases())
+def test_full_pages_equals_reference(c: Case) -> None:
+    """The draft tree prefix pass: lengths rounded down to whole pages (phases/draft.py)."""
+    a, b = pair(c)
+    full = torch.div(c.seq.to(I64) + c.extra, c.page, rounding_mode="floor") * c.page
+    run_reference(Case(**{**c.__dict__, "seq": full, "extra": 0}), a)
+    run_triton(c, b, full_pages=True)
+    assert_read_region_equal(a, b, c.bs, c.page)

@@ -82,12 +82,21 @@ def _vec(name: str, t: object, rows: int, dev: torch.device, dtypes: tuple[torch
     return t
 
 
-def _buf(name: str, t: Tensor, numel: int, dev: torch.device) -> None:
-    """A pool buffer: int32, on ``dev``, contiguous rows, at least ``numel`` elements (leading dim)."""
+def _buf(name: str, t: Tensor, numel: int, dev: torch.device, ndim: int = 1, steps: int = 0
+         ) -> None:
+    """A pool buffer: int32 on ``dev``, ``ndim`` dims, unit stride in the last, at least ``numel``
+    rows; with ``steps``, an extra leading dim of at least ``steps`` (one row per draft step)."""
+    if not isinstance(t, Tensor):
+        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _need(t.dtype == torch.int32, InputError, f"{name} must be int32, got {t.dtype}")
     _need(t.device == dev, InputError, f"{name} must be on {dev}, got {t.device}")
-    _need(t.shape[0] >= numel, CapacityError,
-          f"{name} must have >= {numel} rows for this batch, got {t.shape[0]}")
+    lead = 1 if steps else 0
+    _need(t.dim() == ndim + lead, InputError,
+          f"{name} must have {ndim + lead} dim(s), got shape {tuple(t.shape)}")
+    _need(not steps or t.shape[0] >= steps, CapacityError,
+          f"{name} must have >= {steps} step rows, got shape {tuple(t.shape)}")
+    _need(t.shape[lead] >= numel, CapacityError,
+          f"{name} must have >= {numel} rows for this batch, got shape {tuple(t.shape)}")
     _need(t.stride(-1) == 1, InputError, f"{name} must have unit stride in its last dim")
 
 
@@ -103,23 +112,26 @@ def _table(t: object, dev: torch.device) -> Tensor:
     return t
 
 
-def _layouts(b: PagedBuffers, rows: int, dev: torch.device, min_width: int) -> tuple[bool, bool]:
-    """Check the part's buffers for ``rows`` rows; return (has page table, has CSR)."""
-    _buf("cache_seqlens", b.cache_seqlens, rows, dev)
-    _buf("cu_seqlens_k", b.cu_seqlens_k, rows + 1, dev)
+def _layouts(b: PagedBuffers, rows: int, dev: torch.device, min_width: int, steps: int = 0
+             ) -> tuple[bool, bool]:
+    """Check the part's buffers for ``rows`` rows; return (has page table, has CSR).
+
+    ``steps > 0``: lengths and cumsums are ``[steps, ...]`` (one row per step, stacked)."""
+    _buf("cache_seqlens", b.cache_seqlens, rows, dev, steps=steps)
+    _buf("cu_seqlens_k", b.cu_seqlens_k, rows + 1, dev, steps=steps)
     has_pt = b.page_table is not None
     if b.page_table is not None:
-        _buf("page_table", b.page_table, rows, dev)
-        _need(b.page_table.dim() == 2 and b.page_table.shape[1] >= min_width, CapacityError,
-              f"page_table must be 2-D with >= {min_width} columns, got {tuple(b.page_table.shape)}")
+        _buf("page_table", b.page_table, rows, dev, ndim=2)
+        _need(b.page_table.shape[1] >= min_width, CapacityError,
+              f"page_table must have >= {min_width} columns, got {tuple(b.page_table.shape)}")
     csr = (b.kv_indptr, b.kv_indices, b.kv_last_page_len)
     has_fi = all(t is not None for t in csr)
     _need(has_fi or all(t is None for t in csr), LayoutError,
           "kv_indptr, kv_indices and kv_last_page_len must all be given or all be None")
     if b.kv_indptr is not None and b.kv_indices is not None and b.kv_last_page_len is not None:
-        _buf("kv_indptr", b.kv_indptr, rows + 1, dev)
-        _buf("kv_indices", b.kv_indices, 1, dev)
-        _buf("kv_last_page_len", b.kv_last_page_len, rows, dev)
+        _buf("kv_indptr", b.kv_indptr, rows + 1, dev, steps=steps)
+        _buf("kv_indices", b.kv_indices, 1, dev, steps=steps)
+        _buf("kv_last_page_len", b.kv_last_page_len, rows, dev, steps=steps)
     return has_pt, has_fi
 
 
@@ -147,6 +159,8 @@ def paged_update_(
     q_lens: Tensor | None = None,
     cu_seqlens_q: Tensor | None = None,
     pad_q: int = 1,
+    steps: int = 1,
+    full_pages: bool = False,
 ) -> None:
     """Write one paged part's read region for ``bs`` rows in one launch.
 
@@ -168,6 +182,11 @@ def paged_update_(
         keep: incremental page table (module docstring): ``[bs]`` device flags.
         q_lens, cu_seqlens_q: optional query part: ``cu_seqlens_q = [0, cumsum(q_lens)]`` with
             ``pad_q`` queries per padded row (draft extend), written by the same launch.
+        steps: chain draft steps in one launch: ``b.cache_seqlens`` / ``b.cu_seqlens_k`` are then
+            ``[steps, rows]`` / ``[steps, rows+1]``, step ``d`` (0-based) holding ``seq_lens +
+            extra + d`` and its cumsum; the page table is written once, for the last step's
+            lengths (its row prefixes serve every earlier step). No CSR (``LayoutError``).
+        full_pages: lengths rounded down to whole pages (a draft tree's prefix pass).
     """
     dev = b.cache_seqlens.device
     _need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
@@ -184,7 +203,11 @@ def paged_update_(
     if token_offset is not None:
         _vec("token_offset", token_offset, rows, dev)
     pad_pages = -(-pad_seq_len // page_size)
-    has_pt, has_fi = _layouts(b, bs, dev, pad_pages)
+    _need(isinstance(steps, int) and steps >= 1, InputError, f"steps must be an int >= 1, got {steps}")
+    has_pt, has_fi = _layouts(b, bs, dev, pad_pages, steps if steps > 1 else 0)
+    _need(steps == 1 or not has_fi, LayoutError,
+          f"steps > 1 (got {steps}) share one page table; a CSR layout cannot be given")
+    _need(steps == 1 or keep is None, InputError, "keep cannot be combined with steps > 1")
     if keep is not None:
         _vec("keep", keep, bs, dev, (torch.bool, torch.int8, torch.uint8, torch.int32, torch.int64))
     if (q_lens is None) != (cu_seqlens_q is None):
@@ -212,11 +235,13 @@ def paged_update_(
         b.kv_indices if b.kv_indices is not None else dummy,
         b.kv_last_page_len if b.kv_last_page_len is not None else dummy,
         cu_seqlens_q if cu_seqlens_q is not None else dummy,
-        n, bs, extra, pad_seq_len, pad_page, pad_pages, pad_q,
+        n, bs, extra, pad_seq_len, pad_page, pad_pages, pad_q, steps,
+        b.cache_seqlens.stride(0) if steps > 1 else 0,
+        b.cu_seqlens_k.stride(0) if steps > 1 else 0,
         page_size, table.shape[0], table.shape[1], table.stride(0), pt_stride, width,
         b.kv_indices.shape[0] if b.kv_indices is not None else 0,
         HAS_OFF=token_offset is not None, DEVICE_N=num_real is not None, HAS_PT=has_pt,
-        HAS_FI=has_fi, INCR=keep is not None, HAS_Q=q_lens is not None,
+        HAS_FI=has_fi, INCR=keep is not None, HAS_Q=q_lens is not None, FULL_PAGES=full_pages,
         BLOCK=_pow2(bs), BLOCK_P=min(_MAX_BLOCK_P, _pow2(width)), num_warps=_warps(bs),
     )
 

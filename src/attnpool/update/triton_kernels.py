@@ -70,13 +70,18 @@ def _row_pages(  # type: ignore[no-untyped-def]
 def paged_kernel(  # type: ignore[no-untyped-def]
     seq_ptr, rpi_ptr, tok_ptr, off_ptr, nreal_ptr, keep_ptr, qlen_ptr,
     cache_ptr, cuk_ptr, pt_ptr, indptr_ptr, indices_ptr, last_ptr, cuq_ptr,
-    n, bs, extra, pad_len, pad_page, pad_pages, pad_q,
+    n, bs, extra, pad_len, pad_page, pad_pages, pad_q, steps, len_sstride, cu_sstride,
     P, tok_rows, tok_cols, tok_stride, pt_stride, cap_pages, indices_cap,
     HAS_OFF: tl.constexpr, DEVICE_N: tl.constexpr, HAS_PT: tl.constexpr,
-    HAS_FI: tl.constexpr, INCR: tl.constexpr, HAS_Q: tl.constexpr,
+    HAS_FI: tl.constexpr, INCR: tl.constexpr, HAS_Q: tl.constexpr, FULL_PAGES: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """One program per row ``pid < bs`` of a paged part (see ``triton.paged_update_``)."""
+    """One program per row ``pid < bs`` of a paged part (see ``triton.paged_update_``).
+
+    With ``steps > 1`` (chain draft steps) step ``d`` writes its own lengths (``+ d``) and cumsum
+    at ``d * len_sstride`` / ``d * cu_sstride``: ``cumsum(len + d) = cumsum(len) + d * (real rows
+    so far)``, no second scan. Pages are written once, for the last step's lengths.
+    """
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     n_real = n
@@ -88,18 +93,22 @@ def paged_kernel(  # type: ignore[no-untyped-def]
     is_real = pid < n_real
 
     # lengths: real rows seq + extra (int32 like the int32 buffer), padded rows pad_len
-    s = tl.load(seq_ptr + offs, mask=real, other=0)
-    lens = tl.where(real, (s + extra).to(tl.int32), pad_len)
-    lens = tl.where(inb, lens, 0)
+    s = tl.load(seq_ptr + offs, mask=real, other=0) + extra
+    if FULL_PAGES:
+        s = _floor_div(s, P) * P  # a draft tree's prefix pass: whole pages only
+    lens = tl.where(inb, tl.where(real, s.to(tl.int32), pad_len), 0)
     my_len = _pick(lens, me)
     my_cum = _pick(tl.cumsum(lens, axis=0), me)
     old_len = my_len
     if INCR:
         old_len = tl.load(cache_ptr + pid)  # the previous step's length, read before it is replaced
-    tl.store(cache_ptr + pid, my_len)
-    tl.store(cuk_ptr + pid + 1, my_cum)
-    if pid == 0:
-        tl.store(cuk_ptr, my_cum * 0)
+    real_so_far = tl.minimum(pid + 1, n_real)
+    for d in range(steps):
+        tl.store(cache_ptr + d * len_sstride + pid, my_len + tl.where(is_real, d, 0))
+        tl.store(cuk_ptr + d * cu_sstride + pid + 1, my_cum + d * real_so_far)
+        if pid == 0:
+            tl.store(cuk_ptr + d * cu_sstride, my_cum * 0)
+    my_len = my_len + tl.where(is_real, steps - 1, 0)  # pages cover the last step
 
     if HAS_Q:
         q = tl.load(qlen_ptr + offs, mask=real, other=0).to(tl.int32)
