@@ -145,6 +145,39 @@ def test_fused_local_is_one_launch_and_no_aten_op(device_n: bool) -> None:
     assert c.num_ops == 0, c.ops
 
 
+def test_fused_draft_round_is_one_launch_per_part() -> None:
+    """A tree round: prefix (whole pages) + the expand rows of all S steps; a chain round: all S
+    steps' lengths and the shared table. One launch each, no aten op."""
+    bs, n, steps, topk, page = 4, 3, 3, 2, 16
+    table = torch.arange(4 * 64, dtype=I32).view(4, 64)
+    seq, rpi = torch.tensor([5, 17, 40]), torch.tensor([0, 2, 3])
+    loc = torch.arange(n * steps * topk).view(n, steps, topk)
+    prefix = _bufs(bs, 4)
+    width, rows = page - 1 + steps, bs * topk
+    e = PagedBuffers(torch.zeros((steps, rows), dtype=I32), torch.zeros((steps, rows + 1), dtype=I32),
+                     torch.zeros((rows, width), dtype=I32),
+                     torch.zeros((steps, rows + 1), dtype=I32),
+                     torch.zeros((steps, rows * width + 1), dtype=I32),
+                     torch.zeros((steps, rows), dtype=I32))
+    chain = PagedBuffers(torch.zeros((steps, bs), dtype=I32), torch.zeros((steps, bs + 1), dtype=I32),
+                         torch.zeros((bs, 4), dtype=I32), None, None, None)
+    common: dict[str, object] = dict(bs=bs, seq_lens=seq, req_pool_indices=rpi,
+                                     req_to_token=table, page_size=page)
+    calls: dict[str, Callable[[], None]] = {
+        "tree prefix": lambda: tt.paged_update_(prefix, extra=0, pad_seq_len=1, pad_page=0,
+                                                full_pages=True, **common),  # type: ignore[arg-type]
+        "tree expand": lambda: tt.draft_tree_expand_update_(e, out_cache_loc=loc, pad_len=1,
+                                                            pad_id=0, **common),  # type: ignore[arg-type]
+        "chain steps": lambda: tt.paged_update_(chain, extra=1, pad_seq_len=1, pad_page=0,
+                                                steps=steps, **common),  # type: ignore[arg-type]
+    }
+    for name, call in calls.items():
+        call()
+        c = count(call)
+        assert c.launches == 1, name
+        assert c.num_ops == 0, (name, c.ops)
+
+
 # ---- reference path: a fixed op count, whatever bs ----------------------------------------------
 def _reference_paged(bs: int, layout: tuple[bool, bool]) -> Counts:
     n, page, width = bs // 2 + 1, 16, 16

@@ -587,3 +587,74 @@ def test_full_pages_equals_reference(c: Case) -> None:
     run_reference(Case(**{**c.__dict__, "seq": full, "extra": 0}), a)
     run_triton(c, b, full_pages=True)
     assert_read_region_equal(a, b, c.bs, c.page)
+
+
+@st.composite
+def draft_cases(draw: st.DrawFn) -> tuple[Case, Tensor]:
+    """A draft tree round: Case.bs = requests, Case.width = P-1+S; plus out_cache_loc [n, S, K]."""
+    page = draw(st.sampled_from([1, 16, 64]))
+    steps, topk = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    bs = draw(st.integers(1, 5))
+    n = draw(st.integers(0, bs))
+    ctx = page * draw(st.integers(1, 3)) + steps
+    num_req = draw(st.integers(1, 4))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    dt = [draw(st.sampled_from([I32, I64])) for _ in range(4)]
+    table = torch.randint(0, 10**6, (num_req, ctx), generator=gen, dtype=I64).to(dt[0])
+    seq = torch.randint(1, ctx - steps + 1, (n,), generator=gen).to(dt[1])
+    rpi = torch.randint(0, num_req, (n,), generator=gen).to(dt[2])
+    loc = torch.randint(0, 10**6, (n, steps, topk), generator=gen, dtype=I64).to(dt[3])
+    if draw(st.booleans()):
+        loc = loc.permute(0, 2, 1).contiguous().permute(0, 2, 1)  # strided, same values
+    width = page - 1 + steps
+    pad_len = min(draw(st.sampled_from([1, 0, 3, 100])), width)
+    layout = draw(st.sampled_from([(True, True), (True, False), (False, True), (False, False)]))
+    c = Case(page, bs, seq, rpi, table, 0, pad_len, draw(st.integers(0, 3)) * page, *layout, None,
+             width)
+    return c, loc
+
+
+def _draft_stacked(c: Case, steps: int, rows: int, fill: int) -> PagedBuffers:
+    def t(*shape: int) -> Tensor:
+        return torch.full(shape, fill, dtype=I32)
+
+    return PagedBuffers(t(steps, rows + 2), t(steps, rows + 3),
+                        t(rows + 2, c.width) if c.pt else None,
+                        t(steps, rows + 3) if c.fi else None,
+                        t(steps, rows * c.width + 1) if c.fi else None,
+                        t(steps, rows + 2) if c.fi else None)
+
+
+def _draft_step(b: PagedBuffers, d: int, table: bool) -> PagedBuffers:
+    def s(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x[d]
+
+    return PagedBuffers(b.cache_seqlens[d], b.cu_seqlens_k[d], b.page_table if table else None,
+                        s(b.kv_indptr), s(b.kv_indices), s(b.kv_last_page_len))
+
+
+@SETTINGS
+@given(draft_cases(), st.booleans())
+def test_draft_tree_expand_equals_reference(dc: tuple[Case, Tensor], device_n: bool) -> None:
+    c, loc = dc
+    steps, topk = loc.shape[1], loc.shape[2]
+    rows = c.bs * topk
+    a, b = (_draft_stacked(c, steps, rows, f) for f in (POISON_REF, POISON_TT))
+    _, part, slots = ref.draft_expand(c.seq, c.rpi, c.table, loc, c.page)
+    arange = torch.arange(rows + c.width + 1, dtype=I32)
+    for d in range(steps):  # what the reference draft phase writes (phases/draft.py)
+        step = _draft_step(a, d, d == steps - 1)
+        ref.lengths_(step.cache_seqlens, part, d + 1, rows, c.pad_seq_len)
+        ref.paged_(step, bs=rows, pages=slots, page_size=1, pad_page=c.pad_page,
+                   pad_pages=c.pad_seq_len, arange=arange)
+    seq, rpi, num_real = c.seq, c.rpi, None
+    if device_n:
+        seq, rpi, _ = padded_inputs(c, torch.Generator().manual_seed(c.n))
+        junk = torch.full((c.bs - c.n, steps, topk), -(10**6), dtype=loc.dtype)
+        loc = torch.cat([loc, junk])
+        num_real = torch.tensor([c.n], dtype=I32)
+    tt.draft_tree_expand_update_(b, bs=c.bs, seq_lens=seq, req_pool_indices=rpi,
+                                 req_to_token=c.table, out_cache_loc=loc, page_size=c.page,
+                                 pad_len=c.pad_seq_len, pad_id=c.pad_page, num_real=num_real)
+    for d in range(steps):
+        assert_read_region_equal(_draft_step(a, d, True), _draft_step(b, d, True), rows, 1)

@@ -32,115 +32,19 @@ positions shift whenever an earlier row's page count changes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from ..errors import CapacityError, InputError, LayoutError
+from . import triton_checks as ck
 from .reference import PagedBuffers
+from .triton_draft import draft_tree_expand_update_
 
-__all__ = ["keep_flags", "local_update_", "paged_update_", "tree_expand_update_"]
-
-_INT = (torch.int32, torch.int64)
-_MAX_BLOCK_P = 1024  # page columns per loop step of a row (a row loops over its own live pages)
-
-
-def _kernels() -> ModuleType:
-    """The jit kernels; imported on first use so importing attnpool never imports triton."""
-    from . import triton_kernels
-
-    return triton_kernels
-
-
-def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, 1 << max(0, x - 1).bit_length())
-
-
-def _warps(rows: int) -> int:
-    """Warps per program: enough threads for the ``rows``-lane scan every program runs."""
-    return 4 if rows <= 2048 else 8 if rows <= 8192 else 16
-
-
-def _need(ok: bool, err: type[Exception], msg: str) -> None:
-    if not ok:
-        raise err(msg)
-
-
-def _vec(name: str, t: object, rows: int, dev: torch.device, dtypes: tuple[torch.dtype, ...] = _INT
-         ) -> Tensor:
-    """A 1-D tensor of ``rows`` elements on ``dev`` with unit stride (the kernels index it flat)."""
-    if not isinstance(t, Tensor):
-        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _need(t.dim() == 1 and t.shape[0] == rows, InputError,
-          f"{name} must have shape [{rows}], got {tuple(t.shape)}")
-    _need(t.dtype in dtypes, InputError,
-          f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    _need(t.device == dev, InputError, f"{name} must be on {dev}, got {t.device}")
-    _need(rows <= 1 or t.stride(0) == 1, InputError,
-          f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
-    return t
-
-
-def _buf(name: str, t: Tensor, numel: int, dev: torch.device, ndim: int = 1, steps: int = 0
-         ) -> None:
-    """A pool buffer: int32 on ``dev``, ``ndim`` dims, unit stride in the last, at least ``numel``
-    rows; with ``steps``, an extra leading dim of at least ``steps`` (one row per draft step)."""
-    if not isinstance(t, Tensor):
-        raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _need(t.dtype == torch.int32, InputError, f"{name} must be int32, got {t.dtype}")
-    _need(t.device == dev, InputError, f"{name} must be on {dev}, got {t.device}")
-    lead = 1 if steps else 0
-    _need(t.dim() == ndim + lead, InputError,
-          f"{name} must have {ndim + lead} dim(s), got shape {tuple(t.shape)}")
-    _need(not steps or t.shape[0] >= steps, CapacityError,
-          f"{name} must have >= {steps} step rows, got shape {tuple(t.shape)}")
-    _need(t.shape[lead] >= numel, CapacityError,
-          f"{name} must have >= {numel} rows for this batch, got shape {tuple(t.shape)}")
-    _need(t.stride(-1) == 1, InputError, f"{name} must have unit stride in its last dim")
-
-
-def _table(t: object, dev: torch.device) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise InputError(f"req_to_token must be a torch.Tensor, got {type(t).__name__}")
-    _need(t.dim() == 2 and t.shape[0] >= 1 and t.shape[1] >= 1, InputError,
-          f"req_to_token must be a non-empty 2-D table, got shape {tuple(t.shape)}")
-    _need(t.dtype in _INT, InputError, f"req_to_token must be int32/int64, got {t.dtype}")
-    _need(t.device == dev, InputError, f"req_to_token must be on {dev}, got {t.device}")
-    _need(t.stride(1) == 1, InputError,
-          f"req_to_token rows must be contiguous (stride(1)=1), got {t.stride()}")
-    return t
-
-
-def _layouts(b: PagedBuffers, rows: int, dev: torch.device, min_width: int, steps: int = 0
-             ) -> tuple[bool, bool]:
-    """Check the part's buffers for ``rows`` rows; return (has page table, has CSR).
-
-    ``steps > 0``: lengths and cumsums are ``[steps, ...]`` (one row per step, stacked)."""
-    _buf("cache_seqlens", b.cache_seqlens, rows, dev, steps=steps)
-    _buf("cu_seqlens_k", b.cu_seqlens_k, rows + 1, dev, steps=steps)
-    has_pt = b.page_table is not None
-    if b.page_table is not None:
-        _buf("page_table", b.page_table, rows, dev, ndim=2)
-        _need(b.page_table.shape[1] >= min_width, CapacityError,
-              f"page_table must have >= {min_width} columns, got {tuple(b.page_table.shape)}")
-    csr = (b.kv_indptr, b.kv_indices, b.kv_last_page_len)
-    has_fi = all(t is not None for t in csr)
-    _need(has_fi or all(t is None for t in csr), LayoutError,
-          "kv_indptr, kv_indices and kv_last_page_len must all be given or all be None")
-    if b.kv_indptr is not None and b.kv_indices is not None and b.kv_last_page_len is not None:
-        _buf("kv_indptr", b.kv_indptr, rows + 1, dev, steps=steps)
-        _buf("kv_indices", b.kv_indices, 1, dev, steps=steps)
-        _buf("kv_last_page_len", b.kv_last_page_len, rows, dev, steps=steps)
-    return has_pt, has_fi
-
-
-def _real_count(num_real: Tensor | None, n: int, bs: int, dev: torch.device) -> None:
-    if num_real is None:
-        _need(n <= bs, CapacityError, f"real rows n must be <= bs={bs}, got n={n}")
-    else:
-        _vec("num_real", num_real, 1, dev)
-
+__all__ = [
+    "draft_tree_expand_update_", "keep_flags", "local_update_", "paged_update_",
+    "tree_expand_update_",
+]
 
 def paged_update_(
     b: PagedBuffers,
@@ -189,32 +93,32 @@ def paged_update_(
         full_pages: lengths rounded down to whole pages (a draft tree's prefix pass).
     """
     dev = b.cache_seqlens.device
-    _need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
+    ck.need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
     if not isinstance(seq_lens, Tensor):
         raise InputError(f"seq_lens must be a torch.Tensor, got {type(seq_lens).__name__}")
     rows = bs if num_real is not None else seq_lens.shape[0]
-    _need(page_size >= 1, InputError, f"page_size must be >= 1, got {page_size}")
-    _need(pad_seq_len >= 0, InputError, f"pad_seq_len must be >= 0, got {pad_seq_len}")
-    seq_lens = _vec("seq_lens", seq_lens, rows, dev)
+    ck.need(page_size >= 1, InputError, f"page_size must be >= 1, got {page_size}")
+    ck.need(pad_seq_len >= 0, InputError, f"pad_seq_len must be >= 0, got {pad_seq_len}")
+    seq_lens = ck.vec("seq_lens", seq_lens, rows, dev)
     n = seq_lens.shape[0]
-    _real_count(num_real, n, bs, dev)
-    req_pool_indices = _vec("req_pool_indices", req_pool_indices, rows, dev)
-    table = _table(req_to_token, dev)
+    ck.real_count(num_real, n, bs, dev)
+    req_pool_indices = ck.vec("req_pool_indices", req_pool_indices, rows, dev)
+    table = ck.table(req_to_token, dev)
     if token_offset is not None:
-        _vec("token_offset", token_offset, rows, dev)
+        ck.vec("token_offset", token_offset, rows, dev)
     pad_pages = -(-pad_seq_len // page_size)
-    _need(isinstance(steps, int) and steps >= 1, InputError, f"steps must be an int >= 1, got {steps}")
-    has_pt, has_fi = _layouts(b, bs, dev, pad_pages, steps if steps > 1 else 0)
-    _need(steps == 1 or not has_fi, LayoutError,
+    ck.need(isinstance(steps, int) and steps >= 1, InputError, f"steps must be an int >= 1, got {steps}")
+    has_pt, has_fi = ck.layouts(b, bs, dev, pad_pages, steps if steps > 1 else 0)
+    ck.need(steps == 1 or not has_fi, LayoutError,
           f"steps > 1 (got {steps}) share one page table; a CSR layout cannot be given")
-    _need(steps == 1 or keep is None, InputError, "keep cannot be combined with steps > 1")
+    ck.need(steps == 1 or keep is None, InputError, "keep cannot be combined with steps > 1")
     if keep is not None:
-        _vec("keep", keep, bs, dev, (torch.bool, torch.int8, torch.uint8, torch.int32, torch.int64))
+        ck.vec("keep", keep, bs, dev, (torch.bool, torch.int8, torch.uint8, torch.int32, torch.int64))
     if (q_lens is None) != (cu_seqlens_q is None):
         raise InputError("q_lens and cu_seqlens_q must be given together")
     if q_lens is not None and cu_seqlens_q is not None:
-        _vec("q_lens", q_lens, rows, dev)
-        _buf("cu_seqlens_q", cu_seqlens_q, bs + 1, dev)
+        ck.vec("q_lens", q_lens, rows, dev)
+        ck.buf("cu_seqlens_q", cu_seqlens_q, bs + 1, dev)
     # most page columns a row may write: the table's width (a CSR-only part: a whole token row)
     if b.page_table is not None:
         width, pt_stride = b.page_table.shape[1], b.page_table.stride(0)
@@ -222,7 +126,7 @@ def paged_update_(
         width, pt_stride = -(-table.shape[1] // page_size), 0
 
     dummy = b.cache_seqlens
-    k = _kernels()
+    k = ck.kernels()
     k.paged_kernel[(bs,)](
         seq_lens, req_pool_indices, table,
         token_offset if token_offset is not None else dummy,
@@ -242,7 +146,7 @@ def paged_update_(
         b.kv_indices.shape[0] if b.kv_indices is not None else 0,
         HAS_OFF=token_offset is not None, DEVICE_N=num_real is not None, HAS_PT=has_pt,
         HAS_FI=has_fi, INCR=keep is not None, HAS_Q=q_lens is not None, FULL_PAGES=full_pages,
-        BLOCK=_pow2(bs), BLOCK_P=min(_MAX_BLOCK_P, _pow2(width)), num_warps=_warps(bs),
+        BLOCK=ck.pow2(bs), BLOCK_P=min(ck.MAX_BLOCK_P, ck.pow2(width)), num_warps=ck.warps(bs),
     )
 
 
@@ -269,23 +173,23 @@ def tree_expand_update_(
     dev = e.cache_seqlens.device
     if not isinstance(tree_mask, Tensor):
         raise InputError(f"tree_mask must be a torch.Tensor, got {type(tree_mask).__name__}")
-    _need(tree_mask.dim() == 3 and tree_mask.shape[1] == tree_mask.shape[2] >= 1, InputError,
+    ck.need(tree_mask.dim() == 3 and tree_mask.shape[1] == tree_mask.shape[2] >= 1, InputError,
           f"tree_mask must be [n, N, N], got {tuple(tree_mask.shape)}")
-    _need(tree_mask.dtype == torch.bool, InputError, f"tree_mask must be bool, got {tree_mask.dtype}")
-    _need(tree_mask.device == dev, InputError, f"tree_mask must be on {dev}, got {tree_mask.device}")
+    ck.need(tree_mask.dtype == torch.bool, InputError, f"tree_mask must be bool, got {tree_mask.dtype}")
+    ck.need(tree_mask.device == dev, InputError, f"tree_mask must be on {dev}, got {tree_mask.device}")
     n, nd = tree_mask.shape[0], tree_mask.shape[1]
-    _need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
+    ck.need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
     if num_real is not None:
-        _need(n == bs, InputError, f"with num_real, tree_mask must have bs={bs} rows, got {n}")
-    _real_count(num_real, n, bs, dev)
-    _need(0 <= pad_len <= nd, InputError, f"pad_len must be in [0, N={nd}], got {pad_len}")
-    seq_lens = _vec("seq_lens", seq_lens, n, dev)
-    req_pool_indices = _vec("req_pool_indices", req_pool_indices, n, dev)
-    table = _table(req_to_token, dev)
-    has_pt, has_fi = _layouts(e, bs * nd, dev, nd)
+        ck.need(n == bs, InputError, f"with num_real, tree_mask must have bs={bs} rows, got {n}")
+    ck.real_count(num_real, n, bs, dev)
+    ck.need(0 <= pad_len <= nd, InputError, f"pad_len must be in [0, N={nd}], got {pad_len}")
+    seq_lens = ck.vec("seq_lens", seq_lens, n, dev)
+    req_pool_indices = ck.vec("req_pool_indices", req_pool_indices, n, dev)
+    table = ck.table(req_to_token, dev)
+    has_pt, has_fi = ck.layouts(e, bs * nd, dev, nd)
     dummy = e.cache_seqlens
-    bn = _pow2(nd, 2)
-    k = _kernels()
+    bn = ck.pow2(nd, 2)
+    k = ck.kernels()
     k.tree_expand_kernel[(bs,)](
         tree_mask, seq_lens, req_pool_indices, table,
         num_real if num_real is not None else dummy,
@@ -330,28 +234,28 @@ def local_update_(
     :func:`paged_update_` (a count of requests; inputs padded to ``bs``).
     """
     dev = b.cache_seqlens.device
-    _need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
+    ck.need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
     for name, x, lo in (("rows_per_request", rows_per_request, 1), ("chunk", chunk, 1),
                         ("page_size", page_size, 1), ("num_queries", num_queries, 0),
                         ("pad_len", pad_len, 0)):
-        _need(isinstance(x, int) and x >= lo, InputError, f"{name} must be an int >= {lo}, got {x}")
+        ck.need(isinstance(x, int) and x >= lo, InputError, f"{name} must be an int >= {lo}, got {x}")
     if not isinstance(seq_lens, Tensor):
         raise InputError(f"seq_lens must be a torch.Tensor, got {type(seq_lens).__name__}")
-    seq_lens = _vec("seq_lens", seq_lens, bs if num_real is not None else seq_lens.shape[0], dev)
+    seq_lens = ck.vec("seq_lens", seq_lens, bs if num_real is not None else seq_lens.shape[0], dev)
     n = seq_lens.shape[0]
-    _real_count(num_real, n, bs, dev)
-    req_pool_indices = _vec("req_pool_indices", req_pool_indices, n, dev)
-    table = _table(req_to_token, dev)
+    ck.real_count(num_real, n, bs, dev)
+    req_pool_indices = ck.vec("req_pool_indices", req_pool_indices, n, dev)
+    table = ck.table(req_to_token, dev)
     rows = bs * rows_per_request
     pad_pages = -(-pad_len // page_size)
-    has_pt, has_fi = _layouts(b, rows, dev, pad_pages)
-    _buf("cu_seqlens_q", cu_seqlens_q, rows + 1, dev)
+    has_pt, has_fi = ck.layouts(b, rows, dev, pad_pages)
+    ck.buf("cu_seqlens_q", cu_seqlens_q, rows + 1, dev)
     if b.page_table is not None:
         width, pt_stride = b.page_table.shape[1], b.page_table.stride(0)
     else:
         width, pt_stride = -(-min(chunk, table.shape[1]) // page_size), 0
     dummy = b.cache_seqlens
-    _kernels().local_kernel[(rows,)](
+    ck.kernels().local_kernel[(rows,)](
         seq_lens, req_pool_indices, table, num_real if num_real is not None else dummy,
         b.cache_seqlens, b.cu_seqlens_k, cu_seqlens_q,
         b.page_table if b.page_table is not None else dummy,
@@ -362,8 +266,8 @@ def local_update_(
         page_size, table.shape[0], table.shape[1], table.stride(0), pt_stride, width,
         b.kv_indices.shape[0] if b.kv_indices is not None else 0,
         DEVICE_N=num_real is not None, HAS_PT=has_pt, HAS_FI=has_fi,
-        BLOCK=_pow2(rows), BLOCK_P=min(_MAX_BLOCK_P, _pow2(width)),
-        num_warps=_warps(rows),
+        BLOCK=ck.pow2(rows), BLOCK_P=min(ck.MAX_BLOCK_P, ck.pow2(width)),
+        num_warps=ck.warps(rows),
     )
 
 
@@ -372,6 +276,6 @@ def keep_flags(prev_ids: Sequence[int] | None, ids: Sequence[int], bs: int) -> l
     request (``req_pool_indices``) as at the previous update, 0 for new requests, padded rows and
     when there was no previous update. The caller copies them into its ``[bs]`` device tensor
     (``copy_(..., non_blocking=True)`` from pinned memory keeps the host from waiting)."""
-    _need(len(ids) <= bs, CapacityError, f"ids must have <= bs={bs} values, got {len(ids)}")
+    ck.need(len(ids) <= bs, CapacityError, f"ids must have <= bs={bs} values, got {len(ids)}")
     prev = list(prev_ids) if prev_ids is not None else []
     return [int(i < len(prev) and prev[i] == x) for i, x in enumerate(ids)] + [0] * (bs - len(ids))
