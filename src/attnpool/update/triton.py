@@ -16,7 +16,19 @@ Two ways to use them:
   (grid, block sizes, pointers, ``bs``) is then independent of ``n``, so an engine can record the
   update in the same graph as the forward and change the real count per replay by writing
   ``num_real`` (and the inputs) in place, without recapture. ``num_real`` is clamped to
-  ``[0, bs]`` on the device.
+  ``[0, bs]`` on the device. Call the function once before capture: the first call of a shape
+  (and of each flag combination) compiles the kernel, which must not happen inside a capture.
+
+Parts and their launches: decode, verify chain, draft extend (with its query part), encoder cross
+and decoder rows (``token_offset``) are :func:`paged_update_`; all chain draft steps of a round are
+one :func:`paged_update_` with ``steps``; a draft tree round is :func:`paged_update_` with
+``full_pages`` (prefix) plus :func:`draft_tree_expand_update_` (every step's expand rows); a verify
+tree is :func:`paged_update_` plus :func:`tree_expand_update_`; chunked local attention is
+:func:`local_update_`.
+
+Every address a kernel touches is bounded without a host read (row indices clamped into
+``req_to_token``, columns into its width and the page table's, CSR positions into ``kv_indices``):
+out-of-contract values (which only a sync could detect) give wrong metadata, never a stray write.
 
 Incremental page tables (``keep``): the page id of page ``p`` of a request never changes once the
 page exists, so a row whose request is the same as at the previous update already holds its old

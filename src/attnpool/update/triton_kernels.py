@@ -144,7 +144,7 @@ def paged_kernel(  # type: ignore[no-untyped-def]
         tok0 = r * 0
         if HAS_OFF:
             tok0 = tl.load(off_ptr + pid, mask=is_real, other=0).to(tl.int64)
-        _row_pages(pid, n_gather, tl.where(is_real, live, tl.minimum(pad_pages, cap_pages)),
+        _row_pages(pid, n_gather, tl.where(is_real, live, pad_pages),  # pad_pages <= width: checked
                    n_gather, lo, pt_from, tok_ptr + r * tok_stride, tok0, P, tok_cols, pad_page,
                    pt_ptr, pt_stride, indices_ptr, my_start, indices_cap,
                    HAS_PT, HAS_FI, INCR, BLOCK_P)
