@@ -658,3 +658,42 @@ def test_draft_tree_expand_equals_reference(dc: tuple[Case, Tensor], device_n: b
                                  pad_len=c.pad_seq_len, pad_id=c.pad_page, num_real=num_real)
     for d in range(steps):
         assert_read_region_equal(_draft_step(a, d, True), _draft_step(b, d, True), rows, 1)
+
+
+# ---- out-of-contract values: wrong metadata at worst, never a write outside the buffers ---------
+def _guarded(rows: int, width: int, fill: int = POISON_TT) -> tuple[PagedBuffers, list[Tensor]]:
+    """Buffers that are interior slices of larger tensors; the returned guards must stay intact."""
+    big1 = [torch.full((3 * (rows + 1),), fill, dtype=I32) for _ in range(5)]
+    big2 = torch.full((rows + 4, width + 5), fill, dtype=I32)
+    idx = torch.full((3 * (rows * width + 1),), fill, dtype=I32)
+    m, k = rows + 1, rows * width + 1
+    b = PagedBuffers(big1[0][m : m + rows], big1[1][m : 2 * m], big2[2 : rows + 2, 2 : width + 2],
+                     big1[2][m : 2 * m], idx[k : 2 * k], big1[3][m : m + rows])
+    guards = [x[:m] for x in big1[:4]] + [x[2 * m :] for x in big1[:4]]
+    guards += [big2[:2], big2[rows + 2 :], big2[:, :2], big2[:, width + 2 :], idx[:k], idx[2 * k :]]
+    return b, guards
+
+
+def test_out_of_contract_inputs_stay_in_bounds() -> None:
+    bs, width, page = 4, 3, 16
+    table = torch.randint(0, 999, (2, 48), dtype=I32)
+    seq = torch.tensor([10**6, -(10**6), 2**31 - 5])  # far past capacity, negative, near overflow
+    rpi = torch.tensor([5, -3, 2**40])  # outside the table
+    b, guards = _guarded(bs, width)
+    tt.paged_update_(b, bs=bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=table, extra=7,
+                     page_size=page, pad_seq_len=1, pad_page=0,
+                     token_offset=torch.tensor([-(10**6), 10**9, 5]))
+    tt.paged_update_(b, bs=bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=table, extra=0,
+                     page_size=page, pad_seq_len=1, pad_page=0, keep=torch.ones(bs, dtype=I32))
+    nd = 3
+    e, e_guards = _guarded(bs * nd, nd)
+    tt.tree_expand_update_(e, bs=bs, tree_mask=torch.ones((3, nd, nd), dtype=torch.bool),
+                           seq_lens=seq, req_pool_indices=rpi, req_to_token=table, pad_len=1,
+                           pad_id=0)
+    loc_b, l_guards = _guarded(bs, width)
+    cu_q = torch.zeros(bs + 1, dtype=I32)
+    tt.local_update_(loc_b, cu_seqlens_q=cu_q, bs=bs, seq_lens=seq, req_pool_indices=rpi,
+                     req_to_token=table, extra=2, num_queries=2, rows_per_request=1, chunk=32,
+                     page_size=page, pad_len=1, pad_page=0)
+    for g in guards + e_guards + l_guards:
+        assert (g == POISON_TT).all()
