@@ -20,14 +20,25 @@ On a CPU-only machine the "device" is the CPU too, so host tensors are told apar
 the host inputs (``seq_lens_cpu``) as ``host``; every output computed only from tagged tensors is
 tagged in turn. On CUDA a CPU tensor is a host tensor, tagged or not.
 
-Run ``python benchmarks/dispatch_count.py`` for the table in BENCHMARKS.md.
+Triton launches are counted apart (``triton``), by the launch counter of ``tests/opcount.py``
+(triton's launch hook on a GPU; the interpreter's ``run`` on CPU). The aten ops the interpreter
+issues to emulate a kernel on the host are not counted: a compiled launch issues none.
+
+Run ``python benchmarks/dispatch_count.py`` for the tables in BENCHMARKS.md (on CPU the fused
+path runs in the Triton interpreter: its counts are the same as on a GPU, its times are not).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable
+import contextlib
+import importlib.util
+import os
+import pathlib
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -42,6 +53,7 @@ _SYNC_SHAPE_OPS = {"aten.nonzero.default", "aten.masked_select.default", "aten._
 
 @dataclass
 class Counts:
+    triton: int = 0
     launch: int = 0
     empty: int = 0
     view: int = 0
@@ -55,9 +67,11 @@ class Counts:
 class DispatchCounter(TorchDispatchMode):
     """Classify every aten op run under it (see the module docstring)."""
 
-    def __init__(self, device: torch.device, host: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, device: torch.device, host: Iterable[torch.Tensor] = (),
+                 in_launch: Callable[[], bool] = lambda: False) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.device = device
+        self.in_launch = in_launch
         self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
         for t in host:
             self._host[t] = True
@@ -71,6 +85,8 @@ class DispatchCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.in_launch():  # the interpreter emulating a Triton kernel on the host
+            return out
         name = str(func)
         ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
@@ -123,18 +139,49 @@ def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
     return got
 
 
+def _opcount() -> ModuleType:
+    """tests/opcount.py (the Triton launch counter the op-count tests use), loaded by path."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "tests" / "opcount.py"
+    spec = importlib.util.spec_from_file_location("opcount", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("opcount", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextlib.contextmanager
+def _launches(device: torch.device) -> Iterator[Any]:
+    """Count Triton launches when triton can run here; otherwise count nothing."""
+    from attnpool.config import triton_usable
+
+    if not triton_usable(device):
+        yield None
+        return
+    oc = sys.modules.get("opcount") or _opcount()
+    state = oc.LaunchState()
+    with oc.launch_counter(state):
+        yield state
+
+
 def count(fn: Callable[[], object], device: torch.device,
           host: Iterable[torch.Tensor] = ()) -> Counts:
     """Counts of one call of ``fn`` (call it once before, so lazy one-time work is not counted)."""
-    counter = DispatchCounter(device, host)
-    with counter:
-        fn()
+    with _launches(device) as state:
+        counter = DispatchCounter(device, host,
+                                  (lambda: state.in_launch > 0) if state else (lambda: False))
+        with counter:
+            fn()
+    if state is not None:
+        counter.counts.triton = state.counts.launches
     return counter.counts
 
 
 def update_counts(device: torch.device | None = None) -> list[tuple[str, str, Counts]]:
-    """Counts per (case, update path) for the update cases of ``attnpool bench --quick``."""
+    """Counts per (case, update path) for the update cases of ``attnpool bench --quick``; the
+    fused path too on CPU when the Triton interpreter can run it (counts only, never timed)."""
     from attnpool import bench
+    from attnpool.config import triton_usable
 
     dev = device or torch.device("cpu")
     rows = []
@@ -142,7 +189,8 @@ def update_counts(device: torch.device | None = None) -> list[tuple[str, str, Co
         case = bench.UpdateCase(phase, p, bs=64, context=8192, max_bs=64)
         x = bench.make_inputs(case, dev)
         for ui in bench.UPDATE_IMPLS:
-            if ui.skip(case, dev) is not None:
+            why = ui.skip(case, dev)
+            if why is not None and not (why == bench.INTERPRET_ONLY and triton_usable(dev)):
                 continue
             fn = ui.prepare(case, x, dev)
             fn()
@@ -150,21 +198,93 @@ def update_counts(device: torch.device | None = None) -> list[tuple[str, str, Co
     return rows
 
 
+#: Per-phase cases: (name, config overrides, update_ call of the phase).
+PHASES: tuple[tuple[str, dict[str, Any], Callable[..., object]], ...] = (
+    ("decode", {}, lambda pool, bs, x: pool.decode.update_(bs, x.seq, x.rpi, x.table)),
+    ("verify chain N=4", {"num_draft_tokens": 4},
+     lambda pool, bs, x: pool.verify.update_(bs, x.seq, x.rpi, x.table)),
+    ("verify tree N=4", {"num_draft_tokens": 4, "topk": 2},
+     lambda pool, bs, x: pool.verify.update_(bs, x.seq, x.rpi, x.table, tree_mask=x.mask)),
+    ("draft chain S=3", {"spec_steps": 3},
+     lambda pool, bs, x: pool.draft.update_(bs, x.seq, x.rpi, x.table)),
+    ("draft tree S=3 K=2", {"spec_steps": 3, "topk": 2},
+     lambda pool, bs, x: pool.draft.update_(bs, x.seq, x.rpi, x.table, out_cache_loc=x.loc)),
+    ("draft extend N=4", {"num_draft_tokens": 4},
+     lambda pool, bs, x: pool.draft_extend.update_(bs, x.seq, x.acc, x.rpi, x.table)),
+    ("encoder + decoder", {"max_encoder_len": 1024},
+     lambda pool, bs, x: pool.encoder.update_(bs, x.seq, x.enc, x.rpi, x.table)),
+    ("local (decode)", {"attention_chunk_size": 1024},
+     lambda pool, bs, x: pool.local.update_(bs, x.seq, x.rpi, x.table)),
+)
+
+
+@dataclass
+class PhaseInputs:
+    seq: torch.Tensor
+    rpi: torch.Tensor
+    table: torch.Tensor
+    mask: torch.Tensor
+    loc: torch.Tensor
+    acc: torch.Tensor
+    enc: torch.Tensor
+
+
+def phase_counts(device: torch.device | None = None, bs: int = 64, n: int = 56,
+                 context: int = 8192) -> list[tuple[str, str, Counts]]:
+    """Counts of one update per phase and path (static form: no host copies), page size 16."""
+    from attnpool import BufferPool, Impl, PoolConfig
+    from attnpool.config import resolve_impl, triton_usable
+
+    dev = device or torch.device("cpu")
+    g = torch.Generator().manual_seed(0)
+    slots = 2 * bs
+    table = torch.randperm(slots * context, generator=g).view(slots, context).to(torch.int32)
+    x = PhaseInputs(
+        seq=torch.randint(1, context - 1100, (n,), generator=g).to(dev),
+        rpi=torch.randperm(slots, generator=g)[:n].to(dev), table=table.to(dev),
+        mask=(torch.rand(n, 4, 4, generator=g) < 0.5).logical_or_(torch.eye(4, dtype=torch.bool))
+        .to(dev),
+        loc=torch.randint(0, 10**6, (n, 3, 2), generator=g).to(dev),
+        acc=torch.randint(1, 5, (n,), generator=g).to(dev),
+        enc=torch.randint(1, 1025, (n,), generator=g).to(dev))
+    impls = [Impl.REFERENCE] + ([Impl.TRITON] if triton_usable(dev) else [])
+    rows = []
+    for name, kw, call in PHASES:
+        for impl in impls:
+            cfg = PoolConfig(max_bs=bs, max_context_len=context, page_size=16, device=dev,
+                             impl=impl, **kw)
+            pool = BufferPool(cfg)
+            assert resolve_impl(impl, dev) is impl
+            call(pool, bs, x)  # compiles the kernels once, as an engine does before capture
+            rows.append((name, f"attnpool-{impl.value}",
+                         count(lambda pool=pool, call=call: call(pool, bs, x), dev)))
+    return rows
+
+
+def _table(rows: list[tuple[str, str, Counts]]) -> None:
+    print("| case | path | Triton launches | aten launches | empty | views | temporaries "
+          "| host syncs | host-only ops |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for case, impl, c in rows:
+        print(f"| {case} | {impl} | {c.triton} | {c.launch} | {c.empty} | {c.view} | {c.alloc} "
+              f"| {c.sync} | {c.host} |")
+
+
 def main() -> None:
     from attnpool import bench
 
     dev = bench.device_of("auto")
+    if dev.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are compiled
     print(f"torch {torch.__version__} on {dev}; bs 64 with 56 real rows (8 padded), context 8192\n")
-    print("| case | path | launches | empty | views | temporaries | host syncs | host-only ops |")
-    print("|---|---|---|---|---|---|---|---|")
     rows = update_counts(dev)
-    for case, impl, c in rows:
-        print(f"| {case} | {impl} | {c.launch} | {c.empty} | {c.view} | {c.alloc} | {c.sync} "
-              f"| {c.host} |")
+    _table(rows)
     print()
     for case, impl, c in rows:
         ops = ", ".join(f"{k.removeprefix('aten.')} x{v}" for k, v in sorted(c.ops.items()))
         print(f"- {case} {impl}: {ops}")
+    print("\nEvery phase, page 16, static form (no host copies):\n")
+    _table(phase_counts(dev))
 
 
 if __name__ == "__main__":

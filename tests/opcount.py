@@ -37,7 +37,7 @@ class Counts:
         return sum(self.ops.values())
 
 
-class _State:
+class LaunchState:
     def __init__(self) -> None:
         self.counts = Counts()
         self.in_launch = 0
@@ -46,7 +46,7 @@ class _State:
 class OpCounter(TorchDispatchMode):
     """Counts each aten op; ops issued while ``state.in_launch`` go to ``launch_ops``."""
 
-    def __init__(self, state: _State) -> None:
+    def __init__(self, state: LaunchState) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.state = state
 
@@ -57,7 +57,7 @@ class OpCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def launch_counter(state: _State) -> Iterator[None]:
+def launch_counter(state: LaunchState) -> Iterator[None]:
     """Count Triton launches into ``state`` (see the module docstring for how)."""
     from triton import knobs
     from triton.runtime.interpreter import InterpretedFunction
@@ -92,7 +92,7 @@ def launch_counter(state: _State) -> Iterator[None]:
 
 def count(fn: Callable[[], object]) -> Counts:
     """Run ``fn`` once under both counters."""
-    state = _State()
+    state = LaunchState()
     with launch_counter(state), OpCounter(state):
         fn()
     return state.counts

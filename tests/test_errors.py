@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attnpool
-from attnpool import BufferPool, CapacityError, InputError, Layout, PoolConfig, PoolError
+from attnpool import BufferPool, CapacityError, Impl, InputError, Layout, PoolConfig, PoolError
 
 from batches import make_batch
 
@@ -41,9 +41,9 @@ def test_bad_config(kwargs: dict[str, object], match: str) -> None:
         PoolConfig(**{**base, **kwargs})  # type: ignore[arg-type]
 
 
-def _setup() -> tuple[BufferPool, list[torch.Tensor]]:
+def _setup(impl: Impl = Impl.REFERENCE) -> tuple[BufferPool, list[torch.Tensor]]:
     cfg = PoolConfig(max_bs=8, max_context_len=256, page_size=16, device="cpu",
-                     layout=Layout.BOTH)
+                     layout=Layout.BOTH, impl=impl)
     pool = BufferPool(cfg, poison=True)
     b = make_batch(cfg, 4, random.Random(0))
     pool.decode.update_(6, *b.tensors())
@@ -78,13 +78,15 @@ def _bad_calls() -> list[tuple[str, type[PoolError], Callable[..., object]]]:
         ("host lens zero", CapacityError, call(cpu=[0, 2, 3, 4])),
         ("host lens on meta", InputError, call(cpu=torch.ones(4, device="meta"))),
         ("seq_lens on meta", InputError, call(seq=lambda t: t[0].to("meta"))),
+        ("strided seq_lens", InputError, call(seq=lambda t: t[0].repeat_interleave(2)[::2])),
     ]
 
 
+@pytest.mark.parametrize("impl", [Impl.REFERENCE, pytest.param(Impl.TRITON, marks=pytest.mark.triton)])
 @pytest.mark.parametrize(("what", "err", "fn"), _bad_calls(), ids=[c[0] for c in _bad_calls()])
 def test_rejected_update_leaves_pool_unchanged(what: str, err: type[PoolError],
-                                               fn: Callable[..., object]) -> None:
-    pool, t = _setup()
+                                               fn: Callable[..., object], impl: Impl) -> None:
+    pool, t = _setup(impl)
     before = pool.arena.storage.clone()
     with pytest.raises(err) as info:
         fn(pool, t)
@@ -94,7 +96,9 @@ def test_rejected_update_leaves_pool_unchanged(what: str, err: type[PoolError],
 
 
 def test_out_of_range_request_index_writes_nothing() -> None:
-    """An index error in the gather surfaces before any write (CPU: torch raises)."""
+    """Reference path: an index error in the gather surfaces before any write (CPU: torch
+    raises). The fused path cannot see values without a sync; it clamps every address instead
+    (tests/test_triton_update.py::test_out_of_contract_inputs_stay_in_bounds)."""
     pool, t = _setup()
     before = pool.arena.storage.clone()
     with pytest.raises(IndexError):

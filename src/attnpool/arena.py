@@ -163,7 +163,7 @@ class Arena:
     here ever reallocates.
     """
 
-    __slots__ = ("_bufs", "_valid", "cfg", "plan", "storage")
+    __slots__ = ("_bufs", "_epoch", "_valid", "cfg", "plan", "storage")
 
     def __init__(self, cfg: PoolConfig, poison: bool = False) -> None:
         self.cfg = cfg
@@ -176,6 +176,8 @@ class Arena:
             self._bufs[p.spec.key] = flat.view(p.shape)
         #: rows whose read region is currently valid, per phase (absent: not valid at all).
         self._valid: dict[Phase, int] = {}
+        #: per phase, a counter bumped by every write that may touch its bytes (see :meth:`epoch`).
+        self._epoch: dict[Phase, int] = {}
         if poison:
             self.poison_()
         else:
@@ -213,7 +215,19 @@ class Arena:
         if phase in OVERLAID_PHASES:
             for p in OVERLAID_PHASES:
                 self._valid.pop(p, None)
+                self._epoch[p] = self._epoch.get(p, 0) + 1
+        else:
+            self._epoch[phase] = self._epoch.get(phase, 0) + 1
         self._valid[phase] = rows
+
+    def epoch(self, phase: Phase) -> int:
+        """A counter that changes whenever ``phase``'s bytes may have been written.
+
+        A phase that reuses what its previous update left (the incremental page table) compares
+        the epoch right after that update with the epoch now: equal means no other phase, capture
+        state or poison wrote those bytes in between.
+        """
+        return self._epoch.get(phase, 0)
 
     # ---- poison --------------------------------------------------------------------------------
     def poison_(self) -> None:
@@ -226,6 +240,8 @@ class Arena:
         for (_, _), buf in self._bufs.items():
             buf.fill_(sentinel(buf.dtype))
         self._valid.clear()
+        for ph in Phase:
+            self._epoch[ph] = self._epoch.get(ph, 0) + 1
         self._write_constants()
 
     def _write_constants(self) -> None:

@@ -221,9 +221,13 @@ def _attnpool(impl: Impl, host: bool) -> Callable[[UpdateCase, UpdateInputs, tor
     return prepare
 
 
+#: Why the fused path is not timed on CPU (op counts may still run it in the interpreter).
+INTERPRET_ONLY = "Triton runs on CPU only in interpret mode, which is not a timing"
+
+
 def _triton_skip(case: UpdateCase, dev: torch.device) -> str | None:
     if dev.type != "cuda":
-        return "Triton runs on CPU only in interpret mode, which is not a timing"
+        return INTERPRET_ONLY
     try:
         BufferPool(case.config(dev, Impl.TRITON))
     except PoolError as e:

@@ -7,11 +7,13 @@ its invariants (positive sizes, power-of-two page size, chunk size a multiple of
 from __future__ import annotations
 
 import enum
+import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from .errors import PoolError
+from .errors import LayoutError, PoolError
 
 
 class Phase(enum.Enum):
@@ -24,6 +26,9 @@ class Phase(enum.Enum):
     ENCODER = "encoder"
     LOCAL = "local"
 
+
+#: Index dtypes accepted for lengths, request rows and token tables.
+INT_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 
 #: Phases that never run in the same forward: their buffers overlay the same arena bytes.
 OVERLAID_PHASES: frozenset[Phase] = frozenset(
@@ -60,7 +65,8 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _resolve_device(device: str | torch.device) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` (CUDA when available, else CPU) or a torch device; a clear error otherwise."""
     if str(device) == "auto":
         # torch.cuda.is_available() does not create a CUDA context; it is only called here, at
         # config construction, never at import.
@@ -69,6 +75,38 @@ def _resolve_device(device: str | torch.device) -> torch.device:
         return torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise PoolError(f"device must be a torch device or 'auto', got {device!r}") from e
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Whether the fused Triton path can run on ``device``, without importing triton.
+
+    CUDA needs triton installed; any other device only runs Triton kernels in the interpreter
+    (``TRITON_INTERPRET=1``, read when the kernels are first compiled), which tests use on CPU.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def resolve_impl(impl: Impl, device: torch.device) -> Impl:
+    """The update path that runs: never ``AUTO``.
+
+    ``AUTO`` is ``TRITON`` on a CUDA device when triton is installed, else ``REFERENCE`` (on CPU
+    the interpreter is a test tool, not a fast path, so ``AUTO`` never picks it). A forced
+    ``TRITON`` that cannot run raises :class:`LayoutError` here, at construction, not at the
+    first update.
+    """
+    if not isinstance(impl, Impl):
+        raise PoolError(f"impl must be an attnpool.Impl, got {impl!r}")
+    if impl is Impl.AUTO:
+        return Impl.TRITON if device.type == "cuda" and triton_usable(device) else Impl.REFERENCE
+    if impl is Impl.TRITON and not triton_usable(device):
+        raise LayoutError(
+            "Impl.TRITON needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); "
+            f"got device {device}, triton "
+            f"{'installed' if importlib.util.find_spec('triton') else 'not installed'}"
+        )
+    return impl
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +197,7 @@ class PoolConfig:
         # between rows of different lengths, so they need the FLASH_ATTN layout.
         need(self.spec_steps == 0 or self.topk > 1 or bool(self.layout & Layout.FLASH_ATTN),
              "spec_steps > 0 with topk == 1 needs Layout.FLASH_ATTN in layout", self.layout)
-        object.__setattr__(self, "_device", _resolve_device(self.device))
+        object.__setattr__(self, "_device", resolve_device(self.device))
         on = {
             Phase.DECODE: True,
             Phase.VERIFY: self.num_draft_tokens > 0,

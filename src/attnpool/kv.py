@@ -26,9 +26,7 @@ device tensor, with no host sync, so a CUDA graph captured on ``slot_view(bs)`` 
 from __future__ import annotations
 
 import enum
-import importlib.util
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +34,7 @@ from torch import Tensor
 
 from .arena import sentinel
 from .check import ReadRegionError
-from .config import Impl, _resolve_device
+from .config import Impl, resolve_device, resolve_impl
 from .errors import CapacityError, InputError, LayoutError, PoolError
 
 ALIGN = 256
@@ -112,7 +110,7 @@ class KVCacheConfig:
             raise PoolError(f"KVCacheConfig: {self.kind.name} needs {need}; got head_dim="
                             f"{self.head_dim}, kv_lora_rank={self.kv_lora_rank}, rope_dim="
                             f"{self.rope_dim}, num_kv_heads={self.num_kv_heads}")
-        object.__setattr__(self, "_device", _resolve_device(self.device))
+        object.__setattr__(self, "_device", resolve_device(self.device))
 
     @property
     def torch_device(self) -> torch.device:
@@ -157,12 +155,6 @@ def _fmt(n: int) -> str:
         if n >> shift:
             return f"{n / (1 << shift):.2f} {unit}"
     return f"{n} B"
-
-
-def _triton_ok(device: torch.device) -> bool:
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def store_reference_(
@@ -329,12 +321,7 @@ class KVCachePool:
                check_range: bool) -> None:
         if not isinstance(impl, Impl):
             raise InputError(f"impl must be an attnpool.Impl, got {impl!r}")
-        fused = impl is Impl.TRITON or (impl is Impl.AUTO and self.cfg.torch_device.type == "cuda")
-        if fused and not _triton_ok(self.cfg.torch_device):
-            if impl is Impl.TRITON:
-                raise LayoutError("Impl.TRITON needs triton and a CUDA cache (or TRITON_INTERPRET=1"
-                                  f" on CPU); device is {self.cfg.torch_device}")
-            fused = False
+        fused = resolve_impl(impl, self.cfg.torch_device) is Impl.TRITON
         if check_range:
             self._check_range(slots)
         p, ns = self.cfg.page_size, self.cfg.num_slots

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from .arena import sentinel
 from .check import ReadRegionError
-from .config import _resolve_device
+from .config import resolve_device
 from .errors import CapacityError, InputError, LayoutError, PoolError
 
 ALIGN = 256
@@ -91,7 +91,7 @@ class LoRAConfig:
                             f"{dims!r}")
         if not isinstance(self.output_dtype, torch.dtype):
             raise PoolError(f"LoRAConfig: output_dtype must be a torch.dtype, got {self.output_dtype!r}")
-        object.__setattr__(self, "_device", _resolve_device(self.device))
+        object.__setattr__(self, "_device", resolve_device(self.device))
 
     @property
     def torch_device(self) -> torch.device:

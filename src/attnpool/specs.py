@@ -207,7 +207,13 @@ SHARED_SPECS: tuple[BufferSpec, ...] = (
                needed=lambda c: c.fa3_scheduler_metadata),
 )
 
-DECODE_SPECS = paged_specs(Phase.DECODE, _max_bs, _max_pages)
+DECODE_SPECS = (
+    *paged_specs(Phase.DECODE, _max_bs, _max_pages),
+    # Host flags copied in by an incremental update (``request_ids``) and read by the fused
+    # kernel in the same step; never part of a view, so it may share the overlay.
+    BufferSpec("keep", Phase.DECODE, torch.int8, lambda c: (c.max_bs,), Pad.PAYLOAD,
+               "incremental page table: 1 where the row's request is unchanged"),
+)
 
 VERIFY_SPECS = paged_specs(
     Phase.VERIFY, _max_bs, _max_pages, what="chain: prefix+drafts, causal; tree: prefix; "

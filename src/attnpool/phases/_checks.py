@@ -12,10 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..config import PoolConfig
+from ..config import INT_DTYPES, PoolConfig
 from ..errors import CapacityError, InputError
-
-INT_DTYPES = (torch.int32, torch.int64)
 
 
 def check_bs(cfg: PoolConfig, bs: int, n: int | None = None) -> None:
@@ -49,12 +47,17 @@ def check_tensor(
         raise InputError(f"{name} must be on {want}, got {t.device}")
     if rows is not None and t.shape[0] != rows:
         raise InputError(f"{name} must have {rows} rows, got {t.shape[0]}")
+    if ndim == 1 and t.shape[0] > 1 and t.stride(0) != 1:
+        # Kernels index per-row vectors flat; a strided one would need a copy (an allocation).
+        raise InputError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
     return t
 
 
-def check_req_to_token(t: object, cfg: PoolConfig) -> Tensor:
+def check_req_to_token(t: object, cfg: PoolConfig, device: torch.device | None = None) -> Tensor:
     """``[num_req_slots, >= max_context_len]`` int, rows contiguous (kernels index it row-major)."""
-    t = check_tensor("req_to_token", t, cfg, 2)
+    t = check_tensor("req_to_token", t, cfg, 2, device=device)
+    if t.shape[0] < 1:
+        raise InputError(f"req_to_token must have >= 1 row, got shape {tuple(t.shape)}")
     if t.shape[1] < cfg.max_context_len:
         raise InputError(
             f"req_to_token must have >= max_context_len={cfg.max_context_len} columns, "

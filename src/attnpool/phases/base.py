@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from types import ModuleType
 from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from ..arena import Arena
-from ..config import Impl, Phase, PoolConfig
-from ..errors import PoolError
+from ..config import INT_DTYPES, Impl, Phase, resolve_impl
+from ..errors import InputError, PoolError
 from ..update import reference as ref
 from ..update.reference import PagedBuffers
 from ..views import PagedView
-
-
-def resolve_impl(cfg: PoolConfig) -> Impl:
-    """The update path a pool uses: ``AUTO`` is the reference path until a fused one applies."""
-    if cfg.impl is Impl.TRITON:
-        raise PoolError(
-            f"impl={cfg.impl} is not available in this build; use Impl.REFERENCE or Impl.AUTO"
-        )
-    return Impl.REFERENCE
+from ._checks import check_bs, check_req_to_token, check_tensor
 
 
 def capturing(device: torch.device) -> bool:
@@ -45,8 +39,64 @@ class PhaseBase:
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
         self.cfg = arena.cfg
-        self.impl = resolve_impl(arena.cfg)
+        #: the update path this phase runs (:func:`attnpool.config.resolve_impl`; never AUTO).
+        self.impl = resolve_impl(arena.cfg.impl, arena.cfg.torch_device)
+        self.fused = self.impl is Impl.TRITON
+        self._dev = arena.storage.device
         self._arange = arena.buffer(None, "arange")
+
+    # ---- input checks ----------------------------------------------------------------------------
+    def _tensor(self, name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] = INT_DTYPES,
+                rows: int | None = None) -> Tensor:
+        """``check_tensor`` against the arena's exact device (``cuda`` resolved to ``cuda:i``)."""
+        return check_tensor(name, t, self.cfg, ndim, dtypes, rows, self._dev)
+
+    def _req_to_token(self, t: object) -> Tensor:
+        return check_req_to_token(t, self.cfg, self._dev)
+
+    def _batch(self, bs: int, seq_lens: object, num_real: object,
+               *host: Tensor | Sequence[int] | None) -> tuple[Tensor, int]:
+        """Check ``seq_lens`` and ``bs``; return ``seq_lens`` and the rows every input has.
+
+        Eager updates: ``n = len(seq_lens) <= bs`` real rows. Capturable updates (``num_real``, a
+        ``[1]`` device count; fused path only): every input has ``bs`` rows, values past the real
+        count are never read, and host copies are refused (the count is not known on the host,
+        so the view keeps its static bounds, as a captured view must).
+        """
+        seq_lens = self._tensor("seq_lens", seq_lens, 1)
+        n = seq_lens.shape[0]
+        if num_real is None:
+            check_bs(self.cfg, bs, n)
+            return seq_lens, n
+        if not self.fused:
+            raise InputError(f"num_real (a capturable update) needs the fused path, impl=TRITON; "
+                             f"this pool runs impl={self.impl}")
+        check_bs(self.cfg, bs)
+        if n != bs:
+            raise InputError(f"with num_real, inputs are padded to bs={bs} rows, got {n}")
+        self._tensor("num_real", num_real, 1, rows=1)
+        if any(h is not None for h in host):
+            raise InputError("host copies (*_cpu) cannot be combined with num_real: the real "
+                             "count lives on the device, got a host copy")
+        return seq_lens, n
+
+    def _tt(self) -> ModuleType:
+        """The fused wrappers, imported on first use (importing attnpool never imports triton)."""
+        from ..update import triton
+
+        return triton
+
+    def _fused_part(self, b: PagedBuffers, bs: int, seq_lens: Tensor, rpi: Tensor, table: Tensor,
+                    *, page_size: int | None = None, pad_len: int | None = None,
+                    pad_id: int | None = None, **kw: object) -> None:
+        """One :func:`attnpool.update.triton.paged_update_` launch with this pool's padding
+        (the same defaults as :meth:`_write_part`)."""
+        cfg = self.cfg
+        self._tt().paged_update_(
+            b, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi, req_to_token=table,
+            page_size=cfg.page_size if page_size is None else page_size,
+            pad_seq_len=cfg.pad_seq_len if pad_len is None else pad_len,
+            pad_page=cfg.pad_page if pad_id is None else pad_id, **{"extra": 0, **kw})
 
     def _paged(self, prefix: str = "") -> PagedBuffers:
         a, ph = self.arena, self.phase

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
+import torch
 from torch import Tensor
 
 from ..arena import Arena
 from ..config import Phase
+from ..errors import InputError
 from ..update import reference as ref
 from ..views import DecodeView
-from ._checks import check_bs, check_req_to_token, check_tensor, host_lens
+from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
 
 
@@ -20,6 +22,15 @@ class DecodePhase(PhaseBase):
     Row ``i < n`` is request ``req_pool_indices[i]`` with ``cache_seqlens[i] = seq_lens[i]`` and
     page row ``i`` = its live page ids; rows ``n..bs`` are padding (DESIGN §1). ``cu_seqlens_q``
     is the pool's constant ``arange`` (never overwritten: it lives outside the overlay).
+
+    Incremental page table (fused path, ``request_ids``): a request's page ``p`` keeps its id for
+    the request's life, so a row serving the same request as at the previous decode update
+    already holds its old pages and only the pages added since are written. The phase falls back
+    to a full write by itself whenever those bytes may have changed in between (another overlaid
+    phase, a capture state, poison, the encoder's decoder rows): it compares the arena's write
+    epoch. The caller's part of the contract: ``request_ids`` are unique per live request (never
+    a reused pool slot index) and ``req_to_token`` entries of positions a request already had do
+    not change.
     """
 
     phase = Phase.DECODE
@@ -27,6 +38,9 @@ class DecodePhase(PhaseBase):
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
         self._b = self._paged()
+        self._keep = arena.buffer(self.phase, "keep")
+        #: (request ids, arena epoch) right after the last decode update, for ``request_ids``.
+        self._last: tuple[list[Hashable], int] | None = None
 
     def view(self, bs: int) -> DecodeView:
         """The ``bs``-row view for capture: valid padded values, static host bounds."""
@@ -41,6 +55,9 @@ class DecodePhase(PhaseBase):
         req_pool_indices: Tensor,
         req_to_token: Tensor,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
+        *,
+        request_ids: Sequence[Hashable] | None = None,
+        num_real: Tensor | None = None,
     ) -> DecodeView:
         """Refill the ``bs``-row view in place from ``n = len(seq_lens)`` real requests.
 
@@ -52,20 +69,56 @@ class DecodePhase(PhaseBase):
             seq_lens_cpu: optional host copy of ``seq_lens``: enables bounds checks, a tight
                 ``max_seqlen_k``, and page writes limited to the longest row's live pages.
                 Without it the page block spans ``max_pages`` columns and ``max_seqlen_k = C``.
+            request_ids: optional host ids of the ``n`` requests (unique per live request): turns
+                on the incremental page table on the fused path (see the class docstring); costs
+                one host-to-device copy of ``bs`` bytes. The reference path records them only.
+            num_real: capturable mode (fused path): a ``[1]`` device count of real rows; all
+                inputs then have ``bs`` rows and the update can be recorded in the engine's own
+                CUDA graph (see :mod:`attnpool.update.triton`). Call once before capture: the
+                first call compiles the kernel.
 
         Returns:
             the refilled view (same tensors as ``view(bs)``; host ints reflect this batch).
         """
         cfg = self.cfg
-        seq_lens = check_tensor("seq_lens", seq_lens, cfg, 1)
-        n = seq_lens.shape[0]
-        check_bs(cfg, bs, n)
-        req_pool_indices = check_tensor("req_pool_indices", req_pool_indices, cfg, 1, rows=n)
-        req_to_token = check_req_to_token(req_to_token, cfg)
+        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
+        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
+        table = self._req_to_token(req_to_token)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
-        pages = self._gather(req_pool_indices, req_to_token, host)
+        ids = None
+        if request_ids is not None:
+            if num_real is not None:
+                raise InputError("request_ids cannot be combined with num_real (the real rows "
+                                 "are not known on the host), got both")
+            ids = list(request_ids)
+            if len(ids) != n:
+                raise InputError(f"request_ids must have n={n} values, got {len(ids)}")
+        if self.fused:
+            keep = self._keep_flags(ids, bs)
+            # --- writes start here ---
+            if keep is not None:
+                self._keep[:bs].copy_(keep, non_blocking=True)
+            self._fused_part(self._b, bs, seq_lens, rpi, table, num_real=num_real,
+                             keep=None if keep is None else self._keep[:bs])
+            return self._done(bs, n, host, ids)
+        pages = self._gather(rpi, table, host)
         # --- writes start here: everything above is validation or a temporary ---
-        return self._commit(bs, seq_lens, pages, host)
+        self._write_part(self._b, bs, seq_lens, pages)
+        return self._done(bs, n, host, ids)
+
+    def _keep_flags(self, ids: list[Hashable] | None, bs: int) -> Tensor | None:
+        """Host ``keep`` flags, or None when no row can keep its pages (or bytes changed since)."""
+        last = self._last
+        if ids is None or last is None or last[1] != self.arena.epoch(self.phase):
+            return None
+        flags = self._tt().keep_flags(last[0], ids, bs)
+        return torch.tensor(flags, dtype=torch.int8) if any(flags) else None
+
+    def _done(self, bs: int, n: int, host: list[int] | None, ids: list[Hashable] | None
+              ) -> DecodeView:
+        self.arena.mark_written(self.phase, bs)
+        self._last = None if ids is None else (ids, self.arena.epoch(self.phase))
+        return self._view(bs, self._max_k(host, 0, n, bs, self.cfg.max_context_len))
 
     # ---- internals (also used by the encoder phase for the decoder part) ----------------------
     def _gather(self, rpi: Tensor, table: Tensor, host: list[int] | None,
@@ -74,13 +127,6 @@ class DecodePhase(PhaseBase):
         cfg = self.cfg
         width = self._width(host, 0, cfg.page_size, cfg.max_pages)
         return ref.gather_pages(table, rpi, cfg.page_size, width, token_offset)
-
-    def _commit(self, bs: int, seq_lens: Tensor, pages: Tensor, host: list[int] | None
-                ) -> DecodeView:
-        self._write_part(self._b, bs, seq_lens, pages)
-        self.arena.mark_written(self.phase, bs)
-        return self._view(bs, self._max_k(host, 0, seq_lens.shape[0], bs,
-                                          self.cfg.max_context_len))
 
     def _write_capture_state(self) -> None:
         self._write_part(self._b, self.cfg.max_bs, self._arange[:0], self._empty_pages())

@@ -13,7 +13,7 @@ from ..specs import draft_expand_width
 from ..update import reference as ref
 from ..update.reference import PagedBuffers
 from ..views import DraftStepView, DraftView, PagedView
-from ._checks import check_bs, check_req_to_token, check_tensor, host_lens
+from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
 
 
@@ -42,6 +42,12 @@ class DraftPhase(PhaseBase):
             self._cu_k_prefix_q = a.buffer(None, "arange_k")
             self._e_table = a.buffer(self.phase, "expand_page_table")
             self._e_steps = tuple(self._expand_step(d) for d in range(cfg.spec_steps))
+            # all steps stacked ([S, ...] per-step buffers): what one fused launch writes
+            self._expand_all = PagedBuffers(
+                a.buffer(self.phase, "expand_cache_seqlens"),
+                a.buffer(self.phase, "expand_cu_seqlens_k"), self._e_table,
+                *(a.maybe(self.phase, "expand_" + k)
+                  for k in ("kv_indptr", "kv_indices", "kv_last_page_len")))
         else:
             self._table = a.maybe(self.phase, "page_table")
             lens, cu = a.buffer(self.phase, "cache_seqlens"), a.buffer(self.phase, "cu_seqlens_k")
@@ -49,6 +55,9 @@ class DraftPhase(PhaseBase):
                 PagedBuffers(lens[d], cu[d], self._table, None, None, None)
                 for d in range(cfg.spec_steps)
             )
+            # all steps stacked: what one fused launch writes (a single step is a plain part)
+            self._chain_all = (PagedBuffers(lens, cu, self._table, None, None, None)
+                               if cfg.spec_steps > 1 else self._chain[0])
 
     def _expand_step(self, d: int) -> PagedBuffers:
         a, ph = self.arena, self.phase
@@ -72,43 +81,68 @@ class DraftPhase(PhaseBase):
         req_to_token: Tensor,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         out_cache_loc: Tensor | None = None,
+        *,
+        num_real: Tensor | None = None,
     ) -> DraftView:
         """Refill every step for ``n = len(seq_lens)`` requests.
+
+        Fused path: a chain round is one launch (all steps' lengths, cumsums and the shared
+        table); a tree round is two (the prefix pass, then every step's expand rows).
 
         Args:
             seq_lens: ``[n]`` committed lengths before the round, each in ``[1, C - S]``.
             out_cache_loc: ``[n, S, K]`` int token slots of the draft tokens (tree only): step
                 ``s`` of branch ``k`` of request ``i``. In chain rounds the draft tokens' slots are
                 read from ``req_to_token[r, seq_len .. seq_len + S - 1]``.
+            num_real: capturable mode, as in :meth:`DecodePhase.update_` (``out_cache_loc`` then
+                has ``bs`` rows too).
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg, steps = self.cfg, self.cfg.spec_steps
-        seq_lens = check_tensor("seq_lens", seq_lens, cfg, 1)
-        n = seq_lens.shape[0]
-        check_bs(cfg, bs, n)
-        rpi = check_tensor("req_pool_indices", req_pool_indices, cfg, 1, rows=n)
-        table = check_req_to_token(req_to_token, cfg)
+        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
+        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
+        table = self._req_to_token(req_to_token)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - steps)
         if not self.tree:
             if out_cache_loc is not None:
                 raise InputError("out_cache_loc is only for topk > 1; chain drafts read "
                                  f"req_to_token, got one with topk={cfg.topk}")
-            width = self._width(host, steps, cfg.page_size, cfg.max_pages)
-            pages = ref.gather_pages(table, rpi, cfg.page_size, width)
-            # --- writes start here ---
-            self._write_chain(bs, seq_lens, pages)
+            if self.fused:
+                # --- writes start here ---
+                self._fused_part(self._chain_all, bs, seq_lens, rpi, table, extra=1, steps=steps,
+                                 num_real=num_real)
+            else:
+                width = self._width(host, steps, cfg.page_size, cfg.max_pages)
+                pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+                # --- writes start here ---
+                self._write_chain(bs, seq_lens, pages)
         else:
-            loc = check_tensor("out_cache_loc", out_cache_loc, cfg, 3, rows=n)
+            loc = self._tensor("out_cache_loc", out_cache_loc, 3, rows=n)
             if tuple(loc.shape[1:]) != (steps, cfg.topk):
                 raise InputError(f"out_cache_loc must be [n, {steps}, {cfg.topk}], "
                                  f"got {tuple(loc.shape)}")
-            width = self._width(host, 0, cfg.page_size, cfg.max_pages)
-            pages = ref.gather_pages(table, rpi, cfg.page_size, width)
-            full, part, slots = ref.draft_expand(seq_lens, rpi, table, loc, cfg.page_size)
-            # --- writes start here ---
-            self._write_tree(bs, full, pages, part, slots)
+            if self.fused:
+                # --- writes start here (both launches' inputs were checked above) ---
+                self._fused_part(self._prefix, bs, seq_lens, rpi, table, full_pages=True,
+                                 num_real=num_real)
+                self._tt().draft_tree_expand_update_(
+                    self._expand_all, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi,
+                    req_to_token=table, out_cache_loc=loc, page_size=cfg.page_size,
+                    pad_len=self._expand_pad, pad_id=cfg.pad_page * cfg.page_size,
+                    num_real=num_real)
+            else:
+                width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+                pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+                full, part, slots = ref.draft_expand(seq_lens, rpi, table, loc, cfg.page_size)
+                # --- writes start here ---
+                self._write_tree(bs, full, pages, part, slots)
         self.arena.mark_written(self.phase, bs)
         return self._view(bs, host, n)
+
+    @property
+    def _expand_pad(self) -> int:
+        """Keys of a padded expand row: within the expand table's width ``P-1+S``."""
+        return min(self.cfg.pad_seq_len, draft_expand_width(self.cfg))
 
     # ---- writers -------------------------------------------------------------------------------
     def _write_chain(self, bs: int, seq_lens: Tensor, pages: Tensor) -> None:
@@ -123,11 +157,10 @@ class DraftPhase(PhaseBase):
         cfg = self.cfg
         self._write_part(self._prefix, bs, full, pages)
         rows, last = bs * cfg.topk, len(self._e_steps) - 1
-        pad_len = min(cfg.pad_seq_len, draft_expand_width(cfg))
         for d, b in enumerate(self._e_steps):
             tgt = b if d == last else _no_table(b)
-            self._write_part(tgt, rows, part, slots, add=d + 1, page_size=1, pad_len=pad_len,
-                             pad_id=cfg.pad_page * cfg.page_size)
+            self._write_part(tgt, rows, part, slots, add=d + 1, page_size=1,
+                             pad_len=self._expand_pad, pad_id=cfg.pad_page * cfg.page_size)
 
     def _write_capture_state(self) -> None:
         bs, none = self.cfg.max_bs, self._arange[:0]

@@ -11,7 +11,7 @@ from ..arena import Arena
 from ..config import Phase
 from ..update import reference as ref
 from ..views import DraftExtendView
-from ._checks import check_bs, check_req_to_token, check_tensor, host_lens
+from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
 
 
@@ -45,28 +45,34 @@ class DraftExtendPhase(PhaseBase):
         req_to_token: Tensor,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         accept_lens_cpu: Tensor | Sequence[int] | None = None,
+        *,
+        num_real: Tensor | None = None,
     ) -> DraftExtendView:
-        """Refill for ``n`` requests.
+        """Refill for ``n`` requests (fused path: one launch, ``cu_seqlens_q`` included).
 
         Args:
             seq_lens: ``[n]`` KV lengths including the accepted tokens, in ``[1, C]``.
             accept_lens: ``[n]`` int queries per request, each in ``[1, min(N, seq_len)]``
                 (checked when ``accept_lens_cpu`` is given).
+            num_real: capturable mode, as in :meth:`DecodePhase.update_`.
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg = self.cfg
-        seq_lens = check_tensor("seq_lens", seq_lens, cfg, 1)
-        n = seq_lens.shape[0]
-        check_bs(cfg, bs, n)
-        acc = check_tensor("accept_lens", accept_lens, cfg, 1, rows=n)
-        rpi = check_tensor("req_pool_indices", req_pool_indices, cfg, 1, rows=n)
-        table = check_req_to_token(req_to_token, cfg)
+        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu, accept_lens_cpu)
+        acc = self._tensor("accept_lens", accept_lens, 1, rows=n)
+        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
+        table = self._req_to_token(req_to_token)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
         host_lens("accept_lens_cpu", accept_lens_cpu, n, 1, cfg.num_draft_tokens)
-        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
-        pages = ref.gather_pages(table, rpi, cfg.page_size, width)
-        # --- writes start here ---
-        self._write(bs, seq_lens, acc, pages)
+        if self.fused:
+            # --- writes start here ---
+            self._fused_part(self._b, bs, seq_lens, rpi, table, q_lens=acc,
+                             cu_seqlens_q=self._cu_q, pad_q=1, num_real=num_real)
+        else:
+            width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+            pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+            # --- writes start here ---
+            self._write(bs, seq_lens, acc, pages)
         self.arena.mark_written(self.phase, bs)
         return self._view(bs, self._max_k(host, 0, n, bs, cfg.max_context_len))
 

@@ -10,7 +10,7 @@ from ..arena import Arena
 from ..config import Phase
 from ..update import reference as ref
 from ..views import EncoderView, PagedView
-from ._checks import check_bs, check_req_to_token, check_tensor, host_lens
+from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
 from .decode import DecodePhase
 
@@ -50,36 +50,45 @@ class EncoderPhase(PhaseBase):
         req_to_token: Tensor,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         encoder_lens_cpu: Tensor | Sequence[int] | None = None,
+        *,
+        num_real: Tensor | None = None,
     ) -> EncoderView:
-        """Refill both parts for ``n`` requests.
+        """Refill both parts for ``n`` requests (fused path: one launch per part).
 
         Args:
             seq_lens: ``[n]`` decoder lengths (decoder tokens only), each ``>= 1`` and with
                 ``encoder_lens[i] + seq_lens[i] <= C``.
             encoder_lens: ``[n]`` encoder lengths, each in ``[1, max_encoder_len]``.
+            num_real: capturable mode, as in :meth:`DecodePhase.update_`.
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg = self.cfg
-        seq_lens = check_tensor("seq_lens", seq_lens, cfg, 1)
-        n = seq_lens.shape[0]
-        check_bs(cfg, bs, n)
-        enc = check_tensor("encoder_lens", encoder_lens, cfg, 1, rows=n)
-        rpi = check_tensor("req_pool_indices", req_pool_indices, cfg, 1, rows=n)
-        table = check_req_to_token(req_to_token, cfg)
+        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu, encoder_lens_cpu)
+        enc = self._tensor("encoder_lens", encoder_lens, 1, rows=n)
+        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
+        table = self._req_to_token(req_to_token)
         enc_host = host_lens("encoder_lens_cpu", encoder_lens_cpu, n, 1, cfg.max_encoder_len)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
         if host is not None and enc_host is not None:
             host_lens("encoder_lens_cpu + seq_lens_cpu",
                       [a + b for a, b in zip(enc_host, host, strict=True)], n, 2,
                       cfg.max_context_len)
-        cap = -(-cfg.max_encoder_len // cfg.page_size)
-        width = self._width(enc_host, 0, cfg.page_size, cap)
-        pages = ref.gather_pages(table, rpi, cfg.page_size, width)
-        dec_pages = self._decode._gather(rpi, table, host, token_offset=enc)
-        # --- writes start here ---
-        self._write(bs, enc, pages)
+        dec = self._decode
+        if self.fused:
+            # --- writes start here (both launches' inputs were checked above) ---
+            self._fused_part(self._b, bs, enc, rpi, table, pad_len=self._pad, num_real=num_real)
+            dec._fused_part(dec._b, bs, seq_lens, rpi, table, token_offset=enc,
+                            num_real=num_real)
+        else:
+            cap = -(-cfg.max_encoder_len // cfg.page_size)
+            width = self._width(enc_host, 0, cfg.page_size, cap)
+            pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+            dec_pages = dec._gather(rpi, table, host, token_offset=enc)
+            # --- writes start here ---
+            self._write(bs, enc, pages)
+            dec._write_part(dec._b, bs, seq_lens, dec_pages)
         self.arena.mark_written(self.phase, bs)
-        decoder = self._decode._commit(bs, seq_lens, dec_pages, host)
+        decoder = dec._done(bs, n, host, None)
         max_k = self._max_k(enc_host, 0, n, bs, cfg.max_encoder_len)
         return EncoderView(bs, self._view(bs, max_k), decoder)
 

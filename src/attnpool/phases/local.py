@@ -13,7 +13,7 @@ from ..errors import InputError
 from ..specs import local_rows_per_request
 from ..update import reference as ref
 from ..views import LocalView
-from ._checks import check_bs, check_req_to_token, check_tensor, host_lens
+from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
 
 
@@ -67,31 +67,40 @@ class LocalPhase(PhaseBase):
         req_to_token: Tensor,
         for_phase: Phase = Phase.DECODE,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
+        *,
+        num_real: Tensor | None = None,
     ) -> LocalView:
-        """Refill for ``n`` requests.
+        """Refill for ``n`` requests (fused path: one launch, ``cu_seqlens_q`` included).
 
         Args:
             seq_lens: ``[n]`` as the matching phase takes them: decode lengths (including the
                 token being decoded) or verify's committed lengths (drafts excluded).
             for_phase: ``Phase.DECODE`` (one query, KV length ``seq_lens``) or ``Phase.VERIFY``
                 (N queries, KV length ``seq_lens + N``).
+            num_real: capturable mode, as in :meth:`DecodePhase.update_` (a count of requests).
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg = self.cfg
         q, extra, per = self._shape(for_phase)
-        seq_lens = check_tensor("seq_lens", seq_lens, cfg, 1)
-        n = seq_lens.shape[0]
-        check_bs(cfg, bs, n)
-        rpi = check_tensor("req_pool_indices", req_pool_indices, cfg, 1, rows=n)
-        table = check_req_to_token(req_to_token, cfg)
+        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
+        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
+        table = self._req_to_token(req_to_token)
         host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - extra)
-        kv = seq_lens + extra if extra else seq_lens
-        q_lens, kv_lens, off, valid = ref.local_rows(kv, q, self.chunk, per, self._pad)
-        width = -(-min(self.chunk, cfg.max_context_len) // cfg.page_size)
-        pages = ref.gather_pages(table, rpi.repeat_interleave(per), cfg.page_size, width, off)
-        pages = torch.where(valid[:, None], pages, cfg.pad_page)
-        # --- writes start here ---
-        self._write(bs, q, per, q_lens, kv_lens, pages)
+        if self.fused:
+            # --- writes start here ---
+            self._tt().local_update_(
+                self._b, cu_seqlens_q=self._cu_q, bs=bs, seq_lens=seq_lens,
+                req_pool_indices=rpi, req_to_token=table, extra=extra, num_queries=q,
+                rows_per_request=per, chunk=self.chunk, page_size=cfg.page_size,
+                pad_len=self._pad, pad_page=cfg.pad_page, num_real=num_real)
+        else:
+            kv = seq_lens + extra if extra else seq_lens
+            q_lens, kv_lens, off, valid = ref.local_rows(kv, q, self.chunk, per, self._pad)
+            width = -(-min(self.chunk, cfg.max_context_len) // cfg.page_size)
+            pages = ref.gather_pages(table, rpi.repeat_interleave(per), cfg.page_size, width, off)
+            pages = torch.where(valid[:, None], pages, cfg.pad_page)
+            # --- writes start here ---
+            self._write(bs, q, per, q_lens, kv_lens, pages)
         self.arena.mark_written(self.phase, bs)
         self._state = for_phase
         return self._view(bs, for_phase)

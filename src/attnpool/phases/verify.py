@@ -12,7 +12,7 @@ from ..config import Phase
 from ..errors import InputError
 from ..update import reference as ref
 from ..views import PagedView, VerifyView
-from ._checks import check_bs, check_req_to_token, check_tensor, host_lens
+from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
 
 
@@ -49,6 +49,8 @@ class VerifyPhase(PhaseBase):
         req_to_token: Tensor,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         tree_mask: Tensor | None = None,
+        *,
+        num_real: Tensor | None = None,
     ) -> VerifyView:
         """Refill for ``n = len(seq_lens)`` requests, each verifying N draft tokens.
 
@@ -58,38 +60,56 @@ class VerifyPhase(PhaseBase):
             tree_mask: ``[n, N, N]`` bool, required when ``topk > 1``: ``tree_mask[i, j, k]``
                 says draft ``j`` of request ``i`` may attend draft ``k`` (its ancestors and
                 itself; ``tree_mask[i, j, j]`` must be True).
+            num_real: capturable mode, as in :meth:`DecodePhase.update_` (``tree_mask`` then has
+                ``bs`` rows too).
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg, nd = self.cfg, self.cfg.num_draft_tokens
-        seq_lens = check_tensor("seq_lens", seq_lens, cfg, 1)
-        n = seq_lens.shape[0]
-        check_bs(cfg, bs, n)
-        rpi = check_tensor("req_pool_indices", req_pool_indices, cfg, 1, rows=n)
-        table = check_req_to_token(req_to_token, cfg)
+        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
+        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
+        table = self._req_to_token(req_to_token)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - nd)
         mask: Tensor | None = None
         if self.tree:
-            mask = check_tensor("tree_mask", tree_mask, cfg, 3, dtypes=(torch.bool,), rows=n)
+            mask = self._tensor("tree_mask", tree_mask, 3, dtypes=(torch.bool,), rows=n)
             if tuple(mask.shape[1:]) != (nd, nd):
                 raise InputError(f"tree_mask must be [n, {nd}, {nd}], got {tuple(mask.shape)}")
         elif tree_mask is not None:
             raise InputError(f"tree_mask is only for topk > 1, got one with topk={cfg.topk}")
         add = 0 if self.tree else nd
-        width = self._width(host, add, cfg.page_size, cfg.max_pages)
-        pages = ref.gather_pages(table, rpi, cfg.page_size, width)
-        expand = None if mask is None else ref.tree_expand(mask, seq_lens, rpi, table)
-        # --- writes start here ---
-        self._write_part(self._p, bs, seq_lens, pages, add=add)
-        if expand is not None and self._e is not None:
-            self._write_expand(bs, *expand)
+        if self.fused:
+            # --- writes start here (both launches' inputs were checked above) ---
+            self._fused_part(self._p, bs, seq_lens, rpi, table, extra=add, num_real=num_real)
+            if mask is not None and self._e is not None:
+                self._tt().tree_expand_update_(
+                    self._e, bs=bs, tree_mask=mask, seq_lens=seq_lens, req_pool_indices=rpi,
+                    req_to_token=table, pad_len=self._expand_pad, pad_id=self._expand_pad_id,
+                    num_real=num_real)
+        else:
+            width = self._width(host, add, cfg.page_size, cfg.max_pages)
+            pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+            expand = None if mask is None else ref.tree_expand(mask, seq_lens, rpi, table)
+            # --- writes start here ---
+            self._write_part(self._p, bs, seq_lens, pages, add=add)
+            if expand is not None:
+                self._write_expand(bs, *expand)
         self.arena.mark_written(self.phase, bs)
         return self._view(bs, self._max_k(host, add, n, bs, cfg.max_context_len))
 
+    @property
+    def _expand_pad(self) -> int:
+        """Keys of a padded expand row: at most N, so it stays inside the part's width."""
+        return min(self.cfg.pad_seq_len, self.cfg.num_draft_tokens)
+
+    @property
+    def _expand_pad_id(self) -> int:
+        """The pad page's first token slot (expand rows are token-slot rows)."""
+        return self.cfg.pad_page * self.cfg.page_size
+
     def _write_expand(self, bs: int, lens: Tensor, slots: Tensor) -> None:
-        cfg, nd = self.cfg, self.cfg.num_draft_tokens
         if self._e is not None:
-            self._write_part(self._e, bs * nd, lens, slots, page_size=1,
-                             pad_len=min(cfg.pad_seq_len, nd), pad_id=cfg.pad_page * cfg.page_size)
+            self._write_part(self._e, bs * self.cfg.num_draft_tokens, lens, slots, page_size=1,
+                             pad_len=self._expand_pad, pad_id=self._expand_pad_id)
 
     def _write_capture_state(self) -> None:
         bs = self.cfg.max_bs
