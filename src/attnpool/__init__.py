@@ -12,6 +12,8 @@ from .arena import ArenaPlan, plan_arena
 from .check import ReadRegionError, check_view
 from .config import Impl, Layout, Phase, PoolConfig
 from .errors import CapacityError, InputError, LayoutError, MissingPhaseError, PoolError
+from .kv import KVCacheConfig, KVCachePool, KVKind, KVLayout
+from .lora import LoRABatchPool, LoRABatchView, LoRAConfig, lora_reference
 from .pool import BufferPool
 from .views import (
     DecodeView,
@@ -37,8 +39,15 @@ __all__ = [
     "EncoderView",
     "Impl",
     "InputError",
+    "KVCacheConfig",
+    "KVCachePool",
+    "KVKind",
+    "KVLayout",
     "Layout",
     "LayoutError",
+    "LoRABatchPool",
+    "LoRABatchView",
+    "LoRAConfig",
     "LocalView",
     "MissingPhaseError",
     "PagedView",
@@ -49,5 +58,6 @@ __all__ = [
     "VerifyView",
     "__version__",
     "check_view",
+    "lora_reference",
     "plan_arena",
 ]
