@@ -56,6 +56,11 @@ class GraphRunner:
         capture_sizes: batch sizes to capture (default :func:`default_capture_sizes`).
         use_graphs: capture CUDA graphs (default: when the pool lives on CUDA).
         view_kwargs: extra arguments of ``view``/``update_`` (``for_phase`` of the local phase).
+        prepare: optional ``prepare(view)``, called with the capture view before warm-up and
+            capture, and with the refilled view after every ``update_`` and before the replay
+            (or the eager forward): host-side planning a kernel needs per batch, such as
+            FlashInfer's ``plan`` (:class:`attnpool.adapters.flashinfer.GraphWrappers`). It must
+            not replace tensors the graph reads, only refill them.
     """
 
     def __init__(
@@ -67,8 +72,10 @@ class GraphRunner:
         capture_sizes: Sequence[int] | None = None,
         use_graphs: bool | None = None,
         view_kwargs: dict[str, Any] | None = None,
+        prepare: Callable[[Any], object] | None = None,
     ) -> None:
         self.pool, self.phase, self.forward = pool, phase, forward
+        self.prepare = prepare
         self._ph: Any = pool.phase(phase)
         self.r = rows_per_request(pool, phase)
         self.view_kwargs = dict(view_kwargs or {})
@@ -94,6 +101,8 @@ class GraphRunner:
         main = torch.cuda.current_stream()
         for bs in reversed(self.capture_sizes):  # largest first: the others reuse its memory
             view = self._ph.view(bs, **self.view_kwargs)  # writes the capture state if needed
+            if self.prepare is not None:
+                self.prepare(view)
             xs = self._x[: bs * self.r]
             side.wait_stream(main)
             with torch.cuda.stream(side):
@@ -127,8 +136,13 @@ class GraphRunner:
         kwargs = {**inputs, **self.view_kwargs}
         bs = self.padded_size(n)
         if bs is None or bs not in self._graphs:  # eager: no padding needed
-            return self.forward(self._ph.update_(n, **kwargs), x)
-        self._ph.update_(bs, **kwargs)
+            view = self._ph.update_(n, **kwargs)
+            if self.prepare is not None:
+                self.prepare(view)
+            return self.forward(view, x)
+        view = self._ph.update_(bs, **kwargs)
+        if self.prepare is not None:
+            self.prepare(view)
         self._x[: n * self.r].copy_(x)
         graph, out = self._graphs[bs]
         graph.replay()
