@@ -5,7 +5,7 @@ tests, that the comparison is like for like: for every real row its ``cache_seql
 ``cu_seqlens_k`` and live page-table columns equal what ``pool.decode.update_`` (or chain
 ``pool.verify.update_``) writes. It follows the description in DESIGN §8:
 
-* **Init**: every buffer is its own allocation made with ``torch.zeros`` (zero-filled so that rows
+* **Init**: every buffer is its own zero-filled allocation (``zeros``, so that rows
   nobody writes are at least in range), one set per phase, no overlay.
 * **Replay, per step**: the graph runner pads the batch by filling its own padded input buffers
   (lengths ``pad_seq_len``, request 0), then the backend copies ``seq_lens`` into
@@ -52,7 +52,7 @@ def per_buffer_allocator(cfg: PoolConfig, fill: Fill = Fill.ZEROS
     library learns: the baseline always allocates exactly what the pool holds, just one by one.
     Keys are ``"<phase>.<name>"`` (``"shared.<name>"`` for constants).
     """
-    make = torch.zeros if fill is Fill.ZEROS else torch.empty
+    make = torch.zeros if fill is Fill.ZEROS else torch.empty  # ok: the baseline's memsets
     dev = cfg.torch_device
     shapes = [(f"{p.spec.phase.value if p.spec.phase else 'shared'}.{p.spec.name}", p.shape,
                p.spec.dtype) for p in plan_arena(cfg).placements]
@@ -93,16 +93,16 @@ class ClassicPaged:
         self.add = num_draft_tokens
         q = max(1, num_draft_tokens)
         bs = cfg.max_bs
-        # Backend buffers: one torch.zeros each.
-        self.cache_seqlens = torch.zeros(bs, dtype=i32, device=dev)
-        self.cu_seqlens_k = torch.zeros(bs + 1, dtype=i32, device=dev)
-        self.page_table = torch.zeros(bs, cfg.max_pages, dtype=i32, device=dev)
+        # Backend buffers: one zero-filled allocation each.
+        self.cache_seqlens = torch.zeros(bs, dtype=i32, device=dev)  # ok: baseline
+        self.cu_seqlens_k = torch.zeros(bs + 1, dtype=i32, device=dev)  # ok: baseline
+        self.page_table = torch.zeros(bs, cfg.max_pages, dtype=i32, device=dev)  # ok: baseline
         self.cu_seqlens_q = torch.arange(0, (bs + 1) * q, q, dtype=i32, device=dev)
         self.page_starts = torch.arange(0, cfg.max_context_len, cfg.page_size, device=dev)
         # Graph-runner input buffers, padded to the captured batch size.
-        self.seq_lens = torch.zeros(bs, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.zeros(bs, dtype=torch.int64, device=dev)  # ok: baseline
         self.seq_lens.fill_(cfg.pad_seq_len)
-        self.req_pool_indices = torch.zeros(bs, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(bs, dtype=torch.int64, device=dev)  # ok: baseline
 
     @property
     def nbytes(self) -> int:
@@ -146,7 +146,7 @@ class ClassicPaged:
         self.cache_seqlens[:bs].copy_(seq)
         self.cu_seqlens_k[1 : bs + 1].copy_(torch.cumsum(self.cache_seqlens[:bs], dim=0,
                                                          dtype=torch.int32))
-        max_len = int(seq_lens_cpu.max().item()) if n else 0
+        max_len = int(seq_lens_cpu.max().item()) if n else 0  # ok: host copy, as engines do
         if n < bs:
             max_len = max(max_len, cfg.pad_seq_len)
         max_len += self.add

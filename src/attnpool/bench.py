@@ -2,7 +2,7 @@
 
 Three questions, each answered for attnpool and the baseline in the same run:
 
-* **init**: per-buffer ``torch.zeros`` (engine style) vs per-buffer ``torch.empty`` vs the pool's
+* **init**: per-buffer zero-filled allocations (engine style) vs per-buffer ``torch.empty`` vs the pool's
   single arena (``BufferPool``), over the buffers :func:`attnpool.plan_arena` reports, so the
   benchmark grows with every phase the library learns.
 * **update**: one metadata refill per step, the classic per-op replay on zero-initialised buffers

@@ -15,7 +15,7 @@ sends skipped tokens there instead of branching, which keeps it free of host syn
 
 Why ``torch.empty`` is safe: attention reads only the tokens ``< cache_seqlens`` of a row, and every
 such token was written by a store first; the pad page is written at construction. No memset of the
-cache ever happens (a multi-GiB memset is what ``torch.zeros`` costs engines at start-up).
+cache ever happens (a multi-GiB memset is what a zero-filled cache costs engines at start-up).
 
 Slots. Token slot ``s`` is offset ``s % page_size`` of page ``s // page_size``. ``slot_mapping``
 holds, per token of a forward, where its new K/V go; padded tokens have ``-1`` and stores skip

@@ -389,7 +389,7 @@ def lora_reference(x: Tensor, lora_a: Tensor, lora_b: Tensor, v: LoRABatchView,
     cols = torch.arange(lora_a.shape[1], device=x.device)
     keep = (cols[None, :] < v.lora_ranks[w][:, None]) & real[:, None]
     h = torch.bmm(lora_a[w], x[:, :, None]).squeeze(-1)
-    zero = torch.zeros((), dtype=h.dtype, device=h.device)
+    zero = torch.zeros((), dtype=h.dtype, device=h.device)  # ok: 0-d constant of the reference
     h = torch.where(keep, h, zero)
     b = torch.where(keep[:, None, :], lora_b[w], zero)
     y = torch.bmm(b, h[:, :, None]).squeeze(-1) * v.scalings[w][:, None].to(h.dtype)

@@ -22,7 +22,7 @@ class LocalPhase(PhaseBase):
 
     Each request's queries are split into virtual rows, one per chunk of size A their positions
     touch; a row attends only to the keys of its chunk up to its queries. Everything is computed
-    on the device from the lengths (no ``.item()``), and the capacity is fixed by the config:
+    on the device from the lengths (no host read), and the capacity is fixed by the config:
     ``V = 1`` row per request in decode, ``V = min(N, (N-1)//A + 2)`` in verify, rows of
     ``ceil(A / P)`` pages. ``for_phase`` picks which: the two shapes never run in the same forward.
     """
