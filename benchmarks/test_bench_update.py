@@ -9,24 +9,15 @@ mixed context lengths up to 32K, page sizes 1 and 16, decode and chain verify); 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 
-import attnpool
 from attnpool import bench
 
 from dispatch_count import count
 
-HAS_VERIFY = hasattr(attnpool.BufferPool, "verify")
 CASES = bench.update_cases(bench.FULL)
-
-
-def _param(case: bench.UpdateCase) -> Any:
-    marks = [] if case.phase != "verify" or HAS_VERIFY else [
-        pytest.mark.skip(reason="this attnpool has no pool.verify phase yet")]
-    return pytest.param(case, id=case.name, marks=marks)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +26,7 @@ def inputs() -> dict[bench.UpdateCase, bench.UpdateInputs]:
 
 
 @pytest.mark.parametrize("impl", bench.UPDATE_IMPLS, ids=lambda i: i.name)
-@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_update(record: Callable[..., None], timed: Callable[..., None], device: torch.device,
                 case: bench.UpdateCase, impl: bench.UpdateImpl,
                 inputs: dict[bench.UpdateCase, bench.UpdateInputs]) -> None:
@@ -50,6 +41,6 @@ def test_update(record: Callable[..., None], timed: Callable[..., None], device:
     fn()
     ops = count(fn, device, host=[x.seq_lens_cpu])
     record("update", case.name, impl.name, case.config(device), baseline=impl.baseline,
-           bs=case.bs, n=case.n,
+           bs=case.bs, n=case.n, triton_launches=ops.triton,
            launches=ops.launch, host_syncs=ops.sync, temporaries=ops.alloc)
     timed(fn)
