@@ -292,3 +292,22 @@ def test_impl_resolution_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(LayoutError, match="TRITON_INTERPRET"):
         BufferPool(PoolConfig(max_bs=2, max_context_len=64, device="cpu", impl=Impl.TRITON))
+
+
+def test_incremental_off_after_a_capturable_update() -> None:
+    """A ``num_real`` update may be replayed from the engine's graph behind the arena's back:
+    from then on ``request_ids`` updates write every page."""
+    _, tt = pools(16, Layout.FLASH_ATTN)
+    b = make_batch(tt.cfg, 3, random.Random(2), extra=40)
+    seq, rpi, table = b.tensors()
+    ids = [7, 8, 9]
+    tt.decode.update_(3, seq, rpi, table, request_ids=ids)
+    tt.decode.update_(3, seq, rpi, table, num_real=torch.tensor([3]))
+    tt.decode.update_(3, seq, rpi, table, request_ids=ids)
+    pt = tt.arena.buffer(Phase.DECODE, "page_table")
+    good = int(pt[0, 0])
+    pt[0, 0] = 999_999
+    tt.decode.update_(3, seq + 1, rpi, table, request_ids=ids)
+    assert int(pt[0, 0]) == good  # rewritten: no row was trusted to keep its pages
+    with pytest.raises(InputError, match="host values"):
+        tt.decode.update_(3, seq, rpi, table, request_ids=torch.tensor(ids))

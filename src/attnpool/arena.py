@@ -163,7 +163,7 @@ class Arena:
     here ever reallocates.
     """
 
-    __slots__ = ("_bufs", "_epoch", "_valid", "cfg", "plan", "storage")
+    __slots__ = ("_bufs", "_epoch", "_valid", "cfg", "plan", "recorded", "storage")
 
     def __init__(self, cfg: PoolConfig, poison: bool = False) -> None:
         self.cfg = cfg
@@ -178,6 +178,9 @@ class Arena:
         self._valid: dict[Phase, int] = {}
         #: per phase, a counter bumped by every write that may touch its bytes (see :meth:`epoch`).
         self._epoch: dict[Phase, int] = {}
+        #: set once an update ran in capturable mode (``num_real``): the engine may replay it from
+        #: its own graph, writing bytes behind this bookkeeping, so epochs prove nothing after.
+        self.recorded = False
         if poison:
             self.poison_()
         else:
@@ -225,7 +228,8 @@ class Arena:
 
         A phase that reuses what its previous update left (the incremental page table) compares
         the epoch right after that update with the epoch now: equal means no other phase, capture
-        state or poison wrote those bytes in between.
+        state or poison wrote those bytes in between through this arena's calls. Writes replayed
+        from an engine's own graph bypass it; see :attr:`recorded`.
         """
         return self._epoch.get(phase, 0)
 

@@ -78,6 +78,7 @@ class PhaseBase:
         if any(h is not None for h in host):
             raise InputError("host copies (*_cpu) cannot be combined with num_real: the real "
                              "count lives on the device, got a host copy")
+        self.arena.recorded = True  # may be replayed from a graph: see Arena.recorded
         return seq_lens, n
 
     def _tt(self) -> ModuleType:

@@ -28,9 +28,12 @@ class DecodePhase(PhaseBase):
     already holds its old pages and only the pages added since are written. The phase falls back
     to a full write by itself whenever those bytes may have changed in between (another overlaid
     phase, a capture state, poison, the encoder's decoder rows): it compares the arena's write
-    epoch. The caller's part of the contract: ``request_ids`` are unique per live request (never
-    a reused pool slot index) and ``req_to_token`` entries of positions a request already had do
-    not change.
+    epoch. Once any update of the pool has run in capturable mode (``num_real``), it may be
+    replayed from the engine's graph without the arena seeing it, so every later update is a full
+    one. The caller's part of the contract: ``request_ids`` are host values unique per live
+    request (never a reused pool slot index) and ``req_to_token`` entries of positions a request
+    already had do not change. Cost per incremental step: the host flags (a small host tensor)
+    and one host-to-device copy of ``bs`` bytes, from pageable memory.
     """
 
     phase = Phase.DECODE
@@ -90,12 +93,15 @@ class DecodePhase(PhaseBase):
             if num_real is not None:
                 raise InputError("request_ids cannot be combined with num_real (the real rows "
                                  "are not known on the host), got both")
+            if isinstance(request_ids, Tensor):
+                raise InputError("request_ids must be host values (a list of ids), got a "
+                                 f"{request_ids.device} tensor: comparing it would sync")
             ids = list(request_ids)
             if len(ids) != n:
                 raise InputError(f"request_ids must have n={n} values, got {len(ids)}")
         if self.fused:
             keep = self._keep_flags(ids, bs)
-            # --- writes start here ---
+            # --- writes start here (the kernel wrapper's checks repeat the ones above) ---
             if keep is not None:
                 self._keep[:bs].copy_(keep, non_blocking=True)
             self._fused_part(self._b, bs, seq_lens, rpi, table, num_real=num_real,
@@ -109,7 +115,8 @@ class DecodePhase(PhaseBase):
     def _keep_flags(self, ids: list[Hashable] | None, bs: int) -> Tensor | None:
         """Host ``keep`` flags, or None when no row can keep its pages (or bytes changed since)."""
         last = self._last
-        if ids is None or last is None or last[1] != self.arena.epoch(self.phase):
+        if (ids is None or last is None or self.arena.recorded
+                or last[1] != self.arena.epoch(self.phase)):
             return None
         flags = self._tt().keep_flags(last[0], ids, bs)
         return torch.tensor(flags, dtype=torch.int8) if any(flags) else None

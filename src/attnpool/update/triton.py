@@ -285,9 +285,10 @@ def local_update_(
 
 def keep_flags(prev_ids: Sequence[int] | None, ids: Sequence[int], bs: int) -> list[int]:
     """Host-side ``keep`` values for :func:`paged_update_`: 1 where row ``i`` serves the same
-    request (``req_pool_indices``) as at the previous update, 0 for new requests, padded rows and
-    when there was no previous update. The caller copies them into its ``[bs]`` device tensor
-    (``copy_(..., non_blocking=True)`` from pinned memory keeps the host from waiting)."""
+    request as at the previous update, 0 for new requests, padded rows and when there was no
+    previous update. ``ids`` are host ids unique per live request: not ``req_pool_indices``, whose
+    slots are reused by new requests. The caller copies the flags into its ``[bs]`` device tensor
+    (a ``non_blocking`` copy; from pinned memory it also leaves the host free at once)."""
     ck.need(len(ids) <= bs, CapacityError, f"ids must have <= bs={bs} values, got {len(ids)}")
     prev = list(prev_ids) if prev_ids is not None else []
     return [int(i < len(prev) and prev[i] == x) for i, x in enumerate(ids)] + [0] * (bs - len(ids))
