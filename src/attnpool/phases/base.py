@@ -78,7 +78,10 @@ class PhaseBase:
         if any(h is not None for h in host):
             raise InputError("host copies (*_cpu) cannot be combined with num_real: the real "
                              "count lives on the device, got a host copy")
-        self.arena.recorded = True  # may be replayed from a graph: see Arena.recorded
+        # May be replayed from a graph: see Arena.recorded. Host bookkeeping only (no pool byte
+        # changes), and it only turns an optimisation off, so setting it before the remaining
+        # input checks of the phase is harmless even if one of them rejects the call.
+        self.arena.recorded = True
         return seq_lens, n
 
     def _tt(self) -> ModuleType:
