@@ -14,6 +14,12 @@ HAS_CUDA = torch.cuda.is_available()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The long adversarial run takes many minutes: only when asked for (pytest -m fuzz).
+    if "fuzz" not in (config.option.markexpr or ""):
+        long = pytest.mark.skip(reason="long fuzz run: select it with pytest -m fuzz")
+        for item in items:
+            if "fuzz" in item.keywords:
+                item.add_marker(long)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

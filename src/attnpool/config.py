@@ -10,6 +10,7 @@ import enum
 import importlib.util
 import os
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import torch
 
@@ -59,6 +60,15 @@ class Impl(enum.Enum):
     AUTO = "auto"
     REFERENCE = "reference"
     TRITON = "triton"
+
+
+def is_int(v: object) -> TypeGuard[int]:
+    """A real Python ``int`` for an index-like argument (layer, bs, counts, sizes).
+
+    ``bool`` is refused: ``True`` would pass ``isinstance(v, int)`` and, used as a tensor index,
+    adds a dimension instead of selecting element 1 (a wrongly shaped view fed to a kernel).
+    """
+    return type(v) is int
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -159,7 +169,7 @@ class PoolConfig:
         for name in ("max_bs", "max_context_len", "page_size", "num_draft_tokens", "topk",
                      "spec_steps", "max_encoder_len", "pad_seq_len", "pad_page"):
             v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool), f"{name} must be an int", v)
+            need(is_int(v), f"{name} must be an int", v)
         need(self.max_bs >= 1, "max_bs must be >= 1", self.max_bs)
         need(self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
              "page_size must be a power of two >= 1", self.page_size)
@@ -183,11 +193,11 @@ class PoolConfig:
              self.pad_seq_len)
         need(self.pad_page >= 0, "pad_page must be >= 0", self.pad_page)
         if self.num_pages is not None:
-            need(isinstance(self.num_pages, int) and self.num_pages > self.pad_page,
+            need(is_int(self.num_pages) and self.num_pages > self.pad_page,
                  f"num_pages must be an int > pad_page ({self.pad_page})", self.num_pages)
         if self.attention_chunk_size is not None:
             a = self.attention_chunk_size
-            need(isinstance(a, int) and a >= 1, "attention_chunk_size must be an int >= 1", a)
+            need(is_int(a) and a >= 1, "attention_chunk_size must be an int >= 1", a)
             need(a % self.page_size == 0,
                  f"attention_chunk_size must be a multiple of page_size ({self.page_size})", a)
         need(isinstance(self.layout, Layout) and bool(self.layout),

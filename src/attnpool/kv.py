@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .arena import sentinel
 from .check import ReadRegionError
-from .config import Impl, resolve_device, resolve_impl
+from .config import Impl, is_int, resolve_device, resolve_impl
 from .errors import CapacityError, InputError, LayoutError, PoolError
 
 ALIGN = 256
@@ -57,7 +57,7 @@ class KVKind(enum.Enum):
 
 
 def _int(name: str, v: object, lo: int) -> None:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+    if not is_int(v) or v < lo:
         raise PoolError(f"KVCacheConfig: {name} must be an int >= {lo}, got {v!r}")
 
 
@@ -206,7 +206,7 @@ class KVCachePool:
     # ---- views ---------------------------------------------------------------------------------
     def _part(self, layer: int, part: int) -> Tensor:
         """Layer part with the scratch page, in NHD order ``[num_pages + 1, P, H, row_dim]``."""
-        if not isinstance(layer, int) or not 0 <= layer < self.cfg.num_layers:
+        if not is_int(layer) or not 0 <= layer < self.cfg.num_layers:
             raise InputError(f"layer must be an int in [0, {self.cfg.num_layers}), got {layer!r}")
         t = self._cache[layer, part]
         return t if self.cfg.layout is KVLayout.NHD else t.transpose(1, 2)
@@ -239,7 +239,7 @@ class KVCachePool:
 
     # ---- slot mapping --------------------------------------------------------------------------
     def _check_bs(self, bs: object) -> int:
-        if not isinstance(bs, int) or isinstance(bs, bool) or not 1 <= bs <= self.cfg.max_tokens:
+        if not is_int(bs) or not 1 <= bs <= self.cfg.max_tokens:
             raise CapacityError(f"bs must be an int in [1, max_tokens={self.cfg.max_tokens}], "
                                 f"got {bs!r}")
         return bs
@@ -278,9 +278,10 @@ class KVCachePool:
             raise InputError(f"{name} must have {ndim} dim(s), got shape {tuple(t.shape)}")
         if t.dtype not in dtypes:
             raise InputError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-        want = self.cfg.torch_device
-        if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
-            raise InputError(f"{name} must be on {want}, got {t.device}")
+        # the storage's device, not the config's string: "cpu:0" and "cuda" resolve to what
+        # tensors report ("cpu", "cuda:0")
+        if t.device != self.storage.device:
+            raise InputError(f"{name} must be on {self.storage.device}, got {t.device}")
         return t
 
     def _src(self, name: str, t: object, n: int | None, dim: int) -> Tensor:
@@ -294,6 +295,11 @@ class KVCachePool:
             raise InputError(f"{name} must have shape {want}, got {tuple(src.shape)}")
         if src.shape[0] and dim and src.stride(2) != 1:
             raise InputError(f"{name} must have stride 1 in its last dim, got {src.stride()}")
+        lo = self.storage.data_ptr()
+        if src.numel() and lo <= src.data_ptr() < lo + self._cache.numel() * self._cache.itemsize:
+            # a source read from the cache while the store writes the cache: refused
+            raise InputError(f"{name} must not alias the cache's own pages (copy it first), "
+                             f"got a tensor at cache offset {src.data_ptr() - lo}")
         return src
 
     def _slots(self, slot_mapping: Tensor | None, n: int) -> Tensor:

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from .arena import sentinel
 from .check import ReadRegionError
-from .config import resolve_device
+from .config import is_int, resolve_device
 from .errors import CapacityError, InputError, LayoutError, PoolError
 
 ALIGN = 256
@@ -82,10 +82,10 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         for name in ("max_bs", "max_loras_per_batch", "max_lora_rank", "max_tokens_per_req"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not is_int(v) or v < 1:
                 raise PoolError(f"LoRAConfig: {name} must be an int >= 1, got {v!r}")
         dims = self.output_dims
-        if not isinstance(dims, tuple) or any(not isinstance(d, int) or d < 1 for d in dims) \
+        if not isinstance(dims, tuple) or any(not is_int(d) or d < 1 for d in dims) \
                 or len(set(dims)) != len(dims):
             raise PoolError(f"LoRAConfig: output_dims must be a tuple of distinct ints >= 1, got "
                             f"{dims!r}")
@@ -217,7 +217,7 @@ class LoRABatchPool:
 
     # ---- views ---------------------------------------------------------------------------------
     def _check_bs(self, bs: object) -> int:
-        if not isinstance(bs, int) or isinstance(bs, bool) or not 1 <= bs <= self.cfg.max_bs:
+        if not is_int(bs) or not 1 <= bs <= self.cfg.max_bs:
             raise CapacityError(f"bs must be an int in [1, max_bs={self.cfg.max_bs}], got {bs!r}")
         return bs
 

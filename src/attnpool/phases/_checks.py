@@ -8,17 +8,18 @@ caller passes it, and otherwise documented as the caller's contract.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 
 import torch
 from torch import Tensor
 
-from ..config import INT_DTYPES, PoolConfig
+from ..config import INT_DTYPES, PoolConfig, is_int
 from ..errors import CapacityError, InputError
 
 
 def check_bs(cfg: PoolConfig, bs: int, n: int | None = None) -> None:
     """``1 <= bs <= max_bs`` and ``0 <= n <= bs``."""
-    if not isinstance(bs, int) or isinstance(bs, bool):
+    if not is_int(bs):
         raise InputError(f"bs must be an int, got {type(bs).__name__}")
     if not 1 <= bs <= cfg.max_bs:
         raise CapacityError(f"bs must be in [1, max_bs={cfg.max_bs}], got {bs}")
@@ -79,9 +80,20 @@ def host_lens(
             raise InputError(f"{name} must be on the CPU (it is read on the host), got {v.device}")
         if v.dim() != 1:
             raise InputError(f"{name} must be 1-D, got shape {tuple(v.shape)}")
-        vals = [int(x) for x in v.tolist()]
+        if v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool:
+            raise InputError(f"{name} must hold integers, got dtype {v.dtype}")
+        vals = v.tolist()
     else:
-        vals = [int(x) for x in v]
+        try:
+            vals = list(v)
+        except TypeError as e:
+            raise InputError(f"{name} must be a sequence of ints, got {type(v).__name__}") from e
+        # ints only: a float would be truncated silently, a bool is not a length
+        for i, x in enumerate(vals):
+            if isinstance(x, bool) or not isinstance(x, Integral):
+                raise InputError(f"{name} must hold ints, got {name}[{i}] = {x!r} "
+                                 f"({type(x).__name__})")
+        vals = [int(x) for x in vals]
     if len(vals) != n:
         raise InputError(f"{name} must have n={n} values (one per real row), got {len(vals)}")
     if vals and not (lo <= min(vals) and max(vals) <= hi):

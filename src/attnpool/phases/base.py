@@ -44,15 +44,29 @@ class PhaseBase:
         self.fused = self.impl is Impl.TRITON
         self._dev = arena.storage.device
         self._arange = arena.buffer(None, "arange")
+        #: the arena's address range, for the aliasing check of inputs (computed once)
+        self._span = (arena.storage.data_ptr(), arena.storage.data_ptr() + arena.storage.numel())
 
     # ---- input checks ----------------------------------------------------------------------------
     def _tensor(self, name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] = INT_DTYPES,
                 rows: int | None = None) -> Tensor:
-        """``check_tensor`` against the arena's exact device (``cuda`` resolved to ``cuda:i``)."""
-        return check_tensor(name, t, self.cfg, ndim, dtypes, rows, self._dev)
+        """``check_tensor`` against the arena's exact device (``cuda`` resolved to ``cuda:i``),
+        then :meth:`_not_ours`."""
+        return self._not_ours(name, check_tensor(name, t, self.cfg, ndim, dtypes, rows, self._dev))
 
     def _req_to_token(self, t: object) -> Tensor:
-        return check_req_to_token(t, self.cfg, self._dev)
+        return self._not_ours("req_to_token", check_req_to_token(t, self.cfg, self._dev))
+
+    def _not_ours(self, name: str, t: Tensor) -> Tensor:
+        """Refuse an input that lives inside the pool's own arena (e.g. a view's
+        ``cache_seqlens`` passed back as ``seq_lens``). Overlaid phases share those bytes, and the
+        fused path reads inputs while it writes the arena, so such an input could be overwritten
+        half-way through its own update. One pointer compare; copy the tensor first instead."""
+        lo, hi = self._span
+        if lo <= t.data_ptr() < hi:
+            raise InputError(f"{name} must not alias the pool's own buffers (copy it first), got a "
+                             f"tensor at arena offset {t.data_ptr() - lo}")
+        return t
 
     def _batch(self, bs: int, seq_lens: object, num_real: object,
                *host: Tensor | Sequence[int] | None) -> tuple[Tensor, int]:
@@ -92,7 +106,7 @@ class PhaseBase:
 
     def _fused_part(self, b: PagedBuffers, bs: int, seq_lens: Tensor, rpi: Tensor, table: Tensor,
                     *, page_size: int | None = None, pad_len: int | None = None,
-                    pad_id: int | None = None, **kw: object) -> None:
+                    pad_id: int | None = None, max_len: int | None = None, **kw: object) -> None:
         """One :func:`attnpool.update.triton.paged_update_` launch with this pool's padding
         (the same defaults as :meth:`_write_part`)."""
         cfg = self.cfg
@@ -100,7 +114,8 @@ class PhaseBase:
             b, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi, req_to_token=table,
             page_size=cfg.page_size if page_size is None else page_size,
             pad_seq_len=cfg.pad_seq_len if pad_len is None else pad_len,
-            pad_page=cfg.pad_page if pad_id is None else pad_id, **{"extra": 0, **kw})
+            pad_page=cfg.pad_page if pad_id is None else pad_id,
+            max_len=cfg.max_context_len if max_len is None else max_len, **{"extra": 0, **kw})
 
     def _paged(self, prefix: str = "") -> PagedBuffers:
         a, ph = self.arena, self.phase
@@ -144,16 +159,20 @@ class PhaseBase:
         page_size: int | None = None,
         pad_len: int | None = None,
         pad_id: int | None = None,
+        max_len: int | None = None,
     ) -> None:
         """Write one paged part's read region for ``rows`` rows (``len(lens)`` real ones).
 
         Defaults are the page-level padding of DESIGN §1. Token-slot parts (``page_size=1``) pad
-        with the first slot of the pad page, repeated.
+        with the first slot of the pad page, repeated. Real lengths are clamped into
+        ``[0, max_len]`` (default ``max_context_len``), as on the fused path, so out-of-contract
+        device values leave a valid (if wrong) read region instead of failing half-way.
         """
         cfg = self.cfg
         p = cfg.page_size if page_size is None else page_size
         pad = cfg.pad_seq_len if pad_len is None else pad_len
-        ref.lengths_(b.cache_seqlens, lens, add, rows, pad)
+        ref.lengths_(b.cache_seqlens, lens, add, rows, pad,
+                     cfg.max_context_len if max_len is None else max_len)
         ref.paged_(b, bs=rows, pages=pages, page_size=p,
                    pad_page=cfg.pad_page if pad_id is None else pad_id,
                    pad_pages=-(-pad // p), arange=self._arange)

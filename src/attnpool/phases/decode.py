@@ -107,8 +107,8 @@ class DecodePhase(PhaseBase):
             self._fused_part(self._b, bs, seq_lens, rpi, table, num_real=num_real,
                              keep=None if keep is None else self._keep[:bs])
             return self._done(bs, n, host, ids)
+        # --- writes start here: everything above is validation (the gather cannot raise) ---
         pages = self._gather(rpi, table, host)
-        # --- writes start here: everything above is validation or a temporary ---
         self._write_part(self._b, bs, seq_lens, pages)
         return self._done(bs, n, host, ids)
 
@@ -130,10 +130,12 @@ class DecodePhase(PhaseBase):
     # ---- internals (also used by the encoder phase for the decoder part) ----------------------
     def _gather(self, rpi: Tensor, table: Tensor, host: list[int] | None,
                 token_offset: Tensor | None = None) -> Tensor:
-        """The real rows' page block (a temporary; may raise on a bad index, before any write)."""
+        """The real rows' page block, divided straight into the page table when it has one."""
         cfg = self.cfg
         width = self._width(host, 0, cfg.page_size, cfg.max_pages)
-        return ref.gather_pages(table, rpi, cfg.page_size, width, token_offset)
+        pt = self._b.page_table
+        out = None if pt is None or cfg.page_size == 1 else pt[: rpi.shape[0], :width]
+        return ref.gather_pages(table, rpi, cfg.page_size, width, token_offset, out)
 
     def _write_capture_state(self) -> None:
         self._write_part(self._b, self.cfg.max_bs, self._arange[:0], self._empty_pages())

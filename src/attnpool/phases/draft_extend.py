@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..arena import Arena
 from ..config import Phase
+from ..errors import CapacityError
 from ..update import reference as ref
 from ..views import DraftExtendView
 from ._checks import check_bs, host_lens
@@ -63,11 +64,18 @@ class DraftExtendPhase(PhaseBase):
         rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
         table = self._req_to_token(req_to_token)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
-        host_lens("accept_lens_cpu", accept_lens_cpu, n, 1, cfg.num_draft_tokens)
+        acc_host = host_lens("accept_lens_cpu", accept_lens_cpu, n, 1, cfg.num_draft_tokens)
+        if host is not None and acc_host is not None:
+            # the accepted tokens are part of the KV: a request cannot run more queries than keys
+            for i, (a, s) in enumerate(zip(acc_host, host, strict=True)):
+                if a > s:
+                    raise CapacityError(f"accept_lens_cpu[{i}] must be <= seq_lens_cpu[{i}]={s}, "
+                                        f"got {a}")
         if self.fused:
             # --- writes start here ---
             self._fused_part(self._b, bs, seq_lens, rpi, table, q_lens=acc,
-                             cu_seqlens_q=self._cu_q, pad_q=1, num_real=num_real)
+                             cu_seqlens_q=self._cu_q, pad_q=1, max_q=cfg.num_draft_tokens,
+                             num_real=num_real)
         else:
             width = self._width(host, 0, cfg.page_size, cfg.max_pages)
             pages = ref.gather_pages(table, rpi, cfg.page_size, width)
@@ -79,7 +87,9 @@ class DraftExtendPhase(PhaseBase):
     def _write(self, bs: int, seq_lens: Tensor, acc: Tensor, pages: Tensor) -> None:
         n = acc.shape[0]
         cu = self._cu_q
-        ref.cumsum_(cu, acc)
+        # clamped like the fused path's max_q: an out-of-contract device value cannot push the
+        # packed query offsets past the captured buffer (wrong metadata, never a stray index)
+        ref.cumsum_(cu, acc.clamp(0, self.cfg.num_draft_tokens))
         # padded rows: one query each, continuing from the real total (device value, no sync)
         torch.add(self._arange[1 : bs - n + 1], cu[n : n + 1], out=cu[n + 1 : bs + 1])
         self._write_part(self._b, bs, seq_lens, pages)

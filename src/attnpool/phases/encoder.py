@@ -76,15 +76,16 @@ class EncoderPhase(PhaseBase):
         dec = self._decode
         if self.fused:
             # --- writes start here (both launches' inputs were checked above) ---
-            self._fused_part(self._b, bs, enc, rpi, table, pad_len=self._pad, num_real=num_real)
+            self._fused_part(self._b, bs, enc, rpi, table, pad_len=self._pad,
+                             max_len=cfg.max_encoder_len, num_real=num_real)
             dec._fused_part(dec._b, bs, seq_lens, rpi, table, token_offset=enc,
                             num_real=num_real)
         else:
             cap = -(-cfg.max_encoder_len // cfg.page_size)
             width = self._width(enc_host, 0, cfg.page_size, cap)
             pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+            # --- writes start here (the decoder gather writes its page table) ---
             dec_pages = dec._gather(rpi, table, host, token_offset=enc)
-            # --- writes start here ---
             self._write(bs, enc, pages)
             dec._write_part(dec._b, bs, seq_lens, dec_pages)
         self.arena.mark_written(self.phase, bs)
@@ -93,7 +94,8 @@ class EncoderPhase(PhaseBase):
         return EncoderView(bs, self._view(bs, max_k), decoder)
 
     def _write(self, bs: int, enc: Tensor, pages: Tensor) -> None:
-        self._write_part(self._b, bs, enc, pages, pad_len=self._pad)
+        self._write_part(self._b, bs, enc, pages, pad_len=self._pad,
+                         max_len=self.cfg.max_encoder_len)
 
     def _write_capture_state(self) -> None:
         self._write(self.cfg.max_bs, self._arange[:0], self._empty_pages())

@@ -32,31 +32,53 @@ def gather_pages(
     page_size: int,
     width: int,
     token_offset: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """Page ids ``[n, width]`` of pages ``0..width-1`` of each request (a temporary).
+    """Page ids ``[n, width]`` of pages ``0..width-1`` of each request (a temporary, or ``out``).
 
     Page ``p`` of request ``r`` is ``req_to_token[r, off + p*P] // P``. Columns past a row's live
     pages hold whatever the table holds there; they are outside every read region and the writers
     below never copy them into one. ``token_offset [n]`` shifts each row (decoder rows after their
-    encoder tokens); shifted columns are clamped into the table.
+    encoder tokens); shifted columns are clamped into the table. Request rows are clamped into
+    the table too (as on the fused path): an out-of-range ``req_pool_indices`` value, which only a
+    sync could detect, gives wrong page ids, never an indexing error.
+
+    ``out`` (the part's ``page_table[:n, :width]``, when ``page_size > 1``) takes the page ids
+    directly, saving the copy :func:`paged_` would make (it skips a ``pages`` that is its own
+    table slice). Nothing here can raise on values, so writing the table first is safe.
     """
+    rows = req_pool_indices.clamp(0, req_to_token.shape[0] - 1)
     if token_offset is None:
         cols = req_to_token[:, : width * page_size : page_size]
-        tok = cols.index_select(0, req_pool_indices)
+        tok = cols.index_select(0, rows)
     else:
         idx = torch.arange(width, device=req_to_token.device) * page_size
-        idx = (idx[None, :] + token_offset[:, None]).clamp_(max=req_to_token.shape[1] - 1)
-        tok = req_to_token[req_pool_indices[:, None], idx]
-    return tok if page_size == 1 else torch.div(tok, page_size, rounding_mode="floor")
+        idx = (idx[None, :] + token_offset[:, None]).clamp_(0, req_to_token.shape[1] - 1)
+        tok = req_to_token[rows[:, None], idx]
+    if page_size == 1:
+        return tok
+    if out is not None:
+        return torch.div(tok, page_size, rounding_mode="floor", out=out)
+    return torch.div(tok, page_size, rounding_mode="floor")
 
 
-def lengths_(dst: Tensor, src: Tensor, add: int, bs: int, pad: int) -> None:
-    """``dst[:n] = src + add``; ``dst[n:bs] = pad`` (the declared padded length)."""
+def lengths_(dst: Tensor, src: Tensor, add: int, bs: int, pad: int, max_len: int = 2**31 - 1
+             ) -> None:
+    """``dst[:n] = clamp(src + add, 0, max_len)`` (int32); ``dst[n:bs] = pad`` (the padded length).
+
+    The clamp never changes an in-contract length. It bounds an out-of-contract device value
+    (which only a sync could detect) so the rest of the update, and every kernel reading the
+    view, stays inside the part's buffers: wrong metadata, never a stray index.
+    """
     n = src.shape[0]
-    if add:
-        torch.add(src, add, out=dst[:n])
+    if not add and src.dtype == dst.dtype:
+        torch.clamp(src, 0, max_len, out=dst[:n])  # one op for int32 inputs
     else:
-        dst[:n].copy_(src)
+        if add:
+            torch.add(src, add, out=dst[:n])
+        else:
+            dst[:n].copy_(src)
+        dst[:n].clamp_(0, max_len)  # (a value past int32 has wrapped by now; the clamp bounds it)
     dst[n:bs].fill_(pad)
 
 
@@ -90,7 +112,8 @@ def paged_(
     lens = b.cache_seqlens[:bs]
     cumsum_(b.cu_seqlens_k, lens)
     if b.page_table is not None:
-        b.page_table[:n, :width].copy_(pages)
+        if pages.data_ptr() != b.page_table.data_ptr():  # (not gathered in place)
+            b.page_table[:n, :width].copy_(pages)
         b.page_table[n:bs, :pad_pages].fill_(pad_page)
     if b.kv_indptr is not None and b.kv_indices is not None and b.kv_last_page_len is not None:
         real = lens[:n]
@@ -122,8 +145,9 @@ def tree_expand(
     n, nd, _ = tree_mask.shape
     lens = tree_mask.sum(-1, dtype=torch.int32).reshape(n * nd)
     order = torch.argsort((~tree_mask).to(torch.uint8), dim=-1, stable=True)
-    cols = seq_lens.to(torch.int64)[:, None, None] + order
-    slots = req_to_token[req_pool_indices.to(torch.int64)[:, None, None], cols]
+    cols = (seq_lens.to(torch.int64)[:, None, None] + order).clamp_(0, req_to_token.shape[1] - 1)
+    rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
+    slots = req_to_token[rows[:, None, None], cols]
     return lens, slots.reshape(n * nd, nd)
 
 
@@ -146,8 +170,9 @@ def draft_expand(
     full = torch.div(seq, page_size, rounding_mode="floor") * page_size
     part = seq - full
     c = torch.arange(width, device=seq.device)
-    tok_col = (full[:, None] + c[None, :]).clamp_(max=req_to_token.shape[1] - 1)
-    prefix_slots = req_to_token[req_pool_indices.to(torch.int64)[:, None], tok_col]  # [n, W]
+    tok_col = (full[:, None] + c[None, :]).clamp_(0, req_to_token.shape[1] - 1)
+    rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
+    prefix_slots = req_to_token[rows[:, None], tok_col]  # [n, W]
     s_idx = (c[None, :] - part[:, None]).clamp_(0, steps - 1)  # [n, W]
     drafts = out_cache_loc.gather(1, s_idx[:, :, None].expand(n, width, topk))  # [n, W, K]
     is_prefix = (c[None, :] < part[:, None])[:, :, None]

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..config import is_int
 from ..errors import CapacityError, InputError, LayoutError
 from . import triton_checks as ck
 from .reference import PagedBuffers
@@ -77,6 +78,8 @@ def paged_update_(
     pad_q: int = 1,
     steps: int = 1,
     full_pages: bool = False,
+    max_len: int | None = None,
+    max_q: int | None = None,
 ) -> None:
     """Write one paged part's read region for ``bs`` rows in one launch.
 
@@ -103,9 +106,14 @@ def paged_update_(
             extra + d`` and its cumsum; the page table is written once, for the last step's
             lengths (its row prefixes serve every earlier step). No CSR (``LayoutError``).
         full_pages: lengths rounded down to whole pages (a draft tree's prefix pass).
+        max_len: real lengths (``seq_lens + extra``; with ``steps``, the last step's) are clamped
+            into ``[0, max_len]`` (default: the page table's width in tokens). In-contract inputs
+            never reach the bound; an out-of-contract device value, which only a sync could
+            detect, then gives wrong but valid metadata (a read region inside the buffers).
+        max_q: ``q_lens`` are clamped into ``[0, max_q]`` likewise (default: no bound but int32).
     """
     dev = b.cache_seqlens.device
-    ck.need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
+    ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
     if not isinstance(seq_lens, Tensor):
         raise InputError(f"seq_lens must be a torch.Tensor, got {type(seq_lens).__name__}")
     rows = bs if num_real is not None else seq_lens.shape[0]
@@ -119,7 +127,7 @@ def paged_update_(
     if token_offset is not None:
         ck.vec("token_offset", token_offset, rows, dev)
     pad_pages = -(-pad_seq_len // page_size)
-    ck.need(isinstance(steps, int) and steps >= 1, InputError, f"steps must be an int >= 1, got {steps}")
+    ck.need(is_int(steps) and steps >= 1, InputError, f"steps must be an int >= 1, got {steps}")
     has_pt, has_fi = ck.layouts(b, bs, dev, pad_pages, steps if steps > 1 else 0)
     ck.need(steps == 1 or not has_fi, LayoutError,
           f"steps > 1 (got {steps}) share one page table; a CSR layout cannot be given")
@@ -137,6 +145,10 @@ def paged_update_(
     else:
         width, pt_stride = -(-table.shape[1] // page_size), 0
 
+    if max_len is None:
+        max_len = width * page_size
+    ck.need(is_int(max_len) and max_len >= steps - 1, InputError,
+            f"max_len must be an int >= steps - 1 = {steps - 1}, got {max_len}")
     dummy = b.cache_seqlens
     k = ck.kernels()
     k.paged_kernel[(bs,)](
@@ -154,6 +166,7 @@ def paged_update_(
         n, bs, extra, pad_seq_len, pad_page, pad_pages, pad_q, steps,
         b.cache_seqlens.stride(0) if steps > 1 else 0,
         b.cu_seqlens_k.stride(0) if steps > 1 else 0,
+        max_len - (steps - 1), ck.INT32_MAX if max_q is None else max_q,
         page_size, table.shape[0], table.shape[1], table.stride(0), pt_stride, width,
         b.kv_indices.shape[0] if b.kv_indices is not None else 0,
         HAS_OFF=token_offset is not None, DEVICE_N=num_real is not None, HAS_PT=has_pt,
@@ -190,7 +203,7 @@ def tree_expand_update_(
     ck.need(tree_mask.dtype == torch.bool, InputError, f"tree_mask must be bool, got {tree_mask.dtype}")
     ck.need(tree_mask.device == dev, InputError, f"tree_mask must be on {dev}, got {tree_mask.device}")
     n, nd = tree_mask.shape[0], tree_mask.shape[1]
-    ck.need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
+    ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
     if num_real is not None:
         ck.need(n == bs, InputError, f"with num_real, tree_mask must have bs={bs} rows, got {n}")
     ck.real_count(num_real, n, bs, dev)
@@ -246,11 +259,11 @@ def local_update_(
     :func:`paged_update_` (a count of requests; inputs padded to ``bs``).
     """
     dev = b.cache_seqlens.device
-    ck.need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
+    ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
     for name, x, lo in (("rows_per_request", rows_per_request, 1), ("chunk", chunk, 1),
                         ("page_size", page_size, 1), ("num_queries", num_queries, 0),
                         ("pad_len", pad_len, 0)):
-        ck.need(isinstance(x, int) and x >= lo, InputError, f"{name} must be an int >= {lo}, got {x}")
+        ck.need(is_int(x) and x >= lo, InputError, f"{name} must be an int >= {lo}, got {x}")
     if not isinstance(seq_lens, Tensor):
         raise InputError(f"seq_lens must be a torch.Tensor, got {type(seq_lens).__name__}")
     seq_lens = ck.vec("seq_lens", seq_lens, bs if num_real is not None else seq_lens.shape[0], dev)

@@ -16,6 +16,7 @@ from ..errors import CapacityError, InputError, LayoutError
 from .reference import PagedBuffers
 
 INT = (torch.int32, torch.int64)
+INT32_MAX = 2**31 - 1
 MAX_BLOCK_P = 1024  # page columns per loop step of a row (a row loops over its own live pages)
 
 

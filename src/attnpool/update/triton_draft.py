@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ..config import is_int
 from ..errors import CapacityError, InputError
 from . import triton_checks as ck
 from .reference import PagedBuffers
@@ -47,7 +48,7 @@ def draft_tree_expand_update_(
         seq_lens, req_pool_indices: ``[n]`` (``[bs]`` with ``num_real``) committed lengths and rows.
     """
     dev = e.cache_seqlens.device
-    ck.need(isinstance(bs, int) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
+    ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
     if not isinstance(out_cache_loc, Tensor):
         raise InputError(f"out_cache_loc must be a torch.Tensor, got {type(out_cache_loc).__name__}")
     loc = out_cache_loc
@@ -59,7 +60,7 @@ def draft_tree_expand_update_(
     if num_real is not None:
         ck.need(n == bs, InputError, f"with num_real, out_cache_loc must have bs={bs} rows, got {n}")
     ck.real_count(num_real, n, bs, dev)
-    ck.need(isinstance(page_size, int) and page_size >= 1, InputError,
+    ck.need(is_int(page_size) and page_size >= 1, InputError,
             f"page_size must be an int >= 1, got {page_size}")
     width = page_size - 1 + steps
     ck.need(0 <= pad_len <= width, InputError, f"pad_len must be in [0, P-1+S={width}], got {pad_len}")

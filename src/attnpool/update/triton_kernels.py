@@ -71,7 +71,7 @@ def paged_kernel(  # type: ignore[no-untyped-def]
     seq_ptr, rpi_ptr, tok_ptr, off_ptr, nreal_ptr, keep_ptr, qlen_ptr,
     cache_ptr, cuk_ptr, pt_ptr, indptr_ptr, indices_ptr, last_ptr, cuq_ptr,
     n, bs, extra, pad_len, pad_page, pad_pages, pad_q, steps, len_sstride, cu_sstride,
-    P, tok_rows, tok_cols, tok_stride, pt_stride, cap_pages, indices_cap,
+    max_len, max_q, P, tok_rows, tok_cols, tok_stride, pt_stride, cap_pages, indices_cap,
     HAS_OFF: tl.constexpr, DEVICE_N: tl.constexpr, HAS_PT: tl.constexpr,
     HAS_FI: tl.constexpr, INCR: tl.constexpr, HAS_Q: tl.constexpr, FULL_PAGES: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -92,8 +92,11 @@ def paged_kernel(  # type: ignore[no-untyped-def]
     me = offs == pid
     is_real = pid < n_real
 
-    # lengths: real rows seq + extra (int32 like the int32 buffer), padded rows pad_len
+    # lengths: real rows seq + extra (int32 like the int32 buffer), padded rows pad_len. Real
+    # lengths are clamped into [0, max_len]: an out-of-contract value (only a sync could see it)
+    # then still gives a read region that fits the part's buffers.
     s = tl.load(seq_ptr + offs, mask=real, other=0) + extra
+    s = tl.minimum(tl.maximum(s, 0), max_len)
     if FULL_PAGES:
         s = _floor_div(s, P) * P  # a draft tree's prefix pass: whole pages only
     lens = tl.where(inb, tl.where(real, s.to(tl.int32), pad_len), 0)
@@ -111,7 +114,8 @@ def paged_kernel(  # type: ignore[no-untyped-def]
     my_len = my_len + tl.where(is_real, steps - 1, 0)  # pages cover the last step
 
     if HAS_Q:
-        q = tl.load(qlen_ptr + offs, mask=real, other=0).to(tl.int32)
+        q = tl.load(qlen_ptr + offs, mask=real, other=0)
+        q = tl.minimum(tl.maximum(q, 0), max_q).to(tl.int32)
         q = tl.where(inb, tl.where(real, q, pad_q), 0)
         tl.store(cuq_ptr + pid + 1, _pick(tl.cumsum(q, axis=0), me))
         if pid == 0:

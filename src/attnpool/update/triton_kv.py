@@ -24,7 +24,7 @@ from torch import Tensor
 
 @triton.jit  # type: ignore[untyped-decorator,misc]
 def _store_kernel(  # type: ignore[no-untyped-def]
-    slot_ptr,
+    slot_ptr, slot_stride,
     src1, src1_tok, src1_head, dst1,
     src2, src2_tok, src2_head, dst2,
     page_stride, off_stride, head_stride,
@@ -34,7 +34,7 @@ def _store_kernel(  # type: ignore[no-untyped-def]
     BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t * slot_stride).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     # The slot test is broadcast to the tile: a scalar mask is not accepted everywhere.
@@ -61,6 +61,8 @@ def store_(
     ``(src, dst)`` pairs sharing destination strides, in one launch over the ``n`` tokens.
 
     The caller (:mod:`attnpool.kv`) has validated shapes, dtypes, devices and unit last strides.
+    Every input is addressed through its own strides (a strided ``slot_mapping`` such as
+    ``slots[::2]`` included), never assumed contiguous.
     """
     (s1, d1), (s2, d2) = pairs
     n = slots.shape[0]
@@ -69,7 +71,7 @@ def store_(
     heads = d1.shape[2]
     block_d = triton.next_power_of_2(max(s1.shape[2], s2.shape[2], 1))
     args: list[Any] = [
-        slots,
+        slots, slots.stride(0),
         s1, s1.stride(0), s1.stride(1), d1,
         s2, s2.stride(0), s2.stride(1), d2,
         d1.stride(0), d1.stride(1), d1.stride(2),
