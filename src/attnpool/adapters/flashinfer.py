@@ -50,8 +50,8 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, LayoutError
-from ..views import PagedView
-from .sdpa import Attn, cache_as_pages, check_qkv
+from ..views import DraftStepView, PagedView, VerifyView
+from .sdpa import Attn, cache_as_pages, check_qkv, merge_by_lse
 
 
 class WrapperKind(enum.Enum):
@@ -274,6 +274,21 @@ class GraphWrappers:
             raise LayoutError(f"the wrapper for this part at bs={view.bs} was never planned; "
                               "call plan(view, ...) before run")
         return run(w, view, q, k_cache, v_cache, rows=rows)
+
+    def attention(self, view: object, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Attn:
+        """:meth:`run` for a :class:`PagedView`, or both passes of a tree
+        :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` merged by log-sum-exp
+        (each part planned beforehand)."""
+        if isinstance(view, PagedView):
+            return self.run(view, q, k_cache, v_cache)
+        if isinstance(view, (VerifyView, DraftStepView)):
+            a = self.run(view.prefix, q, k_cache, v_cache)
+            if view.expand is None:
+                return a
+            b = self.run(view.expand, q, k_cache, v_cache)
+            return merge_by_lse(a.out, a.lse, b.out, b.lse)
+        raise InputError(f"attention expects a PagedView, VerifyView or DraftStepView, got "
+                         f"{type(view).__name__}")
 
     def _existing(self, view: PagedView) -> Any:
         # Never create a wrapper here: construction allocates FlashInfer's int workspace and
