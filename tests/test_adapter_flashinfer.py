@@ -1,11 +1,11 @@
 """FlashInfer adapter: wrappers built on the pool's CSR buffers (one per part and batch size),
-planning from views, and the call path, on CPU through stand-in wrapper classes; the real
-wrappers on a GPU.
+planning from views, query rows, and the call path, on CPU through fakes that enforce FlashInfer's
+checks (``fakes_flashinfer.py``); the real wrappers on a GPU.
 
-The stand-ins keep what a CUDA-graph FlashInfer wrapper keeps (the buffers handed to the
-constructor, the plan's page size and mask) and compute attention only from those buffers at run
-time, as a replayed graph would: so a stand-in built on a capture view and run after an
-``update_`` sees the update only if the wrapper really sits on the pool's memory.
+The fakes compute from the buffers a wrapper was built on, as a replayed graph does: a wrapper
+made on a capture view and run after an ``update_`` sees the update only if it really sits on the
+pool's memory. A "capture" here is what an engine does before ``torch.cuda.graph``: plan the
+capture view, then run on the graph's whole query buffer.
 """
 
 from __future__ import annotations
@@ -16,59 +16,17 @@ from typing import Any
 
 import pytest
 import torch
+from fakes_flashinfer import BatchDecodeWithPagedKVCacheWrapper as Decode
+from fakes_flashinfer import BatchPrefillWithPagedKVCacheWrapper as Prefill
 
-from attnpool import BufferPool, Layout, LayoutError, PagedView, Phase, PoolConfig
+from attnpool import BufferPool, InputError, Layout, LayoutError, PagedView, Phase, PoolConfig
 from attnpool.adapters import flashinfer as fi
 from attnpool.adapters import sdpa
 
 from batches import make_batch
 
-D, ND = 8, 4
-
-
-class _StandIn:
-    """Records construction and plan; ``run`` computes from the constructor's buffers only."""
-
-    kind = fi.WrapperKind.DECODE
-
-    def __init__(self, workspace: torch.Tensor, kv_layout: str, **kw: Any) -> None:
-        self.workspace, self.kv_layout, self.init = workspace, kv_layout, kw
-        self.plans: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-
-    def _bufs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        kw = self.init
-        last = kw["paged_kv_last_page_len_buffer"]
-        qo = torch.arange(last.shape[0] + 1, dtype=torch.int32)
-        return qo, kw["paged_kv_indptr_buffer"], kw["paged_kv_indices_buffer"], last
-
-    def plan(self, *args: Any, **kw: Any) -> None:
-        self.plans.append((args, kw))
-
-    def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-            return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        args, kw = self.plans[-1]
-        qo, indptr, indices, last = self._bufs()
-        page = args[-1]
-        bs = last.shape[0]
-        pages = (indptr[1:] - indptr[:-1]).max().item()
-        view = PagedView(bs=bs, cache_seqlens=torch.zeros(bs, dtype=torch.int32),
-                         cu_seqlens_q=qo, cu_seqlens_k=torch.zeros(bs + 1, dtype=torch.int32),
-                         page_table=None, kv_indptr=indptr, kv_indices=indices,
-                         kv_last_page_len=last, max_seqlen_q=int((qo[1:] - qo[:-1]).max()),
-                         max_seqlen_k=int(pages) * page, page_size=page,
-                         causal=kw.get("causal", False))
-        assert kv[0].shape[1] == page
-        got = sdpa.paged_attention(view, q, kv[0], kv[1], softmax_scale=kw["sm_scale"])
-        return got.out, got.lse / math.log(2.0)  # FlashInfer's LSE is base 2
-
-
-class _PrefillStandIn(_StandIn):
-    kind = fi.WrapperKind.PREFILL
-
-    def _bufs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        kw = self.init
-        return (kw["qo_indptr_buf"], kw["paged_kv_indptr_buf"], kw["paged_kv_indices_buf"],
-                kw["paged_kv_last_page_len_buf"])
+D, ND, H, H_KV = 8, 4, 4, 2
+BF16 = torch.bfloat16
 
 
 def _pool(page: int = 16, **kw: Any) -> BufferPool:
@@ -80,16 +38,28 @@ def _pool(page: int = 16, **kw: Any) -> BufferPool:
 def _cache(pool: BufferPool) -> tuple[torch.Tensor, torch.Tensor]:
     pages = 12 * pool.cfg.max_pages + 2
     p = pool.cfg.page_size
-    return torch.randn(pages, p, 2, D), torch.randn(pages, p, 2, D)
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(pages, p, H_KV, D, generator=g).to(BF16),
+            torch.randn(pages, p, H_KV, D, generator=g).to(BF16))
 
 
-def _wrappers() -> fi.GraphWrappers:
-    return fi.GraphWrappers(torch.empty(16, dtype=torch.uint8), decode_cls=_StandIn,
-                            prefill_cls=_PrefillStandIn)
+def _wrappers(workspace: torch.Tensor | None = None, **kw: Any) -> fi.GraphWrappers:
+    ws = torch.empty(256, dtype=torch.uint8) if workspace is None else workspace
+    return fi.GraphWrappers(ws, decode_cls=Decode, prefill_cls=Prefill, **kw)
 
 
 def _plan(w: fi.GraphWrappers, view: PagedView) -> Any:
-    return w.plan(view, num_qo_heads=4, num_kv_heads=2, head_dim=D, q_dtype=torch.float32)
+    return w.plan(view, num_qo_heads=H, num_kv_heads=H_KV, head_dim=D, q_dtype=BF16)
+
+
+def _close(got: sdpa.Attn, want: sdpa.Attn, rows: int) -> None:
+    torch.testing.assert_close(got.out[:rows].float(), want.out[:rows].float(), atol=1e-2,
+                               rtol=1e-2)
+    torch.testing.assert_close(got.lse[:rows], want.lse[:rows], atol=1e-2, rtol=1e-2)
+
+
+def _want(view: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> sdpa.Attn:
+    return sdpa.attention(view, q.float(), k.float(), v.float(), layout=Layout.FLASHINFER)
 
 
 def test_one_wrapper_per_bs_on_slices_of_the_same_buffers() -> None:
@@ -100,15 +70,14 @@ def test_one_wrapper_per_bs_on_slices_of_the_same_buffers() -> None:
     last = pool.arena.buffer(Phase.DECODE, "kv_last_page_len")
     for bs in (1, 2, 4, 6):
         wr = w.wrapper(pool.decode.view(bs))
-        assert isinstance(wr, _StandIn) and not isinstance(wr, _PrefillStandIn)
-        assert wr.init["use_cuda_graph"] is True and wr.kv_layout == "NHD"
-        assert wr.init["paged_kv_indptr_buffer"].shape == (bs + 1,)
-        assert wr.init["paged_kv_last_page_len_buffer"].shape == (bs,)
-        assert wr.init["paged_kv_indptr_buffer"].data_ptr() == indptr.data_ptr()
-        assert wr.init["paged_kv_last_page_len_buffer"].data_ptr() == last.data_ptr()
-        assert wr.init["paged_kv_indices_buffer"] is not None
-        assert wr.init["paged_kv_indices_buffer"].data_ptr() == indices.data_ptr()
-        assert wr.init["paged_kv_indices_buffer"].numel() == indices.numel()  # full capacity
+        assert isinstance(wr, Decode)
+        assert wr._use_cuda_graph is True and wr._kv_layout == "NHD"
+        assert wr._paged_kv_indptr_buf.shape == (bs + 1,)
+        assert wr._paged_kv_last_page_len_buf.shape == (bs,)
+        assert wr._paged_kv_indptr_buf.data_ptr() == indptr.data_ptr()
+        assert wr._paged_kv_last_page_len_buf.data_ptr() == last.data_ptr()
+        assert wr._paged_kv_indices_buf.data_ptr() == indices.data_ptr()
+        assert wr._paged_kv_indices_buf.numel() == indices.numel()  # full capacity
         assert w.wrapper(pool.decode.view(bs)) is wr  # created once per size
     assert len(w) == 4
 
@@ -128,14 +97,12 @@ def test_capture_then_update_plan_run_matches_sdpa(page: int) -> None:
         b = make_batch(pool.cfg, n, rng)
         view = pool.decode.update_(bs, *b.tensors())
         wr = _plan(w, view)
-        args, kw = wr.plans[-1]
-        assert args[3:] == (4, 2, D, page) and kw["q_data_type"] is torch.float32
-        assert kw["sm_scale"] == pytest.approx(1 / math.sqrt(D))
-        q = torch.randn(bs, 4, D)
+        assert wr._page_size == page and wr._q_dtype is BF16
+        assert wr._sm_scale == pytest.approx(1 / math.sqrt(D))
+        q = torch.randn(bs, H, D).to(BF16)
         got = w.run(view, q, k, v)
-        want = sdpa.paged_attention(view, q, k, v, layout=Layout.FLASHINFER)
-        torch.testing.assert_close(got.out, want.out, msg=f"step {step}")
-        torch.testing.assert_close(got.lse, want.lse)
+        _close(got, _want(view, q, k, v), n)
+        assert not got.out[:n].isnan().any(), f"step {step}"
 
 
 @pytest.mark.parametrize("topk", [1, 2])
@@ -143,37 +110,146 @@ def test_verify_parts_get_their_own_wrappers(topk: int) -> None:
     pool = _pool(num_draft_tokens=ND, topk=topk)
     w = _wrappers()
     cap = pool.verify.view(3)
-    w.wrapper(cap.prefix)
     pre = w.wrapper(cap.prefix)
-    assert isinstance(pre, _PrefillStandIn)
-    assert pre.init["qo_indptr_buf"].data_ptr() == pool.arena.buffer(None, "arange_n").data_ptr()
+    assert isinstance(pre, Prefill)
+    assert pre._qo_indptr_buf.data_ptr() == pool.arena.buffer(None, "arange_n").data_ptr()
     if cap.expand is not None:
         exp = w.wrapper(cap.expand)
-        assert type(exp) is _StandIn  # one query per expand row: decode wrapper
-        assert exp.init["paged_kv_indptr_buffer"].data_ptr() == pool.arena.buffer(
+        assert isinstance(exp, Decode)  # one query per expand row: decode wrapper
+        assert exp._paged_kv_indptr_buf.data_ptr() == pool.arena.buffer(
             Phase.VERIFY, "expand_kv_indptr").data_ptr()
     assert len(w) == (2 if topk > 1 else 1)
-    rng = random.Random(topk)
-    b = make_batch(pool.cfg, 2, rng, extra=ND)
+    parts = [cap.prefix] + ([cap.expand] if cap.expand is not None else [])
+    for part in parts:  # capture: the capture view planned first, run on the whole buffer
+        _plan(w, part)
+        w.run(part, torch.zeros(3 * ND, H, D, dtype=BF16), *_cache(pool))
+    b = make_batch(pool.cfg, 2, random.Random(topk), extra=ND)
     mask = torch.ones(2, ND, ND, dtype=torch.bool).tril() if topk > 1 else None
     view = pool.verify.update_(3, *b.tensors(), tree_mask=mask)
     k, v = _cache(pool)
-    q = torch.randn(3 * ND, 4, D)
-    parts = [view.prefix] + ([view.expand] if view.expand is not None else [])
+    q = torch.randn(3 * ND, H, D).to(BF16)
     outs = []
-    for part in parts:
+    for part in [view.prefix] + ([view.expand] if view.expand is not None else []):
         wr = _plan(w, part)
-        args, kw = wr.plans[-1]
-        if part is view.prefix:  # prefill plan: qo_indptr first, mask from the view
-            assert args[0] is part.cu_seqlens_q and kw["causal"] is (topk == 1)
-        else:  # token-slot rows: the cache is read as pages of one token
-            assert args[-1] == 1
+        if part is not view.prefix:  # token-slot rows: the cache is read as pages of one token
+            assert wr._page_size == 1
+        else:
+            assert wr._causal is (topk == 1)
         outs.append(w.run(part, q, k, v))
     got = outs[0] if len(outs) == 1 else sdpa.merge_by_lse(outs[0].out, outs[0].lse,
                                                           outs[1].out, outs[1].lse)
-    want = sdpa.attention(view, q, k, v, layout=Layout.FLASHINFER)
-    torch.testing.assert_close(got.out, want.out)
-    torch.testing.assert_close(got.lse, want.lse)
+    _close(got, _want(view, q, k, v), 2 * ND)
+
+
+# ---- query rows per captured size (prefill parts) -----------------------------------------------
+def _capture(w: fi.GraphWrappers, part: PagedView, rows: int, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """What an engine does for one captured size: plan the capture view, run on the graph's whole
+    query buffer (warm-up and capture run the kernel on it)."""
+    w.wrapper(part)
+    _plan(w, part)
+    w.run(part, torch.zeros(rows, H, D, dtype=BF16), k, v)
+
+
+def test_draft_extend_capture_fixes_the_most_rows() -> None:
+    """Capture plans bs*N query rows (the graph's buffer); later batches with any accepted
+    counts, up to N per request, plan at most that many."""
+    pool = _pool(num_draft_tokens=ND)
+    w = _wrappers()
+    k, v = _cache(pool)
+    for bs in (2, 4):
+        cap = pool.draft_extend.view(bs)
+        assert int(cap.cu_seqlens_q[bs]) == bs * ND
+        _capture(w, cap, bs * ND, k, v)
+    rng = random.Random(1)
+    for step in range(8):
+        n = rng.randint(1, 4)
+        bs = 2 if n <= 2 else 4
+        b = make_batch(pool.cfg, n, rng, extra=ND)
+        acc = [ND if step % 2 else rng.randint(1, ND) for _ in range(n)]
+        seq = [s + a for s, a in zip(b.seq_lens, acc, strict=True)]
+        _, rpi, table = b.tensors()
+        view = pool.draft_extend.update_(bs, torch.tensor(seq), torch.tensor(acc), rpi, table)
+        assert int(view.cu_seqlens_q[bs]) <= bs * ND
+        _plan(w, view)
+        q = torch.randn(bs * ND, H, D).to(BF16)  # the graph's query buffer, real queries first
+        got = w.run(view, q, k, v)
+        assert got.out.shape == (bs * ND, H, D)
+        _close(got, _want(view, q, k, v), sum(acc))
+
+
+def test_local_verify_rows_are_constant_per_captured_size() -> None:
+    pool = _pool(num_draft_tokens=ND, attention_chunk_size=32)
+    w = _wrappers()
+    k, v = _cache(pool)
+    for bs in (2, 4):
+        cap = pool.local.view(bs, for_phase=Phase.VERIFY)
+        assert int(cap.cu_seqlens_q[cap.bs]) == bs * ND
+        _capture(w, cap, bs * ND, k, v)
+    rng = random.Random(2)
+    for _ in range(6):
+        n = rng.randint(1, 4)
+        bs = 2 if n <= 2 else 4
+        b = make_batch(pool.cfg, n, rng, extra=ND)
+        view = pool.local.update_(bs, *b.tensors(), for_phase=Phase.VERIFY)
+        assert int(view.cu_seqlens_q[view.bs]) == bs * ND
+        _plan(w, view)
+        q = torch.randn(bs * ND, H, D).to(BF16)
+        _close(w.run(view, q, k, v), _want(view, q, k, v), n * ND)
+
+
+def test_a_plan_with_more_rows_than_the_first_is_refused() -> None:
+    pool = _pool(num_draft_tokens=ND)
+    w = _wrappers()
+    k, v = _cache(pool)
+    b = make_batch(pool.cfg, 2, random.Random(3), extra=ND)
+    seq, rpi, table = b.tensors()
+    small = pool.draft_extend.update_(2, seq + ND, torch.tensor([1, 1]), rpi, table)
+    _capture(w, small, 2, k, v)  # first plan on 2 rows, not the capture view's 8
+    big = pool.draft_extend.update_(2, seq + ND, torch.tensor([3, 2]), rpi, table)
+    with pytest.raises(LayoutError, match="5 query rows, more than the 2 of the wrapper's first"):
+        _plan(w, big)
+    wr = w.wrapper(big)
+    with pytest.raises(ValueError, match="cannot exceed the number of rows set during init"):
+        fi.plan(wr, big, num_qo_heads=H, num_kv_heads=H_KV, head_dim=D, q_dtype=BF16)
+
+
+@pytest.mark.parametrize("bs", [1, 2, 3])
+def test_q_may_be_the_whole_padded_buffer(bs: int) -> None:
+    """A decode wrapper computes exactly bs rows and refuses a q of 2*bs rows or more; the
+    adapter passes it q[:bs] and returns every row of q (the rest 0 / -inf)."""
+    pool = _pool()
+    w = _wrappers()
+    k, v = _cache(pool)
+    w.wrapper(pool.decode.view(bs))
+    b = make_batch(pool.cfg, bs, random.Random(bs))
+    view = pool.decode.update_(bs, *b.tensors())
+    _plan(w, view)
+    q = torch.randn(pool.cfg.max_bs, H, D).to(BF16)
+    got = w.run(view, q, k, v)
+    assert got.out.shape == (6, H, D) and got.lse.shape == (6, H)
+    _close(got, _want(view, q, k, v), bs)
+    assert (got.out[bs:] == 0).all() and torch.isneginf(got.lse[bs:]).all()
+    with pytest.raises(ValueError, match="only supports q_len_per_req=1"):
+        w.wrapper(view).run(q[: 2 * bs], (k, v), return_lse=True)
+    with pytest.raises(InputError, match=f"at least the {bs} query rows"):
+        w.run(view, q[: bs - 1], k, v)
+
+
+def test_workspace_is_zeroed_before_first_use() -> None:
+    pool = _pool()
+    k, v = _cache(pool)
+    garbage = torch.full((256,), 0x5A, dtype=torch.uint8)  # what torch.empty may hold
+    w = _wrappers(garbage)
+    assert (garbage == 0).all()
+    view = pool.decode.view(2)
+    w.wrapper(view)
+    _plan(w, view)
+    w.run(view, torch.zeros(2, H, D, dtype=BF16), k, v)
+    dirty = _wrappers(torch.full((256,), 1, dtype=torch.uint8), zero_workspace=False)
+    dirty.wrapper(view)
+    with pytest.raises(RuntimeError, match="initialized to 0 for its first use"):
+        _plan(dirty, view)
 
 
 def test_errors() -> None:
@@ -183,13 +259,16 @@ def test_errors() -> None:
         w.wrapper(fa_only.decode.view(2))
     pool = _pool()
     with pytest.raises(LayoutError, match="before capturing"):
-        w.run(pool.decode.view(2), torch.randn(2, 4, D), *_cache(pool))
+        w.run(pool.decode.view(2), torch.randn(2, H, D), *_cache(pool))
     with pytest.raises(LayoutError, match="bs=2"):
         _plan(w, pool.decode.view(2))
     w.wrapper(pool.decode.view(2))
+    with pytest.raises(LayoutError, match="never planned"):
+        w.run(pool.decode.view(2), torch.randn(2, H, D), *_cache(pool))
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        w.plan(pool.decode.view(2), num_qo_heads=3, num_kv_heads=2, head_dim=D,
-               q_dtype=torch.float32)
+        w.plan(pool.decode.view(2), num_qo_heads=3, num_kv_heads=2, head_dim=D, q_dtype=BF16)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        Decode(torch.zeros(64, dtype=torch.uint8)[1:], "NHD")
 
 
 @pytest.mark.cuda
@@ -199,18 +278,19 @@ def test_real_wrappers_match_sdpa(topk: int) -> None:
     cfg = PoolConfig(max_bs=4, max_context_len=512, page_size=16, device="cuda",
                      layout=Layout.FLASHINFER, num_draft_tokens=ND, topk=topk)
     pool = BufferPool(cfg, poison=True)
-    w = fi.GraphWrappers(torch.zeros(128 << 20, dtype=torch.uint8, device="cuda"))
-    cap = pool.verify.view(4)
-    for part in (cap.prefix, cap.expand):
-        if part is not None:
-            w.wrapper(part)
-    w.wrapper(pool.decode.view(4))
-    b = make_batch(cfg, 3, random.Random(9), extra=ND)
-    seq, rpi, table = b.tensors("cuda")
-    k, v = (torch.randn(12 * cfg.max_pages + 2, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
-            for _ in range(2))
+    w = fi.GraphWrappers(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
     heads: dict[str, Any] = {"num_qo_heads": 4, "num_kv_heads": 2, "head_dim": 64,
                              "q_dtype": torch.bfloat16}
+    k, v = (torch.randn(12 * cfg.max_pages + 2, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    cap = pool.verify.view(4)
+    for part in (cap.prefix, cap.expand, pool.decode.view(4)):
+        if part is not None:  # as before a capture: plan the capture view, run on the buffer
+            w.wrapper(part)
+            w.plan(part, **heads)
+            w.run(part, torch.zeros(4 * ND, 4, 64, device="cuda", dtype=torch.bfloat16), k, v)
+    b = make_batch(cfg, 3, random.Random(9), extra=ND)
+    seq, rpi, table = b.tensors("cuda")
     # bf16 inputs, fp32 accumulation in both: a few bf16 ulps (2^-8 relative)
     tol: dict[str, Any] = {"atol": 2e-2, "rtol": 2e-2}
     dec = pool.decode.update_(4, seq, rpi, table)

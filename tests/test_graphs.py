@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -57,28 +59,50 @@ def test_runner_rejects_bad_input() -> None:
                    req_to_token=torch.zeros(8, 64, dtype=torch.int32))
 
 
-@pytest.mark.cuda
-def test_cuda_graph_replays_match_eager() -> None:
-    cfg = PoolConfig(max_bs=32, max_context_len=4096, page_size=16, device="cuda",
+def replays_match_eager(dev: torch.device, steps: int, memory: Callable[[], int]) -> None:
+    """A stream of random decode batches through the runner equals the forward over a separate
+    reference pool, ``memory()`` is the same after the stream as before it, and no arena pointer
+    moves. Everything the stream keeps (the reference pool included) exists before the baseline
+    is read; per-step tensors are freed each step."""
+    cfg = PoolConfig(max_bs=32, max_context_len=4096, page_size=16, device=dev,
                      layout=Layout.BOTH)
     pool = BufferPool(cfg, poison=True)
-    runner = GraphRunner(pool, Phase.DECODE, _meta_forward, torch.empty(1, 8, device="cuda"))
-    assert runner.use_graphs and set(runner._graphs) == set(runner.capture_sizes)
+    runner = GraphRunner(pool, Phase.DECODE, _meta_forward, torch.empty(1, 8, device=dev))
+    assert runner.use_graphs == (dev.type == "cuda")
+    if runner.use_graphs:
+        assert set(runner._graphs) == set(runner.capture_sizes)
     ptrs = {k: v.data_ptr() for k, v in pool.arena.buffers().items()}
     rng = random.Random(0)
-    table = make_table(cfg, 64, rng).cuda()
-    torch.cuda.synchronize()
-    mem0 = torch.cuda.memory_allocated()
+    table = make_table(cfg, 64, rng).to(dev)
     ref_pool = BufferPool(cfg)
-    for step in range(1000):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    mem0 = memory()
+    for step in range(steps):
         n = rng.randint(1, 32)
-        b = make_batch(cfg, n, rng, table=table)
-        seq, rpi, tab = b.tensors("cuda")
-        x = torch.randn(n, 8, device="cuda")
+        b = make_batch(cfg, n, rng, table=table.cpu())
+        seq, rpi, tab = b.tensors(dev)
+        x = torch.randn(n, 8, device=dev)
         out = runner.run(x, seq_lens=seq, req_pool_indices=rpi, req_to_token=tab)
         want = _meta_forward(ref_pool.decode.update_(n, seq, rpi, tab), x)
         assert torch.equal(out, want), step
         del seq, rpi, tab, x, out, want
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == mem0
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    assert memory() == mem0
     assert {k: v.data_ptr() for k, v in pool.arena.buffers().items()} == ptrs
+
+
+def live_pool_bytes() -> int:
+    """CPU stand-in for ``memory_allocated``: bytes of every live pool's arena."""
+    gc.collect()
+    return sum(o.nbytes for o in gc.get_objects() if type(o) is BufferPool)
+
+
+def test_replays_match_eager_and_memory_is_flat_cpu() -> None:
+    replays_match_eager(torch.device("cpu"), 20, live_pool_bytes)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_match_eager() -> None:
+    replays_match_eager(torch.device("cuda"), 1000, torch.cuda.memory_allocated)

@@ -1,32 +1,38 @@
-"""flash-attn adapter: ``flash_attn_with_kvcache`` arguments from a view, and the kernel call.
+"""flash-attn adapter: paged-kernel arguments from a view, FA3 scheduler metadata, the kernel call.
 
-Two kernels share the name and differ in what they take:
+Two kernel generations share the argument names and differ in what they take:
 
-* **FA3** (``flash_attn_interface``, Hopper): packed queries with ``cu_seqlens_q`` and
-  ``max_seqlen_q``, ``page_table``, ``cache_seqlens``, any page size, and an optional precomputed
-  ``scheduler_metadata``. Every :class:`attnpool.PagedView` maps onto it, token-slot expand parts
-  included (the cache is read as pages of one token).
+* **FA3** (Hopper): packed queries with ``cu_seqlens_q`` / ``max_seqlen_q``, ``page_table``,
+  ``cache_seqlens``, any page size, and an optional precomputed ``scheduler_metadata``. Every
+  :class:`attnpool.PagedView` maps onto it, token-slot expand parts included (the cache is read as
+  pages of one token). No pip package ships flash-attention's own FA3 module, so
+  :func:`load_fa3` takes the first importable of the modules engines use (:data:`FA3_MODULES`)
+  and the returned :class:`FlashKernel` says which one runs.
 * **FA2** (``flash_attn``): queries ``[bs, seqlen_q, H, D]`` (the same count for every row),
-  ``block_table``, ``cache_seqlens``; its paged-KV path requires a page size that is a multiple of
+  ``block_table``, ``cache_seqlens``; its paged path requires a page size that is a multiple of
   256 (its C++ entry point checks ``page_block_size % 256 == 0``), so other pages are refused here
   with :class:`attnpool.LayoutError` instead of failing inside the extension.
 
-Graph safety: every metadata tensor in the returned keyword arguments *is* the view's tensor (a
-slice of the pool's arena), never a copy, so a graph captured on them reads what the next
-``update_`` writes; the tests check the ``data_ptr()``s. ``cu_seqlens_k_new`` is not passed: KV of
-new tokens is written into the cache by the engine before attention, not by this call.
+Graph safety: every metadata tensor in the built arguments *is* the view's tensor (a slice of the
+pool's arena), never a copy, so a graph captured on them reads what the next ``update_`` writes.
+``cu_seqlens_k_new`` is not passed: KV of new tokens is written into the cache by the engine before
+attention, not by this call.
 
-Outputs are normalised to the adapters' convention: ``out [total_q, H, D]`` and natural-log
-``lse [total_q, H]`` (FA3 returns ``lse [H, total_q]``, FA2 ``[bs, H, seqlen_q]``), so tree passes
-merge with :func:`attnpool.adapters.sdpa.merge_by_lse`.
+Outputs follow the adapters' convention, ``out [total_q, H, D]`` and natural-log ``lse [total_q,
+H]`` (FA3 returns ``lse [H, total_q]``, FA2 ``[bs, H, seqlen_q]``), so tree passes merge with
+:func:`attnpool.adapters.sdpa.merge_by_lse`. A row with no keys gets ``lse = +inf`` from flash-attn
+(not ``-inf``); the merge treats both as empty. FA3's ``out`` has ``q.shape[0]`` rows and writes
+only the rows of ``cu_seqlens_q[:bs+1]``: rows past ``cu_seqlens_q[bs]`` are left as allocated.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,24 +50,108 @@ Kernel = Callable[..., Any]
 
 
 class FlashAttnVersion(enum.Enum):
-    """Which ``flash_attn_with_kvcache``: FA2 (``flash_attn``) or FA3 (``flash_attn_interface``)."""
+    """Which kernel generation: FA2 (``flash_attn``) or FA3 (see :data:`FA3_MODULES`)."""
 
     FA2 = "flash_attn"
-    FA3 = "flash_attn_interface"
+    FA3 = "fa3"
 
 
-def _module(version: FlashAttnVersion) -> Any:
-    """Import the kernel's module lazily (importing attnpool never imports flash-attn)."""
-    try:
-        return importlib.import_module(version.value)
-    except ImportError as e:
-        raise ImportError(f"{version.name} needs the '{version.value}' module, which is not "
-                          f"importable: {e}") from e
+class CallStyle(enum.Enum):
+    """How a module's FA3 entry point takes a paged batch."""
+
+    #: ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=, page_table=,
+    #: cu_seqlens_q=, max_seqlen_q=, ...)`` (flash-attention's Hopper build, sgl-kernel)
+    KVCACHE = "flash_attn_with_kvcache"
+    #: ``flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=,
+    #: block_table=, fa_version=3, ...)`` (vLLM's bundled flash-attention)
+    VARLEN = "flash_attn_varlen_func"
 
 
-def scheduler_metadata_size(bs: int) -> int:
-    """Elements of FA3's ``scheduler_metadata`` for ``bs`` rows: ``round_up(bs, 4) * 4 + 1``."""
-    return -(-bs // 4) * 4 * 4 + 1
+#: FA3 entry points, tried in this order by :func:`load_fa3`: flash-attention's Hopper build
+#: (a source install), SGLang's sgl-kernel, vLLM's bundled copy. Not listed: the pip package
+#: ``fa3-fwd`` (``fa3_fwd_interface``), built without paged KV outside its TMA path (page sizes
+#: that are multiples of the KV block, many queries per row) and without float16.
+FA3_MODULES: tuple[tuple[str, CallStyle], ...] = (
+    ("flash_attn_interface", CallStyle.KVCACHE),
+    ("sgl_kernel.flash_attn", CallStyle.KVCACHE),
+    ("vllm.vllm_flash_attn", CallStyle.VARLEN),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FlashKernel:
+    """A loaded flash-attn entry point.
+
+    Attributes:
+        name: the module it came from (``"flash_attn_interface"``, ``"sgl_kernel.flash_attn"``,
+            ``"vllm.vllm_flash_attn"`` or ``"flash_attn"``).
+        version: FA2 or FA3.
+        style: how :attr:`fn` takes a paged batch.
+        fn: the attention entry point (``flash_attn_with_kvcache`` / ``flash_attn_varlen_func``).
+        get_scheduler_metadata: FA3's metadata planner, None where the module has none.
+    """
+
+    name: str
+    version: FlashAttnVersion
+    style: CallStyle
+    fn: Kernel
+    get_scheduler_metadata: Kernel | None
+
+
+@functools.cache
+def _load(candidates: tuple[tuple[str, CallStyle], ...], version: FlashAttnVersion) -> FlashKernel:
+    errors = []
+    for name, style in candidates:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as e:  # also: a module whose CUDA extension does not load
+            errors.append(f"{name}: {e}")
+            continue
+        fn = getattr(mod, style.value, None)
+        if fn is None:
+            errors.append(f"{name}: has no {style.value}")
+            continue
+        return FlashKernel(name, version, style, fn, getattr(mod, "get_scheduler_metadata", None))
+    raise ImportError(f"no {version.name} module is importable; tried " + "; ".join(errors))
+
+
+def load_fa3(module: str | None = None) -> FlashKernel:
+    """The first importable FA3 entry point of :data:`FA3_MODULES` (or exactly ``module``).
+
+    Imports lazily and remembers the result (:func:`clear_kernel_cache` forgets it).
+
+    Raises:
+        ImportError: none is importable; the message lists every module tried and why.
+        InputError: ``module`` is not one of :data:`FA3_MODULES`.
+    """
+    cands = FA3_MODULES
+    if module is not None:
+        cands = tuple(c for c in FA3_MODULES if c[0] == module)
+        if not cands:
+            raise InputError(f"module must be one of {[c[0] for c in FA3_MODULES]}, got {module!r}")
+    return _load(cands, FlashAttnVersion.FA3)
+
+
+def load_fa2() -> FlashKernel:
+    """FA2's ``flash_attn.flash_attn_with_kvcache`` (ImportError when flash-attn is missing)."""
+    return _load(((FlashAttnVersion.FA2.value, CallStyle.KVCACHE),), FlashAttnVersion.FA2)
+
+
+def clear_kernel_cache() -> None:
+    """Forget loaded kernels (after installing one, or when tests swap modules)."""
+    _load.cache_clear()
+
+
+def _kernel(version: FlashAttnVersion, fn: Kernel | None, kernel: FlashKernel | None
+            ) -> FlashKernel:
+    if kernel is not None:
+        if kernel.version is not version:
+            raise InputError(f"kernel {kernel.name} is {kernel.version.name}, version is "
+                             f"{version.name}")
+        return kernel
+    if fn is not None:  # a bare flash_attn_with_kvcache-style callable
+        return FlashKernel("fn", version, CallStyle.KVCACHE, fn, None)
+    return load_fa3() if version is FlashAttnVersion.FA3 else load_fa2()
 
 
 def _paged(view: PagedView) -> Tensor:
@@ -75,6 +165,16 @@ def _paged(view: PagedView) -> Tensor:
 
 def _scale(softmax_scale: float | None, d: int) -> float:
     return 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+
+
+def kernel_seqlen_k(view: PagedView) -> int:
+    """The KV bound FA3 derives for ``view``: page-table width × page size.
+
+    flash-attn takes no ``max_seqlen_k`` with a page table; it plans its splits for
+    ``page_table.shape[1] * page_size`` keys, so :func:`scheduler_metadata_` plans for the same
+    bound (``view.max_seqlen_k`` may be tighter, and a different bound is a different split plan).
+    """
+    return _paged(view).shape[1] * view.page_size
 
 
 def fa3_kwargs(
@@ -92,11 +192,11 @@ def fa3_kwargs(
     Args:
         view: the part (its ``page_size`` may differ from the cache's: token-slot parts read the
             cache as pages of ``view.page_size`` tokens, see :func:`cache_as_pages`).
-        q: packed ``[total_q, H, D]`` holding at least ``cu_seqlens_q[bs]`` rows (the padded
-            query buffer a graph reads), last dim contiguous.
+        q: packed ``[total_q, H, D]`` with at least ``cu_seqlens_q[bs]`` rows (the padded query
+            buffer a graph reads is fine), last dim contiguous.
         k_cache, v_cache: ``[num_pages, P, H_kv, D]``.
-        scheduler_metadata: the pool's buffer as filled by :func:`scheduler_metadata_` for this
-            view's ``bs`` (omitted when None).
+        scheduler_metadata: what :func:`scheduler_metadata_` returned for this view (omitted
+            when None).
     """
     table = _paged(view)
     _, _, d = check_qkv(q, k_cache, v_cache)
@@ -116,6 +216,27 @@ def fa3_kwargs(
     }
     if scheduler_metadata is not None:
         kw["scheduler_metadata"] = scheduler_metadata
+    return kw
+
+
+def fa3_varlen_kwargs(
+    view: PagedView,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    softmax_scale: float | None = None,
+    scheduler_metadata: Tensor | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of vLLM's ``flash_attn_varlen_func`` (FA3) for one paged part: the
+    same tensors as :func:`fa3_kwargs` under its names (``seqused_k``, ``block_table``), with
+    ``max_seqlen_k`` = :func:`kernel_seqlen_k` and ``fa_version=3``."""
+    kw = fa3_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
+                    scheduler_metadata=scheduler_metadata)
+    kw["k"], kw["v"] = kw.pop("k_cache"), kw.pop("v_cache")
+    kw["seqused_k"], kw["block_table"] = kw.pop("cache_seqlens"), kw.pop("page_table")
+    kw["max_seqlen_k"] = kernel_seqlen_k(view)
+    kw["fa_version"] = 3
     return kw
 
 
@@ -174,43 +295,56 @@ def scheduler_metadata_(
     head_dim: int,
     qkv_dtype: torch.dtype,
     fn: Kernel | None = None,
+    kernel: FlashKernel | None = None,
 ) -> Tensor:
-    """Fill the pool's FA3 ``scheduler_metadata`` for ``view`` and return its ``bs``-sized slice.
+    """Plan FA3's scheduler for ``view`` into the pool's ``scheduler_metadata`` buffer.
 
-    Call it before each replay, after the view's update, outside the graph (FA3 computes the
-    metadata on the device from ``cache_seqlens``). The slice is ``round_up(bs, 4) * 4 + 1`` int32
-    at a fixed address (the graph bakes it); FA3's result is copied to its head and the rest is
-    zeroed every step, so no stale entry from a larger batch survives.
+    Call it after the view's update and before each replay, outside the graph (FA3 computes the
+    plan on the device from ``cache_seqlens`` and ``cu_seqlens_q``). The planner gets exactly what
+    the kernel will see: the view's ``causal``, ``page_size``, ``max_seqlen_q`` and the KV bound
+    the kernel derives from the page table (:func:`kernel_seqlen_k`).
+
+    Returns:
+        The head of the pool's buffer holding FA3's result, *exactly* as many int32 elements as
+        FA3 returned: FA3 checks that length (``int(needs_semaphore) + round_up(bs, 4) *
+        vectors``, where the vector count depends on the part being causal, so it differs between
+        parts and batch sizes). The address is fixed for the pool's life, and the length is the
+        same at every call for one part and ``bs``, so a graph may bake the slice.
 
     Args:
-        fn: ``get_scheduler_metadata`` (default: FA3's, imported lazily); tests pass a fake.
+        fn: ``get_scheduler_metadata`` to use (default: the loaded FA3 module's).
+        kernel: the FA3 entry point (default :func:`load_fa3`).
 
     Raises:
-        LayoutError: the pool was built without ``fa3_scheduler_metadata=True``, or FA3's result
-            is larger than the slice.
+        LayoutError: the pool was built without ``fa3_scheduler_metadata=True``, the module has
+            no planner, or FA3's result is larger than the buffer (parts of more than ``max_bs``
+            rows, such as tree expand parts, need their own buffer).
     """
     buf = pool.arena.maybe(None, "scheduler_metadata")
     if buf is None:
         raise LayoutError("this pool has no scheduler_metadata buffer; build it with "
                           "PoolConfig(fa3_scheduler_metadata=True)")
-    size = scheduler_metadata_size(view.bs)
-    if size > buf.shape[0]:
-        raise LayoutError(f"scheduler_metadata holds {buf.shape[0]} elements, bs={view.bs} "
-                          f"needs {size}")
-    get = fn if fn is not None else _module(FlashAttnVersion.FA3).get_scheduler_metadata
-    md = get(
-        batch_size=view.bs, max_seqlen_q=view.max_seqlen_q, max_seqlen_k=view.max_seqlen_k,
+    if fn is None:
+        fn = _kernel(FlashAttnVersion.FA3, None, kernel).get_scheduler_metadata
+        if fn is None:
+            name = (kernel or load_fa3()).name
+            raise LayoutError(f"{name} has no get_scheduler_metadata; run without "
+                              "scheduler_metadata")
+    md = fn(
+        batch_size=view.bs, max_seqlen_q=view.max_seqlen_q, max_seqlen_k=kernel_seqlen_k(view),
         num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, headdim=head_dim,
         cache_seqlens=view.cache_seqlens, qkv_dtype=qkv_dtype, cu_seqlens_q=view.cu_seqlens_q,
         page_size=view.page_size, causal=view.causal,
     )
-    flat = md.reshape(-1)
-    if flat.numel() > size:
-        raise LayoutError(f"FA3 scheduler_metadata has {flat.numel()} elements, expected at most "
-                          f"round_up(bs, 4) * 4 + 1 = {size}")
-    dst = buf[:size]
-    dst[: flat.numel()].copy_(flat)
-    dst[flat.numel():].zero_()
+    if not isinstance(md, Tensor) or md.dim() != 1 or md.dtype != torch.int32:
+        got = (tuple(md.shape), md.dtype) if isinstance(md, Tensor) else type(md).__name__
+        raise LayoutError(f"get_scheduler_metadata must return a 1-D int32 tensor, got {got}")
+    if md.numel() > buf.numel():
+        raise LayoutError(f"FA3 scheduler_metadata has {md.numel()} elements for bs={view.bs}; "
+                          f"the pool's buffer holds {buf.numel()} (enough for parts of up to "
+                          f"max_bs={pool.cfg.max_bs} rows)")
+    dst = buf[: md.numel()]
+    dst.copy_(md)
     return dst
 
 
@@ -224,23 +358,30 @@ def run(
     softmax_scale: float | None = None,
     scheduler_metadata: Tensor | None = None,
     fn: Kernel | None = None,
+    kernel: FlashKernel | None = None,
 ) -> Attn:
-    """Call ``flash_attn_with_kvcache`` on one paged part; return ``(out, lse)`` in the adapters'
-    convention (``[total_q, H, D]``, ``[total_q, H]``).
+    """Call the paged kernel on one part; return ``(out, lse)`` in the adapters' convention
+    (``[total_q, H, D]``, ``[total_q, H]``; ``total_q = q.shape[0]``, FA2: ``bs * seqlen_q``).
 
     Args:
-        fn: the kernel (default: the ``version``'s ``flash_attn_with_kvcache``, imported lazily).
+        kernel: the entry point (default :func:`load_fa3` / :func:`load_fa2`); its ``name`` says
+            which module ran.
+        fn: a bare ``flash_attn_with_kvcache``-style callable instead of ``kernel``.
     """
-    kernel = fn if fn is not None else _module(version).flash_attn_with_kvcache
+    k = _kernel(version, fn, kernel)
     if version is FlashAttnVersion.FA3:
-        kw = fa3_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                        scheduler_metadata=scheduler_metadata)
-        out, lse, *_ = kernel(**kw)
+        if k.style is CallStyle.VARLEN:
+            kw = fa3_varlen_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
+                                   scheduler_metadata=scheduler_metadata)
+        else:
+            kw = fa3_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
+                            scheduler_metadata=scheduler_metadata)
+        out, lse, *_ = k.fn(**kw)
         return Attn(out, lse.transpose(0, 1))
     if scheduler_metadata is not None:
         raise InputError("scheduler_metadata is an FA3 argument, got one with FA2")
     kw = fa2_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale)
-    out, lse = kernel(**kw)[:2]
+    out, lse = k.fn(**kw)[:2]
     bs, sq, h = out.shape[0], out.shape[1], out.shape[2]
     return Attn(out.reshape(bs * sq, h, out.shape[3]), lse.transpose(1, 2).reshape(bs * sq, h))
 
@@ -255,13 +396,15 @@ def attention(
     softmax_scale: float | None = None,
     scheduler_metadata: Tensor | None = None,
     fn: Kernel | None = None,
+    kernel: FlashKernel | None = None,
 ) -> Attn:
     """:func:`run` for a :class:`PagedView`, or both passes of a tree
     :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` merged by log-sum-exp.
 
-    ``scheduler_metadata`` applies to the first pass only (it is computed per part).
+    ``scheduler_metadata`` applies to the first pass only (it is planned per part).
     """
-    kw: dict[str, Any] = {"version": version, "softmax_scale": softmax_scale, "fn": fn}
+    kw: dict[str, Any] = {"version": version, "softmax_scale": softmax_scale, "fn": fn,
+                          "kernel": kernel}
     if isinstance(view, PagedView):
         return run(view, q, k_cache, v_cache, scheduler_metadata=scheduler_metadata, **kw)
     if isinstance(view, (VerifyView, DraftStepView)):

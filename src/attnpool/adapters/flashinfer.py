@@ -16,11 +16,28 @@ prefix passes with N or K queries, draft extend, local verify) uses
 ``BatchPrefillWithPagedKVCacheWrapper`` with ``qo_indptr = cu_seqlens_q`` and ``causal =
 view.causal``.
 
+Query rows: a decode wrapper computes exactly ``bs`` rows (its ``run`` reads a ``q`` of ``2 * bs``
+rows or more as several queries per row and refuses it); a prefill wrapper's ``run`` requires
+``q.shape[0] == qo_indptr[-1]`` of its latest plan. :func:`run` therefore passes ``q[:rows]``
+(``rows`` = ``bs``, or the planned ``cu_seqlens_q[bs]``) and returns ``q.shape[0]`` rows, those
+past ``rows`` holding 0 and ``lse = -inf`` like positions no row covers in the SDPA adapter. So
+``q`` may be the padded query buffer of a captured batch, as with the other adapters.
+
+CUDA graphs and row counts: in CUDA-graph mode a prefill wrapper takes its *first* plan's
+``qo_indptr[-1]`` as the most rows any later plan may have (a larger one raises), and the graph
+captured with it computes whatever count each later plan has, up to that. The pool's capture
+states give every prefill part its largest count (``bs * N`` queries for verify, draft extend and
+local verify, ``bs * K`` for a draft tree's prefix pass), so plan the capture view first.
+Plans with fewer rows are fine: the rows past the planned count are not computed on replay.
+
+The float workspace must be zeroed before its first use (FlashInfer's documented requirement; a
+``torch.empty`` buffer holds garbage): :class:`GraphWrappers` zeroes it once at construction.
+
 Outputs follow the adapters' convention (``out [total_q, H, D]``, natural-log ``lse [total_q,
 H]``): FlashInfer returns a base-2 log-sum-exp, which is multiplied by ``ln 2`` here.
 
 Wrapper classes are imported lazily from ``flashinfer``; ``decode_cls`` / ``prefill_cls`` inject
-others (tests use fakes to check the plumbing on CPU).
+others (tests use fakes that enforce FlashInfer's checks on CPU).
 """
 
 from __future__ import annotations
@@ -33,8 +50,8 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, LayoutError
-from ..views import PagedView
-from .sdpa import Attn, cache_as_pages, check_qkv
+from ..views import DraftStepView, PagedView, VerifyView
+from .sdpa import Attn, cache_as_pages, check_qkv, merge_by_lse
 
 
 class WrapperKind(enum.Enum):
@@ -98,6 +115,14 @@ def make_wrapper(
                paged_kv_last_page_len_buf=last)
 
 
+def planned_rows(view: PagedView, kind: WrapperKind | None = None) -> int:
+    """Query rows a wrapper planned on ``view`` computes: ``bs`` (decode), else
+    ``cu_seqlens_q[bs]``, read on the host (one device sync; :func:`plan` syncs anyway)."""
+    if (kind or wrapper_kind(view)) is WrapperKind.DECODE:
+        return view.bs
+    return int(view.cu_seqlens_q[view.bs])
+
+
 def plan(
     wrapper: Any,
     view: PagedView,
@@ -109,14 +134,17 @@ def plan(
     kv_dtype: torch.dtype | None = None,
     sm_scale: float | None = None,
     kind: WrapperKind | None = None,
-) -> None:
+    rows: int | None = None,
+) -> int:
     """Plan ``wrapper`` (built by :func:`make_wrapper` on this view's buffers) for the batch the
-    view now holds. Host-side and syncing: call after ``update_``, before replay."""
+    view now holds; return the query rows it will compute (``rows`` if given, else
+    :func:`planned_rows`). Host-side and syncing: call after ``update_``, before replay."""
     indptr, indices, last = _csr(view)
     if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         raise InputError(f"num_qo_heads must be a multiple of num_kv_heads ({num_kv_heads}), "
                          f"got {num_qo_heads}")
     kind = kind or wrapper_kind(view)
+    rows = planned_rows(view, kind) if rows is None else rows
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     common: dict[str, Any] = {
         "q_data_type": q_dtype, "kv_data_type": kv_dtype or q_dtype, "sm_scale": scale,
@@ -127,19 +155,39 @@ def plan(
     else:
         wrapper.plan(view.cu_seqlens_q, indptr, indices, last, num_qo_heads, num_kv_heads,
                      head_dim, view.page_size, causal=view.causal, **common)
+    return rows
 
 
-def run(wrapper: Any, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Attn:
-    """Run a planned wrapper: ``(out [total_q, H, D], natural-log lse [total_q, H])``.
+def run(wrapper: Any, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
+        rows: int | None = None) -> Attn:
+    """Run a planned wrapper: ``(out [q.shape[0], H, D], natural-log lse [q.shape[0], H])``.
 
-    The cache is read as pages of ``view.page_size`` tokens (token-slot expand parts read it as
-    ``[tokens, 1, H_kv, D]``, no copy). ``q`` is the packed query buffer (``[bs, H, D]`` for a
-    decode wrapper).
+    The wrapper gets ``q[:rows]``, exactly the rows it computes (see the module docstring); rows
+    past them come back as 0 and ``-inf``. The cache is read as pages of ``view.page_size`` tokens
+    (token-slot expand parts read it as ``[tokens, 1, H_kv, D]``, no copy).
+
+    Args:
+        rows: what :func:`plan` returned for this wrapper (default :func:`planned_rows`, which
+            syncs for a prefill part: pass it inside a graph capture).
+
+    Raises:
+        InputError: ``q`` has fewer than ``rows`` rows.
     """
-    check_qkv(q, k_cache, v_cache)
+    h, _, _ = check_qkv(q, k_cache, v_cache)
+    rows = planned_rows(view) if rows is None else rows
+    if q.shape[0] < rows:
+        raise InputError(f"q must have at least the {rows} query rows the wrapper was planned "
+                         f"for, got {q.shape[0]}")
     kv = (cache_as_pages(k_cache, view.page_size), cache_as_pages(v_cache, view.page_size))
-    out, lse = wrapper.run(q, kv, return_lse=True)
-    return Attn(out, lse * math.log(2.0))
+    out, lse = wrapper.run(q[:rows], kv, return_lse=True)
+    lse = lse * math.log(2.0)
+    if rows == q.shape[0]:
+        return Attn(out, lse)
+    full = out.new_zeros((q.shape[0], *out.shape[1:]))
+    full_lse = lse.new_full((q.shape[0], h), float("-inf"))
+    full[:rows] = out
+    full_lse[:rows] = lse
+    return Attn(full, full_lse)
 
 
 class GraphWrappers:
@@ -151,18 +199,30 @@ class GraphWrappers:
     prefix and expand passes get separate wrappers, as do different batch sizes, while every
     wrapper sits on slices of the same arena buffers.
 
+    The number of query rows each wrapper computes is remembered at every :meth:`plan` (a host
+    int), so :meth:`run` slices ``q`` without a device read, as a graph capture requires. A plan
+    with more rows than the wrapper's first plan is refused (FlashInfer refuses it too, less
+    clearly): plan the capture view first.
+
     Args:
         workspace: FlashInfer float workspace shared by all wrappers (they run one at a time).
         decode_cls, prefill_cls: wrapper classes to use instead of FlashInfer's.
         use_tensor_cores: passed to decode wrappers.
+        zero_workspace: zero ``workspace`` now, before any wrapper uses it (FlashInfer requires a
+            zeroed workspace at first use); pass False only for one that is already zero.
     """
 
     def __init__(self, workspace: Tensor, *, decode_cls: type[Any] | None = None,
-                 prefill_cls: type[Any] | None = None, use_tensor_cores: bool = False) -> None:
+                 prefill_cls: type[Any] | None = None, use_tensor_cores: bool = False,
+                 zero_workspace: bool = True) -> None:
+        if zero_workspace:
+            workspace.zero_()
         self.workspace = workspace
         self._cls = {WrapperKind.DECODE: decode_cls, WrapperKind.PREFILL: prefill_cls}
         self.use_tensor_cores = use_tensor_cores
         self._by_key: dict[tuple[int, int, WrapperKind], Any] = {}
+        self._rows: dict[tuple[int, int, WrapperKind], int] = {}
+        self._max_rows: dict[tuple[int, int, WrapperKind], int] = {}
 
     def _key(self, view: PagedView) -> tuple[int, int, WrapperKind]:
         indptr, _, _ = _csr(view)
@@ -186,15 +246,49 @@ class GraphWrappers:
              q_dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
              sm_scale: float | None = None) -> Any:
         """Plan the wrapper of ``view`` (created by :meth:`wrapper` before capture) for the batch
-        ``view`` now holds; returns it."""
+        ``view`` now holds; returns it.
+
+        Raises:
+            LayoutError: the batch has more query rows than the wrapper's first plan.
+        """
         w = self._existing(view)
-        plan(w, view, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-             q_dtype=q_dtype, kv_dtype=kv_dtype, sm_scale=sm_scale)
+        key = self._key(view)
+        rows = planned_rows(view, key[2])
+        first = self._max_rows.setdefault(key, rows)
+        if rows > first:
+            raise LayoutError(
+                f"this batch has {rows} query rows, more than the {first} of the wrapper's first "
+                f"plan (bs={view.bs}); a CUDA-graph prefill wrapper keeps its first plan's row "
+                "count as its maximum: plan the capture view (pool.<phase>.view(bs)) first")
+        self._rows[key] = plan(w, view, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                               sm_scale=sm_scale, kind=key[2], rows=rows)
         return w
 
     def run(self, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Attn:
-        """Run the planned wrapper of ``view`` (safe inside a graph: creates nothing)."""
-        return run(self._existing(view), view, q, k_cache, v_cache)
+        """Run the planned wrapper of ``view`` on ``q[:planned rows]`` (safe inside a graph:
+        creates no wrapper and reads nothing from the device on the host)."""
+        w = self._existing(view)
+        rows = self._rows.get(self._key(view))
+        if rows is None:
+            raise LayoutError(f"the wrapper for this part at bs={view.bs} was never planned; "
+                              "call plan(view, ...) before run")
+        return run(w, view, q, k_cache, v_cache, rows=rows)
+
+    def attention(self, view: object, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Attn:
+        """:meth:`run` for a :class:`PagedView`, or both passes of a tree
+        :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` merged by log-sum-exp
+        (each part planned beforehand)."""
+        if isinstance(view, PagedView):
+            return self.run(view, q, k_cache, v_cache)
+        if isinstance(view, (VerifyView, DraftStepView)):
+            a = self.run(view.prefix, q, k_cache, v_cache)
+            if view.expand is None:
+                return a
+            b = self.run(view.expand, q, k_cache, v_cache)
+            return merge_by_lse(a.out, a.lse, b.out, b.lse)
+        raise InputError(f"attention expects a PagedView, VerifyView or DraftStepView, got "
+                         f"{type(view).__name__}")
 
     def _existing(self, view: PagedView) -> Any:
         # Never create a wrapper here: construction allocates FlashInfer's int workspace and

@@ -239,8 +239,10 @@ def merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Attn:
 
     With ``lse = log(exp(lse1) + exp(lse2))`` the result is
     ``o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)``, exactly softmax attention over the union of the
-    keys. A pass with no keys (``lse = -inf``) contributes nothing; if both are empty the output is
-    0 with ``lse = -inf``.
+    keys. A pass with no keys contributes nothing; if both are empty the output is 0 with
+    ``lse = -inf``. An empty row's log-sum-exp is ``-inf`` here and in FlashInfer, but flash-attn
+    (FA2 and FA3, unsplit) reports ``+inf`` for it: ``+inf`` is read as "no keys" too, so a tree
+    pass whose expand or prefix part has an empty row merges to the other part, not to NaN.
 
     Args:
         o1, o2: ``[T, H, D]`` outputs. lse1, lse2: ``[T, H]`` natural-log log-sum-exp.
@@ -249,7 +251,9 @@ def merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Attn:
         raise InputError(f"merge_by_lse needs o [T, H, D] and lse [T, H] of equal shapes, got "
                          f"{tuple(o1.shape)}, {tuple(lse1.shape)}, {tuple(o2.shape)}, "
                          f"{tuple(lse2.shape)}")
-    a, b = lse1.float(), lse2.float()
+    neg_inf = float("-inf")
+    a = torch.where(torch.isposinf(lse1), neg_inf, lse1.float())
+    b = torch.where(torch.isposinf(lse2), neg_inf, lse2.float())
     lse = torch.logaddexp(a, b)
     ref = torch.where(torch.isneginf(lse), 0.0, lse)  # keeps exp() finite when both are empty
     w1 = torch.exp(a - ref)[..., None]

@@ -23,6 +23,12 @@ class DraftExtendPhase(PhaseBase):
     The captured query buffer holds ``bs*N`` tokens; real requests' queries are packed first
     (``cu_seqlens_q = [0, cumsum(accept_lens)]``) and each padded row gets one query, so
     ``cu_seqlens_q`` stays non-decreasing and never points past the buffer.
+
+    The capture state gives each padded row ``N`` queries instead: a captured view of ``bs`` rows
+    then has ``cu_seqlens_q[bs] = bs*N``, the graph's whole query buffer and the most any later
+    batch of that size has. Kernels that size their work at capture rely on it (a FlashInfer
+    prefill wrapper keeps its first plan's ``qo_indptr[-1]`` as the maximum and checks that ``q``
+    has exactly that many rows); later updates have at most as many.
     """
 
     phase = Phase.DRAFT_EXTEND
@@ -84,19 +90,23 @@ class DraftExtendPhase(PhaseBase):
         self.arena.mark_written(self.phase, bs)
         return self._view(bs, self._max_k(host, 0, n, bs, cfg.max_context_len))
 
-    def _write(self, bs: int, seq_lens: Tensor, acc: Tensor, pages: Tensor) -> None:
+    def _write(self, bs: int, seq_lens: Tensor, acc: Tensor, pages: Tensor, pad_q: int = 1
+               ) -> None:
         n = acc.shape[0]
         cu = self._cu_q
         # clamped like the fused path's max_q: an out-of-contract device value cannot push the
         # packed query offsets past the captured buffer (wrong metadata, never a stray index)
         ref.cumsum_(cu, acc.clamp(0, self.cfg.num_draft_tokens))
-        # padded rows: one query each, continuing from the real total (device value, no sync)
-        torch.add(self._arange[1 : bs - n + 1], cu[n : n + 1], out=cu[n + 1 : bs + 1])
+        # padded rows: pad_q queries each, continuing from the real total (device value, no sync)
+        pad = self._arange[1 : bs - n + 1]
+        torch.add(pad if pad_q == 1 else pad * pad_q, cu[n : n + 1], out=cu[n + 1 : bs + 1])
         self._write_part(self._b, bs, seq_lens, pages)
 
     def _write_capture_state(self) -> None:
+        # N queries per padded row: every captured bs has cu_seqlens_q[bs] = bs*N (class doc)
         none = self._arange[:0]
-        self._write(self.cfg.max_bs, none, none, self._empty_pages())
+        self._write(self.cfg.max_bs, none, none, self._empty_pages(),
+                    pad_q=self.cfg.num_draft_tokens)
 
     def _view(self, bs: int, max_k: int) -> DraftExtendView:
         return part_view(self._b, bs, self._cu_q, max_q=self.cfg.num_draft_tokens, max_k=max_k,

@@ -1,0 +1,313 @@
+"""CPU fakes of flash-attn's paged entry points that check what the real ones check.
+
+Each fake takes the real signature and raises the real error (type and message) on the real
+condition, as read from the sources: flash-attention 2.8.x ``flash_attn_with_kvcache`` /
+``mha_fwd_kvcache`` (FA2), flash-attention's Hopper ``flash_attn_interface`` and ``mha_fwd`` /
+``mha_fwd_get_scheduler_metadata`` (FA3; sgl-kernel ships the same interface), and vLLM's
+``vllm_flash_attn.flash_attn_varlen_func``. The result is computed with the SDPA adapter from the
+arguments alone, laid out as the real kernel lays it out: ``lse = +inf`` for a row with no keys,
+and output rows no batch row covers are left as allocated (NaN here, garbage on a GPU).
+
+Modelled FA3 details (the parts the adapter must get right):
+
+* ``scheduler_metadata`` length: ``int(needs_semaphore) + round_up(b, 4) * vectors`` with
+  ``vectors = 3 + causal`` (prepare, split and sort vectors, plus the head-swizzle vector of causal
+  parts) and ``needs_semaphore = arch >= 90 or num_splits > 1``; a causal part with one query per
+  row counts as non-causal unless ``64 < headdim <= 128`` with a page table (FA3's own rule).
+  ``mha_fwd`` recomputes the length for its call and checks it (``CHECK_SHAPE``).
+* splits: FA3 picks ``num_splits`` from batch, heads and the KV bound. The kernel's bound is
+  ``page_table.shape[1] * page_size``; the planner's is its ``max_seqlen_k`` argument. The fake uses
+  a simplified heuristic with the same inputs, writes each row's planned split count into the
+  metadata and, unlike FA3 (which silently runs a mismatched plan), raises when the kernel's own
+  plan differs from the metadata's.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnpool import PagedView
+from attnpool.adapters import sdpa
+
+NUM_SM = 132
+BLOCK_N = 128  # KV block of the fake split heuristic
+
+
+def check(cond: bool, msg: str) -> None:
+    """``TORCH_CHECK``: a RuntimeError with the source's message."""
+    if not cond:
+        raise RuntimeError(msg)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def effective_causal(causal: bool, max_seqlen_q: int, headdim: int, paged: bool) -> bool:
+    """FA3: with one query per row, causal is non-causal except for ``64 < hdim <= 128`` paged."""
+    if max_seqlen_q == 1 and ((headdim <= 64 or headdim > 128) or not paged):
+        return False
+    return causal
+
+
+def split_heuristic(heads_kv: int, seqlen_k: int) -> int:
+    """Simplified split cap (varlen: FA3 plans as if batch were 1): grows with the KV bound."""
+    n_blocks = -(-seqlen_k // BLOCK_N)
+    return max(1, min(n_blocks // 2, NUM_SM // heads_kv, 128))
+
+
+def metadata_size(b: int, causal_eff: bool, splits: int, arch: int) -> int:
+    needs_semaphore = arch >= 90 or splits > 1
+    return int(needs_semaphore) + round_up(b, 4) * (3 + int(causal_eff))
+
+
+def _row_splits(cache_seqlens: Tensor, cap: int) -> Tensor:
+    n_blocks = torch.div(cache_seqlens.to(torch.int64) + BLOCK_N - 1, BLOCK_N, rounding_mode="floor")
+    return n_blocks.clamp(min=1, max=cap).to(torch.int32)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, *, cache_seqlens: Tensor, cu_seqlens_q: Tensor,
+            page_table: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """out [total_q, H, D] (q dtype, NaN where no row covers), lse [total_q, H] (+inf if empty)."""
+    bs, total = page_table.shape[0], q.shape[0]
+    cu = cu_seqlens_q.to(torch.int64)
+    q_lens = (cu[1:] - cu[:-1]).tolist()
+    view = PagedView(
+        bs=bs, cache_seqlens=cache_seqlens, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=torch.zeros(bs + 1, dtype=torch.int32), page_table=page_table,
+        kv_indptr=None, kv_indices=None, kv_last_page_len=None,
+        max_seqlen_q=max([1, *q_lens]), max_seqlen_k=page_table.shape[1] * k.shape[1],
+        page_size=k.shape[1], causal=causal)
+    got = sdpa.paged_attention(view, q.float(), k.float(), v.float(), softmax_scale=scale)
+    covered = torch.zeros(total, dtype=torch.bool)
+    covered[: min(int(cu[-1]), total)] = True
+    out = torch.where(covered[:, None, None], got.out, float("nan")).to(q.dtype)
+    lse = torch.where(torch.isneginf(got.lse), float("inf"), got.lse)
+    return out, torch.where(covered[:, None], lse, float("nan"))
+
+
+class FA3:
+    """One FA3 build: ``flash_attn_with_kvcache`` and ``get_scheduler_metadata``.
+
+    Records every call in ``calls`` (name, keyword arguments) for the tests.
+    """
+
+    def __init__(self, arch: int = 90) -> None:
+        self.arch = arch
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    # ---- get_scheduler_metadata -----------------------------------------------------------------
+    def get_scheduler_metadata(
+        self, batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
+        num_heads_kv: int, headdim: int, cache_seqlens: Tensor, qkv_dtype: torch.dtype = torch.bfloat16,
+        headdim_v: int | None = None, cu_seqlens_q: Tensor | None = None,
+        cu_seqlens_k_new: Tensor | None = None, cache_leftpad: Tensor | None = None,
+        page_size: int | None = None, max_seqlen_k_new: int = 0, causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1), attention_chunk: int = 0,
+        has_softcap: bool = False, num_splits: int = 0, pack_gqa: bool | None = None,
+        sm_margin: int = 0,
+    ) -> Tensor:
+        self.calls.append(("get_scheduler_metadata", dict(locals())))
+        check(qkv_dtype in (torch.float16, torch.bfloat16, torch.float8_e4m3fn),
+              "FlashAttention only supports fp16, bf16, and fp8_e4m3 data type")
+        check(num_heads_q % num_heads_kv == 0,
+              "Number of heads in key/value must divide number of heads in query")
+        splits = num_splits if num_splits > 0 else split_heuristic(num_heads_kv, max_seqlen_k)
+        ceff = effective_causal(causal, max_seqlen_q, headdim, page_size is not None)
+        md = torch.full((metadata_size(batch_size, ceff, splits, self.arch),), 77, dtype=torch.int32,
+                        device=cache_seqlens.device)
+        md[:batch_size] = _row_splits(cache_seqlens[:batch_size], splits)
+        if self.arch >= 90 or splits > 1:
+            md[-1] = 0  # the tile-count semaphore, zeroed by the planner
+        return md
+
+    # ---- flash_attn_with_kvcache ----------------------------------------------------------------
+    def flash_attn_with_kvcache(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None,
+        v: Tensor | None = None, qv: Tensor | None = None, rotary_cos: Tensor | None = None,
+        rotary_sin: Tensor | None = None, cache_seqlens: Tensor | int | None = None,
+        cache_batch_idx: Tensor | None = None, cache_leftpad: Tensor | None = None,
+        page_table: Tensor | None = None, cu_seqlens_q: Tensor | None = None,
+        cu_seqlens_k_new: Tensor | None = None, max_seqlen_q: int | None = None,
+        rotary_seqlens: Tensor | None = None, q_descale: Tensor | None = None,
+        k_descale: Tensor | None = None, v_descale: Tensor | None = None,
+        softmax_scale: float | None = None, causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1), attention_chunk: int = 0, softcap: float = 0.0,
+        rotary_interleaved: bool = True, scheduler_metadata: Tensor | None = None,
+        num_splits: int = 0, pack_gqa: bool | None = None, sm_margin: int = 0,
+        return_softmax_lse: bool = False,
+    ) -> Any:
+        self.calls.append(("flash_attn_with_kvcache", dict(locals())))
+        assert k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"
+        assert v_cache.stride(-1) == 1, "v_cache must have contiguous last dimension"
+        if softmax_scale is None:
+            softmax_scale = q.shape[-1] ** (-0.5)
+        assert isinstance(cache_seqlens, Tensor) and page_table is not None  # the paths modelled
+        out, lse = self.mha_fwd(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q,
+                                seqused_k=cache_seqlens, max_seqlen_q=max_seqlen_q,
+                                page_table=page_table, softmax_scale=softmax_scale, causal=causal,
+                                scheduler_metadata=scheduler_metadata, num_splits=num_splits)
+        return (out, lse, torch.empty(0), torch.empty(0)) if return_softmax_lse else out
+
+    def mha_fwd(self, q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | None,
+                seqused_k: Tensor, max_seqlen_q: int | None, page_table: Tensor,
+                softmax_scale: float, causal: bool, scheduler_metadata: Tensor | None,
+                num_splits: int) -> tuple[Tensor, Tensor]:
+        """The C++ entry point's checks (paged KV, varlen q), in its order; then the result."""
+        q_type = q.dtype
+        check(q_type in (torch.float16, torch.bfloat16, torch.float8_e4m3fn),
+              "FlashAttention only supports fp16, bf16, and fp8_e4m3 data type")
+        check(k.dtype == q_type, "query and key must have the same dtype")
+        check(v.dtype == q_type, "query and value must have the same dtype")
+        for t in (q, k, v):
+            check(t.stride(-1) == 1, "Input tensor must have contiguous last dimension")
+        check(page_table.dtype == torch.int32, "page_table must have dtype torch.int32")
+        check(page_table.stride(-1) == 1, "page_table must have contiguous last dimension")
+        assert cu_seqlens_q is not None  # varlen q: the only layout the adapter builds
+        check(cu_seqlens_q.is_contiguous(), "cu_seqlens_q must be contiguous")
+        check(cu_seqlens_q.dtype == torch.int32, "cu_seqlens_q must have dtype torch.int32")
+        check(max_seqlen_q is not None, "max_seqlen_q must be provided if cu_seqlens_q is provided")
+        assert max_seqlen_q is not None
+        batch_size = cu_seqlens_q.shape[0] - 1
+        num_heads, head_size = q.shape[-2], q.shape[-1]
+        page_size, num_heads_k = k.shape[1], k.shape[-2]
+        seqlen_k = page_table.shape[1] * page_size
+        check(batch_size == page_table.shape[0], "batch_size must be equal to batch_size_k")
+        check(head_size <= 256, "FlashAttention forward only supports head dimension at most 256")
+        check(num_heads % num_heads_k == 0,
+              "Number of heads in key/value must divide number of heads in query")
+        check(q.dim() == 3, "q must have shape (total_q, num_heads, head_size)")
+        check(k.shape == (k.shape[0], page_size, num_heads_k, head_size),
+              "k must have shape (num_pages, page_size, num_heads_k, head_size)")
+        check(seqused_k.dtype == torch.int32, "seqused_k must have dtype int32")
+        check(seqused_k.is_contiguous(), "seqused_k must be contiguous")
+        check(tuple(seqused_k.shape) == (batch_size,), "seqused_k must have shape (batch_size)")
+        check(head_size % 8 == 0, "head_size should be a multiple of 8")
+        causal_eff = effective_causal(causal, max_seqlen_q, head_size, True)
+        splits = num_splits if num_splits > 0 else split_heuristic(num_heads_k, seqlen_k)
+        if scheduler_metadata is not None:
+            size = metadata_size(batch_size, causal_eff, splits, self.arch)
+            check(tuple(scheduler_metadata.shape) == (size,),
+                  "scheduler_metadata must have shape (metadata_size)")
+            check(scheduler_metadata.is_contiguous(), "scheduler_metadata must be contiguous")
+            check(scheduler_metadata.dtype == torch.int32,
+                  "scheduler_metadata must have dtype int32")
+            want = _row_splits(seqused_k, splits)
+            if not torch.equal(scheduler_metadata[:batch_size], want):
+                raise RuntimeError(
+                    "fake FA3: scheduler_metadata plans splits "
+                    f"{scheduler_metadata[:batch_size].tolist()}, this call's plan is "
+                    f"{want.tolist()} (seqlen_k={seqlen_k}); FA3 would run the mismatched plan")
+        out, lse = _attend(q, k, v, cache_seqlens=seqused_k, cu_seqlens_q=cu_seqlens_q,
+                           page_table=page_table, causal=causal, scale=softmax_scale)
+        return out, lse.t().contiguous()  # varlen: softmax_lse [num_heads, total_q]
+
+    # ---- vLLM's flash_attn_varlen_func ----------------------------------------------------------
+    def flash_attn_varlen_func(
+        self, q: Tensor, k: Tensor, v: Tensor, max_seqlen_q: int, cu_seqlens_q: Tensor,
+        max_seqlen_k: int, cu_seqlens_k: Tensor | None = None, seqused_k: Tensor | None = None,
+        q_v: Tensor | None = None, dropout_p: float = 0.0, softmax_scale: float | None = None,
+        causal: bool = False, window_size: list[int] | None = None, softcap: float = 0.0,
+        alibi_slopes: Tensor | None = None, deterministic: bool = False,
+        return_attn_probs: bool = False, block_table: Tensor | None = None,
+        return_softmax_lse: bool = False, out: Tensor | None = None,
+        scheduler_metadata: Tensor | None = None, q_descale: Tensor | None = None,
+        k_descale: Tensor | None = None, v_descale: Tensor | None = None, num_splits: int = 0,
+        fa_version: int = 2, s_aux: Tensor | None = None, cp_world_size: int = 1,
+        cp_rank: int = 0, cp_tot_seqused_k: Tensor | None = None,
+    ) -> Any:
+        self.calls.append(("flash_attn_varlen_func", dict(locals())))
+        assert cu_seqlens_k is not None or seqused_k is not None, \
+            "cu_seqlens_k or seqused_k must be provided"
+        assert cu_seqlens_k is None or seqused_k is None, \
+            "cu_seqlens_k and seqused_k cannot be provided at the same time"
+        assert block_table is None or seqused_k is not None, \
+            "seqused_k must be provided if block_table is provided"
+        if softmax_scale is None:
+            softmax_scale = q.shape[-1] ** (-0.5)
+        if fa_version == 2:  # FA2's paged varlen path
+            check(block_table is None or k.shape[1] % 256 == 0,
+                  "Paged KV cache block size must be divisible by 256")
+            raise NotImplementedError("fake: only fa_version=3 is modelled")
+        check(fa_version == 3, f"Unsupported FA version: {fa_version}")
+        assert seqused_k is not None and block_table is not None  # the paths modelled
+        o, lse = self.mha_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
+                              max_seqlen_q=max_seqlen_q, page_table=block_table,
+                              softmax_scale=softmax_scale, causal=causal,
+                              scheduler_metadata=scheduler_metadata, num_splits=num_splits)
+        return (o, lse) if return_softmax_lse else o
+
+    def module(self, name: str, varlen: bool = False) -> types.ModuleType:
+        """A module object exposing this build the way ``name`` does."""
+        mod = types.ModuleType(name)
+        if varlen:
+            mod.flash_attn_varlen_func = self.flash_attn_varlen_func  # type: ignore[attr-defined]
+        else:
+            mod.flash_attn_with_kvcache = self.flash_attn_with_kvcache  # type: ignore[attr-defined]
+        mod.get_scheduler_metadata = self.get_scheduler_metadata  # type: ignore[attr-defined]
+        return mod
+
+
+class FA2:
+    """flash-attn 2.8.x ``flash_attn_with_kvcache`` (paged path) and its C++ checks."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def flash_attn_with_kvcache(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor | None = None,
+        v: Tensor | None = None, rotary_cos: Tensor | None = None, rotary_sin: Tensor | None = None,
+        cache_seqlens: Tensor | int | None = None, cache_batch_idx: Tensor | None = None,
+        cache_leftpad: Tensor | None = None, block_table: Tensor | None = None,
+        softmax_scale: float | None = None, causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+        rotary_interleaved: bool = True, alibi_slopes: Tensor | None = None, num_splits: int = 0,
+        return_softmax_lse: bool = False,
+    ) -> Any:
+        self.calls.append(dict(locals()))
+        assert k_cache.stride(-1) == 1, "k_cache must have contiguous last dimension"
+        assert v_cache.stride(-1) == 1, "v_cache must have contiguous last dimension"
+        if softmax_scale is None:
+            softmax_scale = q.shape[-1] ** (-0.5)
+        check(q.dtype in (torch.float16, torch.bfloat16),
+              "FlashAttention only support fp16 and bf16 data type")
+        check(k_cache.dtype == q.dtype, "query and key must have the same dtype")
+        check(v_cache.dtype == q.dtype, "query and value must have the same dtype")
+        for t in (q, k_cache, v_cache):
+            check(t.stride(-1) == 1, "Input tensor must have contiguous last dimension")
+        assert block_table is not None and isinstance(cache_seqlens, Tensor)  # paths modelled
+        check(cache_batch_idx is None, "Paged KVcache does not support cache_batch_idx")
+        check(block_table.dtype == torch.int32, "block_table must have dtype torch.int32")
+        check(block_table.stride(-1) == 1, "block_table must have contiguous last dimension")
+        batch_size, seqlen_q, num_heads, head_size = q.shape
+        page_block_size, num_heads_k = k_cache.shape[1], k_cache.shape[2]
+        check(page_block_size % 256 == 0, "Paged KV cache block size must be divisible by 256")
+        check(batch_size > 0, "batch size must be positive")
+        check(head_size <= 256, "FlashAttention forward only supports head dimension at most 256")
+        check(num_heads % num_heads_k == 0,
+              "Number of heads in key/value must divide number of heads in query")
+        check(tuple(block_table.shape) == (batch_size, block_table.shape[1]),
+              "block_table must have shape (batch_size, max_num_blocks_per_seq)")
+        check(cache_seqlens.dtype == torch.int32, "seqlens_k must have dtype int32")
+        check(tuple(cache_seqlens.shape) == (batch_size,), "seqlens_k must have shape (batch_size)")
+        cu = torch.arange(0, (batch_size + 1) * seqlen_q, seqlen_q, dtype=torch.int32)
+        out, lse = _attend(q.reshape(-1, num_heads, head_size), k_cache, v_cache,
+                           cache_seqlens=cache_seqlens, cu_seqlens_q=cu, page_table=block_table,
+                           causal=causal, scale=softmax_scale)
+        out = out.view(batch_size, seqlen_q, num_heads, -1)
+        lse = lse.view(batch_size, seqlen_q, num_heads).transpose(1, 2).contiguous()
+        return (out, lse) if return_softmax_lse else out
+
+    def module(self) -> types.ModuleType:
+        mod = types.ModuleType("flash_attn")
+        mod.flash_attn_with_kvcache = self.flash_attn_with_kvcache  # type: ignore[attr-defined]
+        return mod
+
+
+def assert_close(a: Tensor, b: Tensor, rows: int) -> None:
+    """bf16 results of the fake vs the SDPA adapter on the same inputs (float32 inside both)."""
+    torch.testing.assert_close(a[:rows].float(), b[:rows].float(), atol=1e-2, rtol=1e-2)
