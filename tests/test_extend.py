@@ -26,6 +26,7 @@ from attnpool import (
     Phase,
     PoolConfig,
     PoolError,
+    ReadRegionError,
     plan_arena,
 )
 from attnpool.adapters import sdpa
@@ -144,6 +145,23 @@ def test_capture_state_valid_for_every_bs(layout: Layout) -> None:
     view = pool.extend.view(MAX_BS)
     pool.check(view)
     assert view.cu_seqlens_q.tolist() == [0] + [T] * MAX_BS
+
+
+def test_checker_catches_unwritten_or_wrong_positions() -> None:
+    pool = make_pool()
+    kw, _, _, _ = inputs(pool, 3, 4)
+    kw["seq_lens"], kw["extend_lens"] = torch.tensor([10, 5, 7]), torch.tensor([3, 5, 2])
+    view = pool.extend.update_(4, **kw)
+    pool.check(view)
+    assert view.positions[:10].tolist() == [7, 8, 9, 0, 1, 2, 3, 4, 5, 6]
+    good = view.positions.clone()
+    view.positions[T - 1] = 2**31 - 1  # the poison sentinel: a graph would read it
+    with pytest.raises(ReadRegionError, match=f"token {T - 1}"):
+        pool.check(view)
+    view.positions.copy_(good)
+    view.positions[4] = 3  # a real row's positions must be consecutive up to its KV length
+    with pytest.raises(ReadRegionError, match="row 1"):
+        pool.check(view)
 
 
 def test_overlay_and_report() -> None:
