@@ -379,3 +379,27 @@ def test_graph_runner_eager_extend_on_cpu() -> None:
     assert seen == [sum(ext)]
     with pytest.raises(InputError, match=f"<= {T}"):
         runner.run(torch.randn(T + 1, 3), **kw)
+
+
+@pytest.mark.triton
+def test_fused_out_of_contract_inputs_stay_in_bounds() -> None:
+    """Values only a sync could check (lengths past T or the sequence, negative ones, rows
+    outside the table) give wrong metadata, never a write outside the extend buffers or the
+    caller's out_slots."""
+    pool = make_pool(impl=Impl.TRITON, layout=Layout.BOTH)
+    table = make_batch(pool.cfg, 1, random.Random(0)).req_to_token
+    own = [(p.offset, p.offset + p.nbytes) for p in pool.plan.placements
+           if p.spec.phase is Phase.EXTEND]
+    outside = torch.ones(pool.nbytes, dtype=torch.bool)
+    for lo, hi in own:
+        outside[lo:hi] = False
+    before = pool.arena.storage.clone()
+    big = torch.full((3 * T,), 99, dtype=torch.int64)
+    for seq, ext, rpi in (([10**6, -(10**6), 5], [10**6, 3, -(10**6)], [0, 1, 2]),
+                          ([2**31 - 5, 7, 7], [2**31 - 5, 7, 7], [5, -3, 2**40]),
+                          ([3, 3, 3], [3 * T, 3 * T, 3 * T], [0, 1, 2])):
+        pool.extend.update_(5, seq_lens=torch.tensor(seq), extend_lens=torch.tensor(ext),
+                            req_pool_indices=torch.tensor(rpi), req_to_token=table,
+                            out_slots=big[T : 2 * T])
+        assert torch.equal(pool.arena.storage[outside], before[outside])
+        assert (big[:T] == 99).all() and (big[2 * T :] == 99).all()

@@ -83,9 +83,12 @@ def _row_tokens(  # type: ignore[no-untyped-def]
     tok0 = r * 0
     if HAS_OFF:
         tok0 = tl.load(off_ptr + pid, mask=is_real, other=0).to(tl.int64)
-    for j0 in range(0, nq, BLOCK_T):
+    # only tokens that land in [0, tail_end): out-of-contract lengths cannot make the loop long
+    j_lo = tl.maximum(-start, 0)
+    j_hi = tl.minimum(nq, tail_end - start)
+    for j0 in range(j_lo, j_hi, BLOCK_T):
         j = j0 + tl.arange(0, BLOCK_T)
-        ok = j < nq
+        ok = j < j_hi
         t = start + j
         pos = length - nq + j
         col = tl.minimum(tl.maximum(tok0 + pos.to(tl.int64), 0), tok_cols - 1)
