@@ -170,3 +170,32 @@ def local_rows(kv_lens: list[int], slots: list[int], table: torch.Tensor, bs: in
             out.q_lens.append(q if v == 0 else 0)
             out.pages.append([pad_page] * ceil_div(pad_len, page))
     return out
+
+
+@dataclass
+class ExtendRows:
+    """Expected extend view: the paged rows plus per-token positions and KV slots."""
+
+    rows: PagedRows
+    positions: list[int]  # [T]
+    slots: list[int]  # [L]
+
+
+def extend_rows(seq_lens: list[int], ext: list[int], slots: list[int], table: torch.Tensor,
+                bs: int, page: int, total: int, num_slots: int, pad_seq_len: int = 1,
+                pad_page: int = 0) -> ExtendRows:
+    """Request i: ext[i] new tokens after a prefix of seq_lens[i] - ext[i]; padded rows keep the
+    pad length and pad page; the first padded row takes the query slack up to ``total``."""
+    rows = decode_rows(seq_lens, slots, table, bs, page, pad_seq_len, pad_page)
+    n = len(seq_lens)
+    real = sum(ext)
+    rows.q_lens = list(ext) + [max(total - real, 0) if i == n else 0 for i in range(n, bs)]
+    positions, toks = [], []
+    for i in range(n):
+        prefix = seq_lens[i] - ext[i]
+        for j in range(ext[i]):
+            positions.append(prefix + j)
+            toks.append(int(table[slots[i], prefix + j]))
+    positions += [0] * (total - len(positions))
+    toks += [-1] * (num_slots - len(toks))
+    return ExtendRows(rows, positions[:total], toks[:num_slots])

@@ -33,6 +33,9 @@ from batches import make_batch
         ({"max_bs": 2.0}, "max_bs must be an int"),
         ({"num_pages": 0}, "num_pages"),
         ({"spec_steps": 2, "layout": Layout.FLASHINFER}, "needs Layout.FLASH_ATTN"),
+        ({"max_extend_tokens": -1}, "max_extend_tokens must be >= 0, got -1"),
+        ({"max_extend_tokens": 2**28}, "max_extend_tokens \\* max_bs must be < 2\\*\\*31"),
+        ({"max_extend_tokens": True}, "max_extend_tokens must be an int"),
     ],
 )
 def test_bad_config(kwargs: dict[str, object], match: str) -> None:

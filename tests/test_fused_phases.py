@@ -201,16 +201,50 @@ def test_local(page: int, layout: Layout, n: int, pad: int, seed: int, capturabl
         for_phase=Phase.VERIFY if verify else Phase.DECODE, **host(b, capturable))
 
 
+@SETTINGS
+@given(**common, host_lens=st.booleans(), slot_len=st.sampled_from([0, 40, 45]))
+def test_extend(page: int, layout: Layout, n: int, pad: int, seed: int, capturable: bool,
+                host_lens: bool, slot_len: int) -> None:
+    """Paged part, packed query offsets, positions and the KV slots written in the same call."""
+    total = 40
+    ref, tt = pools(page, layout, max_extend_tokens=total)
+    n, bs = sizes(n, pad)
+    rng = random.Random(seed)
+    b = make_batch(ref.cfg, n, rng)
+    ext = [rng.randint(1, max(1, min(s, total // 6))) for s in b.seq_lens]
+    seq, rpi, table = b.tensors()
+    kw: dict[str, object] = {"seq_lens": seq, "extend_lens": torch.tensor(ext, dtype=torch.int64),
+                             "req_pool_indices": rpi, "req_to_token": table}
+    if host_lens and not capturable:
+        kw.update(seq_lens_cpu=b.seq_lens, extend_lens_cpu=ext)
+    slots = [torch.full((slot_len,), 5, dtype=torch.int64) if slot_len else None
+             for _ in range(2)]
+    real = ref.extend.update_(bs, **kw, out_slots=slots[0])  # type: ignore[arg-type]
+    if capturable:
+        kw = {k: padded(v, bs, 10**6) if isinstance(v, Tensor) and v.dim() == 1 else v
+              for k, v in kw.items()}
+        kw["num_real"] = torch.tensor([n], dtype=torch.int32)
+    fused = tt.extend.update_(bs, **kw, out_slots=slots[1])  # type: ignore[arg-type]
+    ref.check(real)
+    tt.check(fused)
+    assert_same(real, fused, host_ints=not capturable)
+    assert torch.equal(real.positions, fused.positions)  # the whole [T]: every entry is read
+    if slot_len:
+        assert torch.equal(slots[0], slots[1])
+
+
 # ---- one launch per part, no aten op that launches a kernel ---------------------------------
-LAUNCHES = {"decode": 1, "verify": 2, "draft": 1, "draft_extend": 1, "encoder": 2, "local": 1}
+LAUNCHES = {"decode": 1, "verify": 2, "draft": 1, "draft_extend": 1, "encoder": 2, "local": 1,
+            "extend": 1}
 
 
 @pytest.mark.parametrize("phase", list(LAUNCHES))
 def test_launches_per_phase(phase: str) -> None:
-    """Decode, chain draft (all steps), draft extend (with its query part) and local are one
-    launch; tree verify and encoder are two parts, two launches. No aten op that computes."""
+    """Decode, chain draft (all steps), draft extend (with its query part), extend (with its
+    query offsets, positions and KV slots) and local are one launch; tree verify and encoder are
+    two parts, two launches. No aten op that computes."""
     kw: dict[str, object] = {"num_draft_tokens": 4, "spec_steps": 3, "max_encoder_len": 64,
-                             "attention_chunk_size": 64}
+                             "attention_chunk_size": 64, "max_extend_tokens": 32}
     if phase == "verify":
         kw["topk"] = 2  # the tree: prefix + expand
     _, tt = pools(16, Layout.FLASH_ATTN, **kw)
@@ -223,9 +257,13 @@ def test_launches_per_phase(phase: str) -> None:
         "draft_extend": (seq, three, rpi, table), "encoder": (seq, three, rpi, table),
         "local": (seq, rpi, table),
     }
+    kwargs: dict[str, object] = {}
+    if phase == "extend":  # keyword-only inputs, KV slots written by the same launch
+        kwargs = {"seq_lens": seq, "extend_lens": three, "req_pool_indices": rpi,
+                  "req_to_token": table, "out_slots": torch.empty(32, dtype=torch.int64)}
     fn = getattr(tt, phase).update_
-    fn(4, *args[phase])  # compile first, as an engine does before capture
-    c = count(lambda: fn(4, *args[phase]))
+    fn(4, *args.get(phase, ()), **kwargs)  # compile first, as an engine does before capture
+    c = count(lambda: fn(4, *args.get(phase, ()), **kwargs))
     assert c.launches == LAUNCHES[phase], c.kernels
     computing = {k: v for k, v in c.ops.items() if not k.startswith(VIEW_OPS)}
     assert computing == {}, computing

@@ -207,7 +207,7 @@ def test_overlay_phases_stay_correct_when_next_updated() -> None:
     """Overlaid phases share bytes: each update clobbers the others, the next one rewrites."""
     cfg = PoolConfig(max_bs=6, max_context_len=C, page_size=16, device="cpu", layout=Layout.BOTH,
                      num_draft_tokens=4, topk=2, spec_steps=3, attention_chunk_size=32,
-                     max_encoder_len=64)
+                     max_encoder_len=64, max_extend_tokens=24)
     pool = BufferPool(cfg, poison=True)
     plan = {(p.spec.phase, p.spec.name): p for p in pool.plan.placements}
     assert plan[(Phase.DECODE, "page_table")].offset == plan[(Phase.VERIFY, "page_table")].offset
@@ -221,7 +221,7 @@ def test_overlay_phases_stay_correct_when_next_updated() -> None:
         loc = torch.randint(1, 1000, (n, 3, 2))
         enc = torch.full((n,), 64)
         ones = torch.ones(n, dtype=torch.int64)
-        order = ["decode", "verify", "draft", "draft_extend"]
+        order = ["decode", "verify", "draft", "draft_extend", "extend"]
         rng.shuffle(order)
         for name in order:
             if name == "decode":
@@ -230,6 +230,9 @@ def test_overlay_phases_stay_correct_when_next_updated() -> None:
                 view = pool.verify.update_(6, seq, rpi, table, tree_mask=mask)
             elif name == "draft":
                 view = pool.draft.update_(6, seq, rpi, table, out_cache_loc=loc)
+            elif name == "extend":
+                view = pool.extend.update_(6, seq_lens=seq, extend_lens=seq.clamp(max=4),
+                                           req_pool_indices=rpi, req_to_token=table)
             else:
                 view = pool.draft_extend.update_(6, seq, ones, rpi, table)
             pool.check(view)
@@ -245,11 +248,12 @@ def test_overlay_phases_stay_correct_when_next_updated() -> None:
         assert round_ >= 0
 
 
-@pytest.mark.parametrize("phase", ["verify", "draft", "draft_extend", "encoder", "local"])
+@pytest.mark.parametrize("phase", ["verify", "draft", "draft_extend", "encoder", "local",
+                                   "extend"])
 def test_capture_views_valid_before_update(phase: str) -> None:
     cfg = PoolConfig(max_bs=6, max_context_len=C, page_size=16, device="cpu", layout=Layout.BOTH,
                      num_draft_tokens=4, topk=2, spec_steps=3, attention_chunk_size=32,
-                     max_encoder_len=64, pad_seq_len=5)
+                     max_encoder_len=64, pad_seq_len=5, max_extend_tokens=24)
     pool = BufferPool(cfg, poison=True)
     for bs in (1, 6):
         pool.check(getattr(pool, phase).view(bs))

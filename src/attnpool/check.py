@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .arena import sentinel
 from .errors import PoolError
-from .views import PagedView
+from .views import ExtendView, PagedView
 
 
 class ReadRegionError(PoolError):
@@ -81,6 +81,24 @@ def check_paged(v: PagedView, name: str = "view", num_pages: int | None = None) 
         _check_pages(f"{name}.kv_indices", _host(v.kv_indices[: indptr[bs]]), num_pages)
 
 
+def _check_positions(v: ExtendView) -> None:
+    """Every position (a graph reads all ``T``) lies in ``[0, max_seqlen_k)``, and each real
+    row's queries sit at the end of its KV row: ``len - q + j`` (a padded row's are all 0)."""
+    pos = _host(v.positions)
+    hi = max(v.max_seqlen_k, 1)
+    for t, x in enumerate(pos):
+        if not 0 <= x < hi:
+            _fail("ExtendView.positions", f"token {t} is {x}, expected in [0, {hi})")
+    cu, lens = _host(v.cu_seqlens_q[: v.bs + 1]), _host(v.cache_seqlens[: v.bs])
+    for i in range(v.bs):
+        row = pos[cu[i] : cu[i + 1]]
+        q = len(row)
+        want = list(range(lens[i] - q, lens[i])) if q <= lens[i] else None
+        if row != want and any(row):
+            _fail("ExtendView.positions", f"row {i} holds {row[:8]}..., expected "
+                  f"{lens[i] - q}..{lens[i] - 1} (or zeros for a padded row)")
+
+
 def _limit(part: PagedView, num_pages: int | None, page_size: int | None) -> int | None:
     """Id bound of a part: pages, or token slots for ``page_size = 1`` parts of a paged cache."""
     if num_pages is None or page_size is None or part.page_size == page_size:
@@ -96,6 +114,8 @@ def check_view(view: object, num_pages: int | None = None, page_size: int | None
     """
     if isinstance(view, PagedView):
         check_paged(view, type(view).__name__, _limit(view, num_pages, page_size))
+        if isinstance(view, ExtendView):
+            _check_positions(view)
         return
     if not dataclasses.is_dataclass(view):
         raise PoolError(f"check_view expects an attnpool view, got {type(view).__name__}")

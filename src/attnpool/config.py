@@ -26,14 +26,17 @@ class Phase(enum.Enum):
     DRAFT_EXTEND = "draft_extend"
     ENCODER = "encoder"
     LOCAL = "local"
+    EXTEND = "extend"
 
 
 #: Index dtypes accepted for lengths, request rows and token tables.
 INT_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 
-#: Phases that never run in the same forward: their buffers overlay the same arena bytes.
+#: Phases that never run in the same forward: their buffers overlay the same arena bytes. A prefill
+#: (extend) forward never carries decode, verify or draft rows of the same pool (an engine that mixes
+#: them runs the decode rows as one-token extends), so extend overlays them too.
 OVERLAID_PHASES: frozenset[Phase] = frozenset(
-    {Phase.DECODE, Phase.VERIFY, Phase.DRAFT, Phase.DRAFT_EXTEND}
+    {Phase.DECODE, Phase.VERIFY, Phase.DRAFT, Phase.DRAFT_EXTEND, Phase.EXTEND}
 )
 
 
@@ -141,6 +144,9 @@ class PoolConfig:
         impl: which update path to use (:class:`Impl`).
         fa3_scheduler_metadata: also keep flash-attn 3's ``scheduler_metadata`` buffer
             (``round_up(max_bs, 4) * 4 + 1`` int32) for the flash-attn adapter.
+        max_extend_tokens: T, packed query tokens of one prefill (extend) batch, all requests
+            together (0: no extend phase). Sizes the extend view's ``positions`` and is the fixed
+            query total of padded extend views (see :class:`attnpool.ExtendView`).
     """
 
     max_bs: int = 160
@@ -158,6 +164,7 @@ class PoolConfig:
     num_pages: int | None = None
     impl: Impl = Impl.AUTO
     fa3_scheduler_metadata: bool = False
+    max_extend_tokens: int = 0
     _device: torch.device = field(init=False, repr=False, compare=False)
     _phases: tuple[Phase, ...] = field(init=False, repr=False, compare=False)
 
@@ -167,7 +174,7 @@ class PoolConfig:
                 raise PoolError(f"PoolConfig: {what}, got {got!r}")
 
         for name in ("max_bs", "max_context_len", "page_size", "num_draft_tokens", "topk",
-                     "spec_steps", "max_encoder_len", "pad_seq_len", "pad_page"):
+                     "spec_steps", "max_encoder_len", "pad_seq_len", "pad_page", "max_extend_tokens"):
             v = getattr(self, name)
             need(is_int(v), f"{name} must be an int", v)
         need(self.max_bs >= 1, "max_bs must be >= 1", self.max_bs)
@@ -192,6 +199,11 @@ class PoolConfig:
              f"pad_seq_len must be in [1, max_context_len={self.max_context_len}]",
              self.pad_seq_len)
         need(self.pad_page >= 0, "pad_page must be >= 0", self.pad_page)
+        need(self.max_extend_tokens >= 0, "max_extend_tokens must be >= 0", self.max_extend_tokens)
+        # Padded extend rows share T - sum(extend_lens) queries: (T * row) must fit in int32.
+        need(self.max_extend_tokens * self.max_bs < 2**31,
+             f"max_extend_tokens * max_bs must be < 2**31 (int32 query offsets), max_bs="
+             f"{self.max_bs}", self.max_extend_tokens)
         if self.num_pages is not None:
             need(is_int(self.num_pages) and self.num_pages > self.pad_page,
                  f"num_pages must be an int > pad_page ({self.pad_page})", self.num_pages)
@@ -215,6 +227,7 @@ class PoolConfig:
             Phase.DRAFT_EXTEND: self.num_draft_tokens > 0,
             Phase.ENCODER: self.max_encoder_len > 0,
             Phase.LOCAL: self.attention_chunk_size is not None,
+            Phase.EXTEND: self.max_extend_tokens > 0,
         }
         object.__setattr__(self, "_phases", tuple(p for p in Phase if on[p]))
 

@@ -34,13 +34,27 @@ def default_capture_sizes(max_bs: int) -> list[int]:
 
 
 def rows_per_request(pool: BufferPool, phase: Phase) -> int:
-    """Query rows one request contributes to the forward's input of ``phase``."""
+    """Query rows one request contributes to the forward's input of ``phase`` (at most).
+
+    For ``Phase.EXTEND`` a request's count varies (``extend_lens[i]``, up to ``max_extend_tokens``
+    for the whole batch): see :func:`query_rows` for the rows of a whole forward.
+    """
     cfg = pool.cfg
     return {
         Phase.VERIFY: cfg.num_draft_tokens,
         Phase.DRAFT_EXTEND: cfg.num_draft_tokens,
         Phase.DRAFT: cfg.topk,
+        Phase.EXTEND: cfg.max_extend_tokens,
     }.get(phase, 1)
+
+
+def query_rows(pool: BufferPool, phase: Phase, bs: int) -> int:
+    """Packed query rows of a ``bs``-row forward of ``phase``: ``bs * rows_per_request``, except
+    ``Phase.EXTEND``, whose padded views always end at ``cu_seqlens_q[bs] = max_extend_tokens``
+    (:class:`attnpool.ExtendView`): its graphs take that many rows for every ``bs``."""
+    if phase is Phase.EXTEND:
+        return pool.cfg.max_extend_tokens
+    return bs * rows_per_request(pool, phase)
 
 
 class GraphRunner:
@@ -49,8 +63,9 @@ class GraphRunner:
     Args:
         pool: the pool whose phase feeds the forward.
         phase: which phase (``pool.phase(phase)`` provides ``view`` and ``update_``).
-        forward: ``forward(view, x) -> out``; ``x`` has ``bs * r`` rows (``r`` rows per
-            request, see :func:`rows_per_request`) and ``out`` must keep that leading dim.
+        forward: ``forward(view, x) -> out``; ``x`` has :func:`query_rows` rows (``bs * r``,
+            ``r`` rows per request; ``max_extend_tokens`` for extend) and ``out`` must keep
+            that leading dim.
         example: a tensor shaped like one input row block (``[rows, ...]``); its dtype and
             trailing shape size the runner's static input buffer of ``max_bs * r`` rows.
         capture_sizes: batch sizes to capture (default :func:`default_capture_sizes`).
@@ -87,7 +102,7 @@ class GraphRunner:
         self.use_graphs = cfg.torch_device.type == "cuda" if use_graphs is None else use_graphs
         # Static input rows: padded rows of a replay read them, so they start initialised
         # (one fill at construction, outside the pool; later steps overwrite the real rows).
-        shape = (cfg.max_bs * self.r, *example.shape[1:])
+        shape = (query_rows(pool, phase, cfg.max_bs), *example.shape[1:])
         self._x = torch.empty(shape, dtype=example.dtype, device=cfg.torch_device)
         self._x.zero_()
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
@@ -103,7 +118,7 @@ class GraphRunner:
             view = self._ph.view(bs, **self.view_kwargs)  # writes the capture state if needed
             if self.prepare is not None:
                 self.prepare(view)
-            xs = self._x[: bs * self.r]
+            xs = self._x[: query_rows(self.pool, self.phase, bs)]
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 for _ in range(2):  # warm up kernels (autotune, lazy init) outside the capture
@@ -120,18 +135,22 @@ class GraphRunner:
         return next((b for b in self.capture_sizes if b >= n), None)
 
     def run(self, x: Tensor, **inputs: Any) -> Tensor:
-        """Run one step for ``n = len(inputs["seq_lens"])`` requests; returns ``n * r`` rows.
+        """Run one step for ``n = len(inputs["seq_lens"])`` requests; returns ``x.shape[0]`` rows.
 
         ``inputs`` are the phase's ``update_`` arguments except ``bs``. ``x`` holds the real
-        rows (``n * r``); it is copied into the static buffer (never aliased).
+        rows (``n * r``; for ``Phase.EXTEND`` the packed ``sum(extend_lens) <= max_extend_tokens``
+        rows); it is copied into the static buffer (never aliased).
         """
         if "seq_lens" not in inputs:
             raise InputError("run() needs the phase's update_ arguments, including seq_lens")
         n = int(inputs["seq_lens"].shape[0])
         if n < 1:
             raise InputError(f"run() needs at least one request, got n={n}")
-        if x.shape[0] != n * self.r or x.shape[1:] != self._x.shape[1:]:
-            raise InputError(f"x must be [{n * self.r}, {', '.join(map(str, self._x.shape[1:]))}]"
+        rows = x.shape[0]
+        ok = rows <= self._x.shape[0] if self.phase is Phase.EXTEND else rows == n * self.r
+        if not ok or x.shape[1:] != self._x.shape[1:]:
+            want = f"<= {self._x.shape[0]}" if self.phase is Phase.EXTEND else str(n * self.r)
+            raise InputError(f"x must be [{want}, {', '.join(map(str, self._x.shape[1:]))}]"
                              f", got {list(x.shape)}")
         kwargs = {**inputs, **self.view_kwargs}
         bs = self.padded_size(n)
@@ -143,7 +162,7 @@ class GraphRunner:
         view = self._ph.update_(bs, **kwargs)
         if self.prepare is not None:
             self.prepare(view)
-        self._x[: n * self.r].copy_(x)
+        self._x[:rows].copy_(x)
         graph, out = self._graphs[bs]
         graph.replay()
-        return out[: n * self.r]
+        return out[:rows]

@@ -417,3 +417,28 @@ class KVCachePool:
             f"slot_mapping:    [{c.max_tokens}] int64",
             f"total:           {_fmt(self.nbytes)} (one allocation)",
         ])
+
+    def check_pool_config(self, pool_cfg: object) -> None:
+        """Cross-check a :class:`attnpool.PoolConfig` whose metadata addresses this cache, once at
+        setup, so one update can write both (``pool.extend.update_(..., out_slots=
+        kv.slot_view(T))``): same device and page size (page ids and token slots mean the same),
+        the pool pads with this cache's pad page 0, its ``num_pages`` (when set) is this cache's,
+        and ``slot_mapping`` holds the tokens of the pool's largest forward (``max_bs`` times
+        the most query rows per request, or ``max_extend_tokens``). Raises :class:`LayoutError`
+        or :class:`CapacityError` naming both values."""
+        from .config import PoolConfig  # local: this hunk stays self-contained
+
+        if not isinstance(pool_cfg, PoolConfig):
+            raise InputError(f"expected a PoolConfig, got {type(pool_cfg).__name__}")
+        c, p = self.cfg, pool_cfg
+        if p.torch_device.type != c.torch_device.type:
+            raise LayoutError(f"pool device {p.torch_device} != KV cache device {c.torch_device}")
+        for what, got, want in (("page_size", p.page_size, c.page_size),
+                                ("pad_page", p.pad_page, PAD_PAGE),
+                                ("num_pages", p.num_pages, c.num_pages)):
+            if got is not None and got != want:
+                raise LayoutError(f"PoolConfig.{what} must be the KV cache's {want}, got {got}")
+        tokens = max(p.max_bs * max(1, p.num_draft_tokens, p.topk), p.max_extend_tokens)
+        if tokens > c.max_tokens:
+            raise CapacityError(f"KVCacheConfig.max_tokens must be >= {tokens} (the pool's largest "
+                                f"forward), got {c.max_tokens}")

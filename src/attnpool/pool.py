@@ -18,6 +18,7 @@ from .phases import (
     DraftExtendPhase,
     DraftPhase,
     EncoderPhase,
+    ExtendPhase,
     LocalPhase,
     PhaseBase,
     VerifyPhase,
@@ -28,6 +29,7 @@ _OTHERS: dict[Phase, type[PhaseBase]] = {
     Phase.DRAFT: DraftPhase,
     Phase.DRAFT_EXTEND: DraftExtendPhase,
     Phase.LOCAL: LocalPhase,
+    Phase.EXTEND: ExtendPhase,
 }
 
 
@@ -68,6 +70,7 @@ class BufferPool:
                 Phase.DRAFT_EXTEND: "num_draft_tokens > 0",
                 Phase.ENCODER: "max_encoder_len > 0",
                 Phase.LOCAL: "attention_chunk_size set",
+                Phase.EXTEND: "max_extend_tokens > 0",
             }.get(phase, "a newer attnpool")
             raise MissingPhaseError(
                 f"this pool has no {phase.value} phase (needs {hint}); "
@@ -103,6 +106,11 @@ class BufferPool:
     def local(self) -> LocalPhase:
         """Chunked local attention (needs ``attention_chunk_size``)."""
         return cast(LocalPhase, self.phase(Phase.LOCAL))
+
+    @property
+    def extend(self) -> ExtendPhase:
+        """Prefill with a cached prefix (needs ``max_extend_tokens > 0``)."""
+        return cast(ExtendPhase, self.phase(Phase.EXTEND))
 
     @property
     def phases(self) -> tuple[Phase, ...]:

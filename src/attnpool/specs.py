@@ -29,6 +29,7 @@ class Pad(enum.Enum):
     ``ONE``: FlashInfer ``last_page_len`` holds 1.
     ``PAYLOAD``: no per-row rule; the read region is bounded by another buffer (CSR indices).
     ``SLOT``: slot mappings hold -1 (the store kernel skips the entry).
+    ``ZERO``: per-token values of padded query tokens hold 0 (extend ``positions``).
     ``CONST``: written once at construction and never by an update; lives outside the overlay so
     no other phase can overwrite it.
     """
@@ -40,6 +41,7 @@ class Pad(enum.Enum):
     ONE = "1"
     PAYLOAD = "-"
     SLOT = "-1"
+    ZERO = "0"
     CONST = "const"
 
 
@@ -47,7 +49,7 @@ class Region(enum.Enum):
     """Where a buffer sits in the arena (see DESIGN §5)."""
 
     SHARED = "shared"  # constants; never overwritten by an update
-    OVERLAY = "overlay"  # decode / verify / draft / draft extend share these bytes
+    OVERLAY = "overlay"  # decode / verify / draft / draft extend / extend share these bytes
     SEPARATE = "separate"  # used in the same forward as an overlaid phase (encoder, local)
 
 
@@ -257,6 +259,14 @@ DRAFT_EXTEND_SPECS = (
     *paged_specs(Phase.DRAFT_EXTEND, _max_bs, _max_pages),
 )
 
+EXTEND_SPECS = (
+    BufferSpec("cu_seqlens_q", Phase.EXTEND, I32, lambda c: (c.max_bs + 1,), Pad.CUMSUM,
+               "[0, cumsum(extend_lens)]; padded rows share the rest up to max_extend_tokens"),
+    *paged_specs(Phase.EXTEND, _max_bs, _max_pages, what="prefix + new tokens, causal: "),
+    BufferSpec("positions", Phase.EXTEND, I32, lambda c: (c.max_extend_tokens,), Pad.ZERO,
+               "absolute position of each packed query token (0 past the real ones)"),
+)
+
 # Only the cross part: decoder self-attention reuses the decode buffers (offset rows), and the
 # cross part is read in the same forward, so it sits outside the overlay.
 ENCODER_SPECS = paged_specs(
@@ -274,7 +284,7 @@ LOCAL_SPECS = (
 
 #: Every buffer any pool may own. Phase modules add nothing outside this table.
 SPECS: tuple[BufferSpec, ...] = (SHARED_SPECS + DECODE_SPECS + VERIFY_SPECS + DRAFT_SPECS
-                                 + DRAFT_EXTEND_SPECS + ENCODER_SPECS + LOCAL_SPECS)
+                                 + DRAFT_EXTEND_SPECS + ENCODER_SPECS + LOCAL_SPECS + EXTEND_SPECS)
 
 
 def specs_for(cfg: PoolConfig, table: tuple[BufferSpec, ...] = SPECS) -> tuple[BufferSpec, ...]:

@@ -124,6 +124,50 @@ class DraftExtendView(PagedView):
 
 
 @dataclass(frozen=True, slots=True)
+class ExtendView(PagedView):
+    """Prefill with a cached prefix: request ``i`` appends ``extend_lens[i]`` new tokens to a
+    prefix of ``seq_lens[i] - extend_lens[i]`` tokens already in the KV cache.
+
+    The new tokens' K/V are stored into the cache (at ``req_to_token[r_i, prefix_i + j]``, the
+    slots an update can write into ``out_slots``) before attention runs, so a row reads the whole
+    sequence: ``cache_seqlens = seq_lens``, pages as in decode. Causal: query ``j`` of request
+    ``i`` sits at absolute position ``prefix_i + j`` and sees the keys at positions ``<=`` it,
+    which is the end-aligned causal mask flash-attn, FlashInfer and the SDPA adapter apply when a
+    row has fewer queries than keys.
+
+    Query rows are packed: request ``i``'s queries are ``cu_seqlens_q[i] .. cu_seqlens_q[i+1]-1``.
+    **Padded rows** (``n <= i < bs``) keep ``cache_seqlens = pad_seq_len`` and the pad page; the
+    first one takes the query slack ``T - sum(extend_lens)`` (``T = max_extend_tokens``) and the
+    others none, so ``cu_seqlens_q[n+1:bs+1] = T``. A batch with a padded row thus always ends at
+    ``cu_seqlens_q[bs] = T``, and so does the capture state (all rows padded) of every ``bs``: a
+    graph captured at ``bs`` sees the same query total at every replay, which FlashInfer's
+    graph-mode prefill plan needs (a replay's total query rows may never exceed those planned at
+    capture), and its query buffer is ``T`` rows whatever ``bs`` is. A batch without padded rows
+    (``n == bs``) ends at ``sum(extend_lens) <= T``, still within that total. The padded row's
+    queries see its ``pad_seq_len`` keys through the end-aligned causal mask (all but its last
+    ``pad_seq_len`` queries have none, and output 0); padded outputs are discarded.
+
+    Attributes (beyond :class:`PagedView`):
+        positions: ``[max_extend_tokens] int32``: absolute position of every packed query token
+            (token ``cu_seqlens_q[i] + j`` of a real row: ``prefix_i + j``, the position for
+            rotary embeddings); every token of a padded row and every entry past the batch's
+            total holds 0, so a graph over all ``T`` rows reads valid positions.
+
+    ``max_seqlen_q`` bounds every row's query count, padded rows included (tight from
+    ``extend_lens_cpu``, else ``T``). :attr:`qo_indptr` is FlashInfer's name for
+    ``cu_seqlens_q``.
+    """
+
+    positions: Tensor
+
+    @property
+    def qo_indptr(self) -> Tensor | None:
+        """``cu_seqlens_q`` (the same tensor) in the ``FLASHINFER`` layout, else None: the
+        ``qo_indptr [bs+1]`` of FlashInfer's batch prefill wrapper."""
+        return self.cu_seqlens_q if self.kv_indptr is not None else None
+
+
+@dataclass(frozen=True, slots=True)
 class EncoderView:
     """Encoder-decoder attention for one decode step.
 

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from ..config import Layout
 from ..errors import InputError, LayoutError
-from ..views import DraftStepView, PagedView, VerifyView
+from ..views import DecodeView, DraftStepView, PagedView, VerifyView
 
 
 class Attn(NamedTuple):
@@ -123,40 +123,136 @@ def pick_layout(view: PagedView, layout: Layout | None) -> Layout:
     return layout
 
 
-def _rows(view: PagedView, layout: Layout, lmax: int) -> tuple[Tensor, Tensor]:
-    """``(kv_lens [bs] i64, slots [bs, lmax] i64)``: each row's length and flat token slots.
+def _rows(view: PagedView, layout: Layout, rows: int, lmax: int) -> tuple[Tensor, Tensor]:
+    """``(kv_lens [rows] i64, slots [rows, lmax] i64)`` of the view's first ``rows`` rows.
 
-    Slots past a row's length are 0 (a valid index; those lanes are masked out of attention).
+    Slots at or past a row's length are 0 (a valid index; those lanes are masked out of
+    attention). Page ids are never range-checked or clamped: lanes outside a row's pages (which
+    may hold anything, poison included) are replaced by the final ``where`` before any lookup.
     """
-    bs, p = view.bs, view.page_size
-    dev = view.cache_seqlens.device
+    p, dev = view.page_size, view.cache_seqlens.device
     width = max(1, -(-lmax // p))
-    col = torch.arange(width, device=dev)
     if layout is Layout.FLASH_ATTN:
         assert view.page_table is not None  # guaranteed by pick_layout
-        lens = view.cache_seqlens[:bs].to(torch.int64)
-        npages = torch.div(lens + (p - 1), p, rounding_mode="floor")
-        table = view.page_table[:bs, :width].to(torch.int64)
+        lens = view.cache_seqlens[:rows].to(torch.int64)
+        table = view.page_table[:rows, :width]
         if table.shape[1] < width:
             raise LayoutError(f"page_table has {table.shape[1]} columns, max_seqlen_k="
                               f"{view.max_seqlen_k} needs {width} pages of {p}")
-        live = col[None, :] < npages[:, None]
-        pages = torch.where(live, table, 0)
+        pages = table
     else:
         assert view.kv_indptr is not None and view.kv_indices is not None
         assert view.kv_last_page_len is not None
-        indptr = view.kv_indptr[: bs + 1].to(torch.int64)
+        indptr = view.kv_indptr[: rows + 1].to(torch.int64)
         npages = indptr[1:] - indptr[:-1]
-        last = view.kv_last_page_len[:bs].to(torch.int64)
+        last = view.kv_last_page_len[:rows].to(torch.int64)
         lens = torch.where(npages > 0, (npages - 1) * p + last, 0)
+        col = torch.arange(width, device=dev)
         live = col[None, :] < npages[:, None]
         idx = torch.where(live, indptr[:-1, None] + col[None, :], 0)
         idx = idx.clamp_(max=view.kv_indices.shape[0] - 1)
-        pages = torch.where(live, view.kv_indices.to(torch.int64)[idx], 0)
+        pages = view.kv_indices.to(torch.int64)[idx]
+    t = torch.arange(max(lmax, p), device=dev)
+    if p == 1:
+        slots = pages[:, :lmax]
+    else:  # page * p + offset for every token lane: one product, one broadcast add (int64)
+        slots = ((pages * p)[:, :, None] + t[:p]).view(rows, width * p)[:, :lmax]
+    return lens, torch.where(t[:lmax] < lens[:, None], slots, 0)
+
+
+class _Batch(NamedTuple):
+    """Padded, head-grouped operands of one pass (see :func:`_prepare`)."""
+
+    q: Tensor  # [b, H_kv, Qmax*g, D]: query (j, head-in-group) pairs of each KV head, grouped
+    k: Tensor  # [b, H_kv, L, D] (a permuted view of the gathered keys: no copy per head)
+    v: Tensor  # [b, H_kv, L, Dv]
+    keys: Tensor  # [b, Qmax] i64: keys each query may see (0: none)
+    allowed: Tensor  # [b, 1, Qmax*g or 1, L] bool: key lanes each grouped query reads
+    dst: Tensor | None  # [b*Qmax] packed position of each lane (``total`` = discard); None: row i
+    #                     is query i (one query per row, the first b rows of q)
+    b: int
+    qmax: int
+    total: int
+
+
+def _prepare(view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+             layout: Layout | None, clamp: bool) -> _Batch:
+    """Gather one pass: keys and values of every row, queries grouped per KV head.
+
+    Grouped-query attention without copies of K/V: the ``g = H / H_kv`` query heads that share a
+    KV head become ``g`` extra query rows of that head (``[b, H_kv, Qmax*g, D]``), so one batched
+    product per KV head serves them all. Only the (small) queries and mask are regrouped.
+
+    ``clamp``: give a query with no key one masked-in lane (key 0, a valid slot) so a softmax
+    never divides 0 by 0; the caller zeroes those queries' output (``keys == 0``).
+    """
+    if not isinstance(view, PagedView):
+        raise InputError(f"paged_attention expects a PagedView, got {type(view).__name__}")
+    h, h_kv, d = check_qkv(q, k_cache, v_cache)
+    if view.cache_seqlens.device != q.device:
+        raise InputError(f"view is on {view.cache_seqlens.device}, q on {q.device}")
+    lay = pick_layout(view, layout)
+    g, total, dev, dv = h // h_kv, q.shape[0], q.device, v_cache.shape[3]
+    lmax = max(1, view.max_seqlen_k)
+    # A decode view has one query per row at position i (cu_seqlens_q = arange): no query
+    # gather or scatter, and only the rows q has are computed.
+    decode = isinstance(view, DecodeView)
+    b = min(view.bs, total) if decode else view.bs
+    qmax = 1 if decode else max(1, view.max_seqlen_q)
+    lens, slots = _rows(view, lay, b, lmax)
+    k = k_cache.reshape(-1, h_kv, d)[slots]  # [b, L, H_kv, D]
+    v = v_cache.reshape(-1, h_kv, dv)[slots]
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
     t = torch.arange(lmax, device=dev)
-    slots = pages[:, t // p] * p + (t % p)[None, :]
-    slots = torch.where(t[None, :] < lens[:, None], slots, 0)
-    return lens, slots
+    dst: Tensor | None = None
+    if decode:
+        qp = q[:b].reshape(b, 1, h_kv, g, d)
+        keys = lens[:, None]
+    else:
+        cu = view.cu_seqlens_q[: b + 1].to(torch.int64)
+        q_lens = cu[1:] - cu[:-1]
+        j = torch.arange(qmax, device=dev)
+        pos = cu[:-1, None] + j  # [b, Qmax] packed query positions
+        q_ok = (j < q_lens[:, None]) & (pos < total)
+        dst = torch.where(q_ok, pos, total).view(-1)
+        qp = q[pos.clamp(max=max(total - 1, 0))] if total else q.new_zeros(b, qmax, h, d)
+        qp = qp.view(b, qmax, h_kv, g, d)
+        if view.causal:  # query j of a row with q_len queries sits at position len - q_len + j
+            keys = (lens - q_lens)[:, None] + (j + 1)
+            keys = torch.minimum(keys.clamp_(min=0), lens[:, None])
+        else:
+            keys = lens[:, None].expand(b, qmax)
+    seen = keys.clamp(min=1) if clamp else keys
+    allowed = t < seen[:, :, None]  # [b, Qmax, L]
+    if qmax > 1 and g > 1:  # grouped row order is (j, head in group)
+        allowed = allowed[:, :, None].expand(b, qmax, g, lmax).reshape(b, 1, qmax * g, lmax)
+    else:  # one query per row broadcasts over the group's rows
+        allowed = allowed[:, None]
+    qg = qp.permute(0, 2, 1, 3, 4).reshape(b, h_kv, qmax * g, d)
+    return _Batch(qg, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), keys, allowed, dst, b, qmax,
+                  total)
+
+
+def _ungroup(x: Tensor, bt: _Batch) -> Tensor:
+    """``[b, H_kv, Qmax*g, ...]`` back to ``[b*Qmax, H, ...]`` (packed-lane order)."""
+    b, h_kv, rest = x.shape[0], x.shape[1], x.shape[3:]
+    x = x.view(b, h_kv, bt.qmax, -1, *rest).transpose(1, 2)
+    return x.reshape(b * bt.qmax, -1, *rest)
+
+
+def _scatter(x: Tensor, bt: _Batch, fill: float) -> Tensor:
+    """Lanes ``[b*Qmax, ...]`` to packed query positions ``[total, ...]``; uncovered ones
+    ``fill``."""
+    if bt.dst is None:  # decode: lane i is query i
+        if bt.b == bt.total:
+            return x
+        out = x.new_full((bt.total, *x.shape[1:]), fill)
+        out[: bt.b] = x
+        return out
+    out = x.new_full((bt.total + 1, *x.shape[1:]), fill)  # the extra row takes discarded lanes
+    out.index_copy_(0, bt.dst, x)
+    return out[: bt.total]
 
 
 def paged_attention(
@@ -168,7 +264,8 @@ def paged_attention(
     softmax_scale: float | None = None,
     layout: Layout | None = None,
 ) -> Attn:
-    """Attention of the packed queries ``q`` over the KV rows of ``view`` (one pass).
+    """Attention of the packed queries ``q`` over the KV rows of ``view`` (one pass), with its
+    log-sum-exp (for a merge; :func:`paged_attention_out` skips it).
 
     Args:
         view: any :class:`attnpool.PagedView` (decode, a verify/draft prefix or expand part,
@@ -183,55 +280,37 @@ def paged_attention(
         :class:`Attn` ``(out [q.shape[0], H, D], lse [q.shape[0], H])``. Every row of the view is
         computed, padded rows included; positions no row covers hold 0 and ``-inf``.
     """
-    if not isinstance(view, PagedView):
-        raise InputError(f"paged_attention expects a PagedView, got {type(view).__name__}")
-    h, h_kv, d = check_qkv(q, k_cache, v_cache)
-    if view.cache_seqlens.device != q.device:
-        raise InputError(f"view is on {view.cache_seqlens.device}, q on {q.device}")
-    lay = pick_layout(view, layout)
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    bs, total, dev = view.bs, q.shape[0], q.device
-    qmax, lmax = max(1, view.max_seqlen_q), max(1, view.max_seqlen_k)
+    bt = _prepare(view, q, k_cache, v_cache, layout, clamp=False)
+    scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
+    # float32 at least (float64 stays float64): the log-sum-exp must not be computed in half.
+    ct = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(bt.q.to(ct), bt.k.to(ct).transpose(-1, -2)).mul_(scale)
+    scores.masked_fill_(~bt.allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    # A query with no key has lse = -inf: exp(-inf - 0) = 0 weights, so its output is 0.
+    probs = scores.sub_(torch.where(torch.isneginf(lse), 0.0, lse)).exp_()
+    o = torch.matmul(probs, bt.v.to(ct)).to(q.dtype)
+    out = _scatter(_ungroup(o, bt), bt, 0.0)
+    return Attn(out, _scatter(_ungroup(lse, bt)[..., 0].float(), bt, float("-inf")))
 
-    lens, slots = _rows(view, lay, lmax)
-    k_flat = k_cache.reshape(-1, h_kv, d)
-    v_flat = v_cache.reshape(-1, h_kv, v_cache.shape[3])
-    grp = h // h_kv
-    # [bs, L, H_kv, D] -> [bs, H, L, D]; query head h reads KV head h // grp.
-    kp = k_flat[slots].to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(grp, dim=1)
-    vp = v_flat[slots].to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(grp, dim=1)
 
-    cu = view.cu_seqlens_q[: bs + 1].to(torch.int64)
-    q_lens = cu[1:] - cu[:-1]
-    j = torch.arange(qmax, device=dev)
-    pos = cu[:-1, None] + j[None, :]  # [bs, Qmax] packed query positions
-    q_ok = (j[None, :] < q_lens[:, None]) & (pos < total)
-    q_idx = torch.where(q_ok, pos, 0).clamp_(max=max(total - 1, 0))
-    qp = q[q_idx].permute(0, 2, 1, 3) if total else q.new_zeros(bs, h, qmax, d)
-
-    t = torch.arange(lmax, device=dev)
-    allowed = t[None, None, :] < lens[:, None, None]  # [bs, 1, L]
-    if view.causal:  # query j of a row with q_len queries sits at position len - q_len + j
-        last = (lens - q_lens)[:, None, None] + j[None, :, None]  # [bs, Qmax, 1]
-        allowed = allowed & (t[None, None, :] <= last)
-    allowed = allowed.expand(bs, qmax, lmax)
-    any_key = allowed.any(-1)  # [bs, Qmax]
-    # A query with no key would make softmax 0/0; give it key 0 and zero its output below.
-    safe = allowed | (~any_key[:, :, None] & (t == 0)[None, None, :])
-    o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=safe[:, None], scale=scale)
-    o = torch.where(any_key[:, None, :, None], o, 0).permute(0, 2, 1, 3)  # [bs, Qmax, H, D]
-
-    scores = torch.matmul(qp.float(), kp.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1).permute(0, 2, 1)  # [bs, Qmax, H]
-
-    # Scatter back to packed positions; lanes that are not a real query go to a scratch row.
-    dst = torch.where(q_ok, pos, total).reshape(-1)
-    out = q.new_zeros(total + 1, h, v_cache.shape[3])
-    out_lse = torch.full((total + 1, h), float("-inf"), device=dev)
-    out.index_copy_(0, dst, o.reshape(-1, h, v_cache.shape[3]))
-    out_lse.index_copy_(0, dst, lse.reshape(-1, h))
-    return Attn(out[:total], out_lse[:total])
+def paged_attention_out(
+    view: PagedView,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    softmax_scale: float | None = None,
+    layout: Layout | None = None,
+) -> Tensor:
+    """:func:`paged_attention`'s output alone, through PyTorch SDPA (no log-sum-exp): what a
+    single-pass forward needs (decode, chain verify and draft steps, extend)."""
+    bt = _prepare(view, q, k_cache, v_cache, layout, clamp=True)
+    o = F.scaled_dot_product_attention(bt.q, bt.k, bt.v, attn_mask=bt.allowed,
+                                       scale=softmax_scale)
+    o = _ungroup(o, bt)
+    o = torch.where((bt.keys > 0).view(-1, 1, 1), o, 0)  # queries with no key: 0, not key 0
+    return _scatter(o, bt, 0.0)
 
 
 def merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Attn:
@@ -295,3 +374,23 @@ def attention(
         f"attention expects a PagedView, VerifyView or DraftStepView, got {type(view).__name__}; "
         "call it on each part of other views (EncoderView.cross / .decoder, DraftView.steps[d])"
     )
+
+
+def attention_out(
+    view: object,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    softmax_scale: float | None = None,
+    layout: Layout | None = None,
+) -> Tensor:
+    """:func:`attention`'s output alone. A single pass (a :class:`PagedView`, a chain verify or
+    draft step) computes no log-sum-exp; a tree view's two passes still do, to merge."""
+    if isinstance(view, PagedView):
+        return paged_attention_out(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
+                                   layout=layout)
+    if isinstance(view, (VerifyView, DraftStepView)) and view.expand is None:
+        return paged_attention_out(view.prefix, q, k_cache, v_cache,
+                                   softmax_scale=softmax_scale, layout=layout)
+    return attention(view, q, k_cache, v_cache, softmax_scale=softmax_scale, layout=layout).out

@@ -5,6 +5,7 @@ from .decode import DecodePhase
 from .draft import DraftPhase
 from .draft_extend import DraftExtendPhase
 from .encoder import EncoderPhase
+from .extend import ExtendPhase
 from .local import LocalPhase
 from .verify import VerifyPhase
 
@@ -13,6 +14,7 @@ __all__ = [
     "DraftExtendPhase",
     "DraftPhase",
     "EncoderPhase",
+    "ExtendPhase",
     "LocalPhase",
     "PhaseBase",
     "VerifyPhase",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -203,7 +203,7 @@ def part_view(
     page_size: int,
     causal: bool,
     cls: type[V] = PagedView,  # type: ignore[assignment]
-    **extra: int,
+    **extra: Any,
 ) -> V:
     """A view (``cls``, a :class:`PagedView`) of the first ``rows`` rows of a part's buffers."""
     return cls(

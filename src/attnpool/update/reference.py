@@ -204,3 +204,34 @@ def local_rows(
     kv = torch.where(valid, q_end - start, pad_seq_len)
     off = torch.where(valid, start, 0)
     return q_lens.reshape(-1), kv.reshape(-1), off.reshape(-1), valid.reshape(-1)
+
+
+def extend_tokens(
+    seq_lens: Tensor,
+    extend_lens: Tensor,
+    req_pool_indices: Tensor,
+    req_to_token: Tensor,
+    num_tokens: int,
+) -> tuple[Tensor, Tensor]:
+    """Per packed query token of an extend batch: ``(positions, slots)``, each ``[num_tokens]``
+    int64 temporaries.
+
+    Token ``cu[i] + j`` (``cu = [0, cumsum(extend_lens)]``, ``j < extend_lens[i]``) of request
+    ``i`` is at position ``p = seq_lens[i] - extend_lens[i] + j`` and its KV slot is
+    ``req_to_token[req_pool_indices[i], p]``; tokens past ``sum(extend_lens)`` get position 0
+    and slot -1. A ``searchsorted`` over the cumsum finds each token's request, no host sync.
+    """
+    dev = seq_lens.device
+    n = seq_lens.shape[0]
+    t = torch.arange(num_tokens, device=dev)
+    if n == 0:
+        return torch.zeros_like(t), torch.full_like(t, -1)
+    ext = extend_lens.to(torch.int64)
+    ends = torch.cumsum(ext, 0)
+    row = torch.searchsorted(ends, t, right=True)
+    real = row < n
+    row = row.clamp_(max=n - 1)
+    pos = seq_lens.to(torch.int64)[row] - ends[row] + t
+    pos = torch.where(real, pos, 0)
+    slots = req_to_token[req_pool_indices.to(torch.int64)[row], pos].to(torch.int64)
+    return pos, torch.where(real, slots, -1)

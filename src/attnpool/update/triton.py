@@ -80,6 +80,9 @@ def paged_update_(
     full_pages: bool = False,
     max_len: int | None = None,
     max_q: int | None = None,
+    q_total: int | None = None,
+    positions: Tensor | None = None,
+    out_slots: Tensor | None = None,
 ) -> None:
     """Write one paged part's read region for ``bs`` rows in one launch.
 
@@ -111,6 +114,13 @@ def paged_update_(
             never reach the bound; an out-of-contract device value, which only a sync could
             detect, then gives wrong but valid metadata (a read region inside the buffers).
         max_q: ``q_lens`` are clamped into ``[0, max_q]`` likewise (default: no bound but int32).
+        q_total: with the query part, padded rows' offsets end at ``max(q_total, real total)``
+            instead of growing by ``pad_q`` each (extend: the first padded row takes the slack).
+        positions, out_slots: with ``q_total``, optional ``[T]`` int32 / ``[L]`` int32/int64
+            token buffers: packed query token ``j`` of real row ``i`` gets position ``len_i -
+            q_i + j`` (``len_i = seq_lens[i] + extra``) and slot ``req_to_token[r_i, off_i +
+            position]``; every later element gets 0 / -1. Same bytes as
+            ``reference.extend_tokens``.
     """
     dev = b.cache_seqlens.device
     ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
@@ -139,6 +149,18 @@ def paged_update_(
     if q_lens is not None and cu_seqlens_q is not None:
         ck.vec("q_lens", q_lens, rows, dev)
         ck.buf("cu_seqlens_q", cu_seqlens_q, bs + 1, dev)
+    tokens = positions is not None or out_slots is not None
+    ck.need(q_total is None or (q_lens is not None and isinstance(q_total, int) and q_total >= 0),
+            InputError, f"q_total needs q_lens and must be an int >= 0, got {q_total}")
+    ck.need(not tokens or q_total is not None, InputError,
+            "positions / out_slots need q_total (the extend query part)")
+    if positions is not None:
+        ck.buf("positions", positions, 0, dev)
+    if out_slots is not None:
+        ck.vec("out_slots", out_slots,
+               out_slots.shape[0] if isinstance(out_slots, Tensor) else 0, dev)
+    pos_cap = positions.shape[0] if positions is not None else 0
+    slot_cap = out_slots.shape[0] if out_slots is not None else 0
     # most page columns a row may write: the table's width (a CSR-only part: a whole token row)
     if b.page_table is not None:
         width, pt_stride = b.page_table.shape[1], b.page_table.stride(0)
@@ -163,15 +185,20 @@ def paged_update_(
         b.kv_indices if b.kv_indices is not None else dummy,
         b.kv_last_page_len if b.kv_last_page_len is not None else dummy,
         cu_seqlens_q if cu_seqlens_q is not None else dummy,
+        positions if positions is not None else dummy,
+        out_slots if out_slots is not None else dummy,
         n, bs, extra, pad_seq_len, pad_page, pad_pages, pad_q, steps,
         b.cache_seqlens.stride(0) if steps > 1 else 0,
         b.cu_seqlens_k.stride(0) if steps > 1 else 0,
         max_len - (steps - 1), ck.INT32_MAX if max_q is None else max_q,
         page_size, table.shape[0], table.shape[1], table.stride(0), pt_stride, width,
         b.kv_indices.shape[0] if b.kv_indices is not None else 0,
+        q_total or 0, pos_cap, slot_cap, max(pos_cap, slot_cap),
         HAS_OFF=token_offset is not None, DEVICE_N=num_real is not None, HAS_PT=has_pt,
         HAS_FI=has_fi, INCR=keep is not None, HAS_Q=q_lens is not None, FULL_PAGES=full_pages,
-        BLOCK=ck.pow2(bs), BLOCK_P=min(ck.MAX_BLOCK_P, ck.pow2(width)), num_warps=ck.warps(bs),
+        Q_FIXED=q_total is not None, TOKENS=tokens,
+        BLOCK=ck.pow2(bs), BLOCK_P=min(ck.MAX_BLOCK_P, ck.pow2(width)), BLOCK_T=ck.BLOCK_T,
+        num_warps=ck.warps(bs),
     )
 
 

@@ -18,6 +18,7 @@ from .reference import PagedBuffers
 INT = (torch.int32, torch.int64)
 INT32_MAX = 2**31 - 1
 MAX_BLOCK_P = 1024  # page columns per loop step of a row (a row loops over its own live pages)
+BLOCK_T = 256  # query tokens per loop step of an extend row's position / slot writes
 
 
 def kernels() -> ModuleType:

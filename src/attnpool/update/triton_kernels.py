@@ -67,20 +67,64 @@ def _row_pages(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _row_tokens(  # type: ignore[no-untyped-def]
+    pid, bs, is_real, length, q, q_end, q_real, rpi_ptr, off_ptr, tok_ptr, tok_rows, tok_cols,
+    tok_stride, pos_ptr, slot_ptr, pos_cap, slot_cap, tail_end,
+    HAS_OFF: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Per-token facts of row ``pid``'s ``q`` queries (packed at ``q_end - q``): position
+    ``length - q + j`` and KV slot ``req_to_token[r, off + position]``. The last program then
+    pads ``[q_real, tail_end)`` of both buffers (position 0, slot -1; ``tail_end`` = the larger
+    capacity): padded rows' tokens and the unused tail."""
+    nq = tl.where(is_real, q, 0)
+    start = q_end - nq
+    r = tl.load(rpi_ptr + pid, mask=is_real, other=0).to(tl.int64)
+    r = tl.minimum(tl.maximum(r, 0), tok_rows - 1)
+    tok0 = r * 0
+    if HAS_OFF:
+        tok0 = tl.load(off_ptr + pid, mask=is_real, other=0).to(tl.int64)
+    # only tokens that land in [0, tail_end): out-of-contract lengths cannot make the loop long
+    j_lo = tl.maximum(-start, 0)
+    j_hi = tl.minimum(nq, tail_end - start)
+    for j0 in range(j_lo, j_hi, BLOCK_T):
+        j = j0 + tl.arange(0, BLOCK_T)
+        ok = j < j_hi
+        t = start + j
+        pos = length - nq + j
+        col = tl.minimum(tl.maximum(tok0 + pos.to(tl.int64), 0), tok_cols - 1)
+        slot = tl.load(tok_ptr + r * tok_stride + col, mask=ok, other=0)
+        tl.store(pos_ptr + t, pos, mask=ok & (t >= 0) & (t < pos_cap))
+        tl.store(slot_ptr + t, slot, mask=ok & (t >= 0) & (t < slot_cap))
+    if pid == bs - 1:
+        lo = tl.maximum(q_real, 0)
+        for t0 in range(lo, tail_end, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tl.store(pos_ptr + t, t * 0, mask=t < pos_cap)
+            tl.store(slot_ptr + t, t * 0 - 1, mask=t < slot_cap)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def paged_kernel(  # type: ignore[no-untyped-def]
     seq_ptr, rpi_ptr, tok_ptr, off_ptr, nreal_ptr, keep_ptr, qlen_ptr,
-    cache_ptr, cuk_ptr, pt_ptr, indptr_ptr, indices_ptr, last_ptr, cuq_ptr,
+    cache_ptr, cuk_ptr, pt_ptr, indptr_ptr, indices_ptr, last_ptr, cuq_ptr, pos_ptr, slot_ptr,
     n, bs, extra, pad_len, pad_page, pad_pages, pad_q, steps, len_sstride, cu_sstride,
     max_len, max_q, P, tok_rows, tok_cols, tok_stride, pt_stride, cap_pages, indices_cap,
+    q_total, pos_cap, slot_cap, tail_end,
     HAS_OFF: tl.constexpr, DEVICE_N: tl.constexpr, HAS_PT: tl.constexpr,
     HAS_FI: tl.constexpr, INCR: tl.constexpr, HAS_Q: tl.constexpr, FULL_PAGES: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+    Q_FIXED: tl.constexpr, TOKENS: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """One program per row ``pid < bs`` of a paged part (see ``triton.paged_update_``).
 
     With ``steps > 1`` (chain draft steps) step ``d`` writes its own lengths (``+ d``) and cumsum
     at ``d * len_sstride`` / ``d * cu_sstride``: ``cumsum(len + d) = cumsum(len) + d * (real rows
     so far)``, no second scan. Pages are written once, for the last step's lengths.
+
+    ``Q_FIXED`` (extend): padded rows' query offsets all end at ``max(q_total, real total)``.
+    ``TOKENS`` (extend): each real row also writes its queries' positions (``len - q + j``) and
+    KV slots at their packed offsets; the last program writes the pad values (position 0,
+    slot -1) from the real total to the end of both token buffers (``pos_cap``, ``slot_cap``).
     """
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -116,10 +160,21 @@ def paged_kernel(  # type: ignore[no-untyped-def]
     if HAS_Q:
         q = tl.load(qlen_ptr + offs, mask=real, other=0)
         q = tl.minimum(tl.maximum(q, 0), max_q).to(tl.int32)
-        q = tl.where(inb, tl.where(real, q, pad_q), 0)
-        tl.store(cuq_ptr + pid + 1, _pick(tl.cumsum(q, axis=0), me))
+        if Q_FIXED:
+            q = tl.where(real, q, 0)
+            q_real = tl.sum(q, axis=0)
+            my_qend = tl.where(is_real, _pick(tl.cumsum(q, axis=0), me),
+                               tl.maximum(q_real, q_total))
+        else:
+            q = tl.where(inb, tl.where(real, q, pad_q), 0)
+            my_qend = _pick(tl.cumsum(q, axis=0), me)
+        tl.store(cuq_ptr + pid + 1, my_qend)
         if pid == 0:
             tl.store(cuq_ptr, my_cum * 0)
+        if TOKENS:
+            _row_tokens(pid, bs, is_real, my_len, _pick(q, me), my_qend, tl.sum(q, axis=0),
+                        rpi_ptr, off_ptr, tok_ptr, tok_rows, tok_cols, tok_stride,
+                        pos_ptr, slot_ptr, pos_cap, slot_cap, tail_end, HAS_OFF, BLOCK_T)
 
     my_start = my_cum * 0
     if HAS_FI:

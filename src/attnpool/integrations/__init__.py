@@ -1,0 +1,9 @@
+"""Integrations of attnpool with model libraries.
+
+* :mod:`attnpool.integrations.transformers`: Hugging Face transformers (>= 5) models generate
+  through a pool (:class:`~attnpool.integrations.transformers.PagedGenerator`), with an attention
+  function registered under the name ``"attnpool"``. Needs the optional extra ``hf``.
+
+Nothing here is imported by ``import attnpool``; importing this package imports no model library
+either (each integration module imports its library itself).
+"""

@@ -1,0 +1,177 @@
+"""The attention function a transformers model calls when ``attn_implementation="attnpool"``.
+
+Transformers (>= 5) passes every keyword argument of a model's forward down to its attention
+function. The generator passes one, ``attnpool=StepContext(...)``: the view of the current phase
+(decode, extend, verify, a draft step, draft extend) and the :class:`attnpool.KVCachePool` the
+layers store into. The function then does what an engine's attention backend does:
+
+1. store the step's new K/V with :meth:`KVCachePool.store_kv_` at the pool's ``slot_mapping``
+   (written once per step by the generator, before the forward; padded tokens have slot -1 and
+   are skipped),
+2. attend over the paged cache through an adapter: SDPA (any device, any float dtype) or
+   flash-attn FA3/FA2 on CUDA when importable and the dtype/page size allow.
+
+Queries arrive as transformers lays them out, ``[1, H, T, D]`` with all ``T`` tokens of the step
+packed in one sequence (the generator runs the model with batch 1 and per-token
+``position_ids``), which is exactly the adapters' packed ``[T, H, D]`` after a transpose (a view).
+The output goes back as ``[1, T, H, D]``, the layout transformers' own functions return.
+
+This module imports no model library: it is plain torch plus the adapters.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..adapters import sdpa
+from ..errors import InputError, LayoutError
+from ..kv import KVCachePool
+from ..views import DecodeView, PagedView
+
+#: The name the function is registered under in transformers' ``AttentionInterface``.
+ATTN_NAME = "attnpool"
+
+#: Forward kwargs a model may pass that this function cannot honour when set.
+_UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
+
+
+class Backend(enum.Enum):
+    """Which attention kernel reads the paged cache.
+
+    ``AUTO``: FA3 on CUDA when ``flash_attn_interface`` imports and the cache is fp16/bf16; FA2
+    when ``flash_attn`` imports, the dtype fits and the page size is a multiple of 256 (its paged
+    path needs it); SDPA otherwise (always on CPU).
+    """
+
+    AUTO = "auto"
+    SDPA = "sdpa"
+    FA3 = "fa3"
+    FA2 = "fa2"
+
+
+def resolve_backend(backend: Backend, device: torch.device, dtype: torch.dtype,
+                    page_size: int) -> Backend:
+    """The backend that runs (never ``AUTO``); a forced one that cannot run raises
+    :class:`LayoutError` here, at construction."""
+    if not isinstance(backend, Backend):
+        raise InputError(f"backend must be an attnpool Backend, got {backend!r}")
+    half = dtype in (torch.float16, torch.bfloat16)
+    ok = {
+        Backend.SDPA: True,
+        Backend.FA3: device.type == "cuda" and half
+        and importlib.util.find_spec("flash_attn_interface") is not None,
+        Backend.FA2: device.type == "cuda" and half and page_size % 256 == 0
+        and importlib.util.find_spec("flash_attn") is not None,
+    }
+    if backend is Backend.AUTO:
+        return next(b for b in (Backend.FA3, Backend.FA2, Backend.SDPA) if ok[b])
+    if not ok[backend]:
+        raise LayoutError(f"backend {backend.name} cannot run here: needs CUDA, a float16/bfloat16 "
+                          f"model and its module importable (FA2 also page_size % 256 == 0); got "
+                          f"device {device}, dtype {dtype}, page_size {page_size}")
+    return backend
+
+
+Attend = Callable[[object, Tensor, Tensor, Tensor, "float | None"], Tensor]
+
+
+def _sdpa(view: object, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    return sdpa.attention_out(view, q, k, v, softmax_scale=scale)
+
+
+def _flash(version: str) -> Attend:
+    def run(view: object, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+        from ..adapters import flash_attn as fa  # lazy: CUDA-only kernels
+
+        ver = fa.FlashAttnVersion.FA3 if version == "fa3" else fa.FlashAttnVersion.FA2
+        return fa.attention(view, q, k, v, version=ver, softmax_scale=scale).out
+
+    return run
+
+
+def attend_fn(backend: Backend) -> Attend:
+    """The adapter call for a resolved backend: ``fn(view, q, k_cache, v_cache, scale) -> out``."""
+    if backend is Backend.SDPA:
+        return _sdpa
+    if backend in (Backend.FA3, Backend.FA2):
+        return _flash(backend.value)
+    raise InputError(f"resolve the backend first, got {backend}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """What one forward's attention layers need, passed as the forward kwarg ``attnpool``.
+
+    Attributes:
+        view: the phase view of this forward (a :class:`attnpool.PagedView`, or a chain
+            :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView`).
+        kv: the model's KV cache; ``kv.slot_mapping[:T]`` holds this step's new-token slots.
+        attend: the adapter call (:func:`attend_fn`).
+    """
+
+    view: object
+    kv: KVCachePool
+    attend: Attend
+
+
+def as_decode(view: PagedView) -> DecodeView:
+    """A one-query-per-row part (a chain draft step) seen as a :class:`DecodeView`: the same
+    tensors, so the SDPA adapter takes its decode path (row ``i`` is query ``i``)."""
+    return DecodeView(*(getattr(view, f.name) for f in fields(view)))
+
+
+def attnpool_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers attention function (``AttentionInterface``) backed by a pool and a KV cache.
+
+    Args:
+        module: the attention layer (its ``layer_idx`` picks the cache layer).
+        query: ``[1, H, T, D]``; key, value: ``[1, H_kv, T, D]`` (the step's new tokens).
+        attention_mask: ignored: masking comes from the view (lengths, causal), and transformers
+            builds none for an implementation without a registered mask function.
+        scaling: softmax scale (default ``1 / sqrt(D)``).
+        kwargs: must carry ``attnpool`` (a :class:`StepContext`).
+
+    Returns:
+        ``(out [1, T, H, D], None)``.
+    """
+    ctx = kwargs.get("attnpool")
+    if not isinstance(ctx, StepContext):
+        raise InputError(f"attn_implementation={ATTN_NAME!r} needs the forward kwarg attnpool="
+                         f"StepContext(...) (run the model through PagedGenerator), got "
+                         f"{type(ctx).__name__}")
+    for name in _UNSUPPORTED:
+        if kwargs.get(name) is not None:
+            raise LayoutError(f"attnpool attention does not support {name} (got "
+                              f"{kwargs[name]!r}): only full causal attention")
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise LayoutError(f"attention module {type(module).__name__} has no int layer_idx")
+    if query.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1:
+        raise InputError(f"expected packed queries [1, H, T, D] and keys [1, H_kv, T, D], got "
+                         f"{tuple(query.shape)} and {tuple(key.shape)}")
+    kv = ctx.kv
+    want = (kv.cfg.num_kv_heads, kv.cfg.head_dim)
+    if (key.shape[1], key.shape[3]) != want or value.shape[3] != kv.cfg.head_dim:
+        raise LayoutError(f"layer {layer}: the KV cache holds {want[0]} heads of {want[1]} "
+                          f"(K and V), the model gave keys {tuple(key.shape)} and values "
+                          f"{tuple(value.shape)}")
+    q = query[0].transpose(0, 1)  # [T, H, D]: a view of transformers' layout
+    kv.store_kv_(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = ctx.attend(ctx.view, q, kv.k_cache(layer), kv.v_cache(layer), scaling)
+    return out[None], None

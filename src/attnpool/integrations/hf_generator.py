@@ -1,0 +1,323 @@
+"""``PagedGenerator``: greedy continuous batching of a transformers model through one pool.
+
+Per call of :meth:`PagedGenerator.generate`:
+
+* **Admission** (FIFO): a waiting prompt joins when a ``req_to_token`` row and every KV page it
+  can need are free (:class:`attnpool.paging.PageAllocator`), at most ``max_bs`` run at once and a
+  prefill batch holds at most ``max_prefill_tokens`` tokens. A prompt that does not fit waits for
+  running requests to finish and return their pages.
+* **Prefill** of the joining prompts: one packed forward through ``pool.extend`` (queries causal
+  over each request's own tokens), which also writes the new tokens' KV slots into the cache's
+  slot mapping; the last token's logits give each request its first token.
+* **Decode**: one forward per step for every running request through ``pool.decode`` (on CUDA, a
+  CUDA graph per padded batch size; eagerly elsewhere), or, with a draft model, one speculative
+  round (:mod:`attnpool.integrations.hf_spec`).
+* Finished requests (``max_new_tokens`` or ``eos_token_id``) leave between steps.
+
+Host data (token lists, page ids) stays on the host; each step moves one small int64 block of
+inputs (lengths, rows, ids, positions, slots) to the device, and reads back the chosen tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..config import PoolConfig
+from ..errors import CapacityError, InputError
+from ..paging import PageAllocator
+from ..pool import BufferPool
+from . import hf_spec
+from .hf_attention import Backend
+from .hf_model import attnpool_attention_on, model_spec
+from .hf_runner import DecodeGraphs, ModelRunner
+from .hf_state import GenerationStats, Request
+
+
+def _int(name: str, v: object, lo: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise InputError(f"{name} must be an int >= {lo}, got {v!r}")
+    return v
+
+
+class PagedGenerator:
+    """Greedy generation of a transformers (>= 5) model whose attention metadata, KV cache and
+    (optionally) speculative phases come from attnpool.
+
+    Args:
+        model: a decoder-only transformers model (Llama, Qwen2, ... : any whose attention goes
+            through ``AttentionInterface``), in eval mode. It is not moved or copied; its
+            attention implementation is switched to ``"attnpool"`` only while generating.
+        max_bs: most requests decoded together (the pool's captured batch sizes go up to it).
+        max_context_len: longest prompt + new tokens of any request.
+        page_size: tokens per KV page (a power of two).
+        device: ``"auto"`` (the model's device) or a device equal to it.
+        draft_model: a smaller model with the same vocabulary for speculative decoding.
+        num_draft_tokens: N, tokens the draft proposes per round (needs ``draft_model``); the
+            target verifies them in one ``N + 1``-token forward.
+        cuda_graphs: ``"auto"`` (on CUDA), True or False: replay decode steps from CUDA graphs.
+        num_pages: KV pages per cache, the pad page included (default: enough for ``max_bs``
+            requests of ``max_context_len``). Fewer pages make requests wait for each other.
+        max_prefill_tokens: most prompt tokens in one prefill forward (default: the context).
+        backend: attention kernel (:class:`~attnpool.integrations.hf_attention.Backend`).
+        capture_sizes: padded batch sizes to capture (default: 1, 2, 4, 8, 16, 24, ...).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_bs: int,
+        max_context_len: int,
+        page_size: int = 16,
+        device: str | torch.device = "auto",
+        draft_model: Any = None,
+        num_draft_tokens: int = 0,
+        cuda_graphs: bool | str = "auto",
+        num_pages: int | None = None,
+        max_prefill_tokens: int | None = None,
+        backend: Backend = Backend.AUTO,
+        capture_sizes: Sequence[int] | None = None,
+    ) -> None:
+        spec = model_spec(model)
+        _int("max_bs", max_bs, 1)
+        _int("max_context_len", max_context_len, 2)
+        n = _int("num_draft_tokens", num_draft_tokens, 0)
+        if (draft_model is None) != (n == 0):
+            raise InputError("speculative decoding needs both draft_model and num_draft_tokens "
+                             f">= 1; got draft_model={type(draft_model).__name__}, "
+                             f"num_draft_tokens={n}")
+        dev = spec.device if str(device) == "auto" else torch.device(device)
+        if dev.type != spec.device.type or (dev.index is not None and dev.index != spec.device.index):
+            raise InputError(f"device must be the model's device ({spec.device}), got {dev}")
+        dspec = None
+        if draft_model is not None:
+            dspec = model_spec(draft_model, "draft_model")
+            if dspec.vocab_size != spec.vocab_size or dspec.device != spec.device:
+                raise InputError(f"draft_model must share the model's vocabulary and device: "
+                                 f"expected {spec.vocab_size} tokens on {spec.device}, got "
+                                 f"{dspec.vocab_size} on {dspec.device}")
+        if cuda_graphs not in ("auto", True, False):
+            raise InputError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
+        graphs = spec.device.type == "cuda" if cuda_graphs == "auto" else bool(cuda_graphs)
+        if graphs and spec.device.type != "cuda":
+            raise InputError(f"cuda_graphs=True needs a model on CUDA, got {spec.device}")
+        self.max_context_len, self.num_draft_tokens = max_context_len, n
+        # Verify looks N + 1 positions past the committed tokens: the pool's context has room.
+        self.context = max_context_len + (n + 1 if n else 0)
+        self.max_prefill_tokens = _int("max_prefill_tokens", self.context
+                                       if max_prefill_tokens is None else max_prefill_tokens, 1)
+        pages = num_pages if num_pages is not None else \
+            max_bs * -(-self.context // max(1, page_size)) + 1
+        cfg = PoolConfig(max_bs=max_bs, max_context_len=self.context, page_size=page_size,
+                         device=spec.device, num_draft_tokens=n + 1 if n else 0,
+                         spec_steps=max(n - 1, 0), max_extend_tokens=self.max_prefill_tokens,
+                         num_pages=_int("num_pages", pages, 2))
+        self.pool = BufferPool(cfg)
+        max_tokens = max(self.max_prefill_tokens + 1, max_bs * (n + 1))
+        kw = {"num_pages": pages, "page_size": page_size, "max_tokens": max_tokens,
+              "backend": backend}
+        self.target = ModelRunner(model, spec, **kw)  # type: ignore[arg-type]
+        self.draft = None if dspec is None else ModelRunner(draft_model, dspec, **kw)  # type: ignore[arg-type]
+        self.alloc = PageAllocator(pages, page_size, max_bs)
+        # The engine-side request -> token-slot table. Zero-filled once: a row is read only up to
+        # its request's pages, which admission writes first; zeros keep stray reads in page 0.
+        self.req_to_token = torch.zeros(  # ok: engine table, once
+            max_bs, self.context, dtype=torch.int32, device=spec.device)
+        self._page_offsets = torch.arange(page_size, dtype=torch.int32, device=spec.device)
+        self.use_graphs, self.capture_sizes = graphs, capture_sizes
+        self._graphs: DecodeGraphs | None = None
+        self.stats = GenerationStats()
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.spec.device
+
+    # ---- public --------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 eos_token_id: int | None = None) -> list[list[int]]:
+        """Greedy new tokens for each prompt (the same tokens ``model.generate(do_sample=False)``
+        gives each prompt on its own, up to floating-point ties).
+
+        Raises:
+            InputError: an empty prompt, a token outside the vocabulary, ``max_new_tokens < 1``.
+            CapacityError: a prompt + ``max_new_tokens`` longer than ``max_context_len``, or
+                needing more pages than the whole KV cache has.
+        """
+        reqs = self._requests(prompts, max_new_tokens, eos_token_id)
+        self.stats = st = GenerationStats(requests=len(reqs))
+        t0 = time.perf_counter()
+        models = [self.target.model] + ([] if self.draft is None else [self.draft.model])
+        with torch.no_grad(), attnpool_attention_on(models):
+            if self.use_graphs and self._graphs is None:
+                self._graphs = DecodeGraphs(self.target, self.pool, self.capture_sizes)
+            waiting, running = deque(reqs), list[Request]()
+            while waiting or running:
+                joined = self._admit(waiting, len(running))
+                if joined:
+                    self._prefill(joined)
+                    running = self._retire(running + joined)
+                if running:
+                    st.batch_sizes.append(len(running))
+                    if self.draft is None:
+                        self._decode(running)
+                    else:
+                        hf_spec.spec_round(self, running)
+                    running = self._retire(running)
+                elif waiting and not joined:  # unreachable: an idle cache fits any admitted size
+                    raise CapacityError("no request can be admitted into an empty cache")
+        st.wall_s = time.perf_counter() - t0
+        st.new_tokens = sum(len(r.out) for r in reqs)
+        return [r.out for r in reqs]
+
+    # ---- requests, pages -----------------------------------------------------------------------
+    def _requests(self, prompts: Sequence[Sequence[int]], max_new: int, eos: int | None
+                  ) -> list[Request]:
+        _int("max_new_tokens", max_new, 1)
+        if eos is not None:
+            _int("eos_token_id", eos, 0)
+        if self.target.model.training:
+            raise InputError("the model is in training mode; call model.eval() first")
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise InputError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+        vocab, out = self.target.spec.vocab_size, []
+        for i, p in enumerate(prompts):
+            toks = [int(t) for t in p] if isinstance(p, Sequence) and not isinstance(p, str) else None
+            if toks is None or not toks:
+                raise InputError(f"prompt {i} must be a non-empty list of token ids, got {p!r}")
+            if min(toks) < 0 or max(toks) >= vocab:
+                raise InputError(f"prompt {i}: token ids must be in [0, {vocab}), got "
+                                 f"{min(toks)}..{max(toks)}")
+            if len(toks) + max_new > self.max_context_len:
+                raise CapacityError(f"prompt {i}: {len(toks)} tokens + max_new_tokens={max_new} "
+                                    f"must be <= max_context_len={self.max_context_len}")
+            if len(toks) + 1 > self.max_prefill_tokens:
+                raise CapacityError(f"prompt {i}: {len(toks)} tokens (+1) must be <= "
+                                    f"max_prefill_tokens={self.max_prefill_tokens}")
+            self.alloc.check_fits(self._tokens_needed(len(toks), max_new))
+            out.append(Request(i, toks, len(toks), max_new, eos))
+        return out
+
+    def _tokens_needed(self, prompt_len: int, max_new: int) -> int:
+        """KV positions a request can ever write: its prompt and outputs except the last (never
+        an input), plus the N positions a verify looks ahead."""
+        return prompt_len + max_new - 1 + self.num_draft_tokens
+
+    def _admit(self, waiting: deque[Request], running: int) -> list[Request]:
+        """Pop the waiting requests that fit now (FIFO; the first that does not fit waits)."""
+        joined: list[Request] = []
+        budget = self.max_prefill_tokens
+        while waiting and running + len(joined) < self.pool.cfg.max_bs:
+            r = waiting[0]
+            if r.prompt_len + 1 > budget:
+                break
+            alloc = self.alloc.admit(self._tokens_needed(r.prompt_len, r.max_new))
+            if alloc is None:
+                break
+            waiting.popleft()
+            r.alloc, budget = alloc, budget - r.prompt_len - 1
+            # the request's row of req_to_token: every position of its pages, one write
+            pages = torch.tensor(alloc.pages, dtype=torch.int32).to(self.device)
+            p = self.alloc.page_size
+            row = (pages[:, None] * p + self._page_offsets).view(-1)
+            self.req_to_token[alloc.row, : row.shape[0]].copy_(row)
+            joined.append(r)
+        return joined
+
+    def _retire(self, reqs: list[Request]) -> list[Request]:
+        """Release finished requests' pages and rows; return the others."""
+        keep = []
+        for r in reqs:
+            if r.done and r.alloc is not None:
+                self.alloc.release(r.alloc)
+                r.alloc = None
+            elif not r.done:
+                keep.append(r)
+        return keep
+
+    def slots(self, r: Request, start: int, count: int) -> list[int]:
+        """Token slots of positions ``start .. start + count - 1`` of ``r``."""
+        assert r.alloc is not None  # only live requests run
+        return [self.alloc.slot(r.alloc, pos) for pos in range(start, start + count)]
+
+    def host_block(self, rows: Sequence[Sequence[int]]) -> Tensor:
+        """Equal-length int rows as one int64 tensor on the device (one copy, no-op on CPU)."""
+        return torch.tensor(rows, dtype=torch.int64).to(self.device)
+
+    # ---- prefill -------------------------------------------------------------------------------
+    def prefill(self, runner: ModelRunner, reqs: list[Request], tokens: list[list[int]],
+                prefix: list[int]) -> list[int]:
+        """One packed forward of ``runner`` over ``tokens[i]`` appended to ``prefix[i]`` cached
+        positions of ``reqs[i]``, through ``pool.extend`` (which also writes the new tokens' slots
+        into the runner's slot mapping); return each request's argmax after its last token."""
+        t0 = time.perf_counter()
+        ext = [len(t) for t in tokens]
+        seq = [p + e for p, e in zip(prefix, ext, strict=True)]
+        rows = [r.alloc.row for r in reqs if r.alloc is not None]
+        total, last, acc = sum(ext), [], 0
+        for e in ext:
+            acc += e
+            last.append(acc - 1)
+        blk = self.host_block([seq, ext, rows, last])
+        ids = self.host_block([[t for ts in tokens for t in ts]])[0]
+        view = self.pool.extend.update_(
+            len(reqs), seq_lens=blk[0], extend_lens=blk[1], req_pool_indices=blk[2],
+            req_to_token=self.req_to_token, seq_lens_cpu=seq, extend_lens_cpu=ext,
+            out_slots=runner.kv.slot_mapping[:total])
+        self._metadata(t0)
+        logits = runner.forward(view, ids, view.positions[:total], keep=blk[3])
+        out: list[int] = logits.argmax(-1).tolist()
+        return out
+
+    def _prefill(self, joined: list[Request]) -> None:
+        st = self.stats
+        first = self.prefill(self.target, joined, [r.tokens for r in joined], [0] * len(joined))
+        st.prefill_forwards += 1
+        for r, t in zip(joined, first, strict=True):
+            r.kv_len = r.prompt_len
+            r.extend([t])
+        if self.draft is not None:
+            live = [r for r in joined if not r.done]
+            if live:  # the draft reads the prompt and the first token: it proposes the next
+                props = self.prefill(self.draft, live, [r.tokens for r in live], [0] * len(live))
+                st.draft_forwards += 1
+                for r, d in zip(live, props, strict=True):
+                    r.draft_len, r.proposal = len(r.tokens), d
+
+    # ---- decode --------------------------------------------------------------------------------
+    def _decode(self, running: list[Request]) -> None:
+        """One greedy decode step of every running request."""
+        t0 = time.perf_counter()
+        n = len(running)
+        pos = [r.kv_len for r in running]
+        blk = self.host_block([
+            [p + 1 for p in pos], [r.alloc.row for r in running if r.alloc is not None],
+            [r.tokens[-1] for r in running], pos,
+            [self.alloc.slot(r.alloc, r.kv_len) for r in running if r.alloc is not None]])
+        seq = [p + 1 for p in pos]
+        g = self._graphs
+        if g is not None:
+            self.target.kv.update_slots_(blk[4], g.padded_size(n))
+            toks = g.run(blk[2:4].T, seq_lens=blk[0], req_pool_indices=blk[1],
+                         req_to_token=self.req_to_token, seq_lens_cpu=seq)
+            self.stats.metadata_s += g.prepared_at - t0
+            self.stats.metadata_calls += 1
+        else:
+            self.target.kv.update_slots_(blk[4])
+            view = self.pool.decode.update_(n, blk[0], blk[1], self.req_to_token,
+                                            seq_lens_cpu=seq)
+            self._metadata(t0)
+            toks = self.target.forward(view, blk[2], blk[3]).argmax(-1)
+        self.stats.decode_steps += 1
+        for r, t in zip(running, toks.tolist(), strict=True):
+            r.kv_len += 1
+            r.extend([t])
+
+    def _metadata(self, t0: float) -> None:
+        self.stats.metadata_s += time.perf_counter() - t0
+        self.stats.metadata_calls += 1

@@ -1,0 +1,136 @@
+"""What the generator needs to know about a transformers model, checked once, and how it calls it.
+
+A model can be served when its attention is the functional kind transformers dispatches through
+``AttentionInterface`` (so ours can replace it) and its KV heads fit one MHA/GQA
+:class:`attnpool.KVCachePool`: ``H_kv`` heads of ``head_dim`` for K and V alike, ``H`` a multiple
+of ``H_kv``, full causal attention in every layer. Anything else (sliding windows, encoder-decoder,
+MLA latents, different K and V head sizes) is refused with :class:`attnpool.LayoutError` before
+any buffer is allocated.
+
+The forward: batch 1, all tokens of the step packed, ``position_ids`` per token, ``use_cache=False``
+and ``past_key_values=None`` (the pool's KV cache is the only cache), and the
+:class:`~attnpool.integrations.hf_attention.StepContext` as the kwarg ``attnpool``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import InputError, LayoutError
+from .hf_attention import ATTN_NAME, StepContext
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Sizes of a model's attention, read from its config.
+
+    Attributes:
+        num_layers: attention layers (one KV cache layer each).
+        num_heads: query heads ``H``. num_kv_heads: ``H_kv`` (``H % H_kv == 0``).
+        head_dim: ``D`` of queries, keys and values.
+        vocab_size: logits per token.
+        dtype: parameter dtype (the KV cache's). device: where the parameters live.
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    v = getattr(cfg, name, default)
+    return default if v is None else v
+
+
+def model_spec(model: Any, what: str = "model") -> ModelSpec:
+    """Read and check ``model``'s attention layout; :class:`LayoutError` if a pool cannot serve it.
+
+    ``what`` names the model in messages ("model", "draft_model").
+    """
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise InputError(f"{what} must be a transformers PreTrainedModel, got "
+                         f"{type(model).__name__}")
+    cfg = model.config
+    if _get(cfg, "is_encoder_decoder", False):
+        raise LayoutError(f"{what}: encoder-decoder models are not supported (decoder-only only)")
+    if not getattr(model, "_supports_attention_backend", False):
+        raise LayoutError(f"{what} ({type(model).__name__}) does not dispatch its attention "
+                          "through transformers' AttentionInterface, so attnpool cannot serve it")
+    heads = _get(cfg, "num_attention_heads")
+    hidden = _get(cfg, "hidden_size")
+    layers = _get(cfg, "num_hidden_layers")
+    vocab = _get(cfg, "vocab_size")
+    if not all(isinstance(x, int) and x > 0 for x in (heads, layers, vocab)):
+        raise LayoutError(f"{what}: config needs num_attention_heads, num_hidden_layers and "
+                          f"vocab_size > 0, got {heads}, {layers}, {vocab}")
+    kv_heads = _get(cfg, "num_key_value_heads", heads)
+    head_dim = _get(cfg, "head_dim", hidden // heads if isinstance(hidden, int) else None)
+    if not isinstance(head_dim, int) or head_dim < 1:
+        raise LayoutError(f"{what}: cannot tell the head dim (head_dim={head_dim}, hidden_size="
+                          f"{hidden})")
+    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        raise LayoutError(f"{what}: query heads must be a multiple of KV heads for a paged "
+                          f"MHA/GQA cache; got num_attention_heads={heads}, "
+                          f"num_key_value_heads={kv_heads}")
+    for name in ("kv_lora_rank", "v_head_dim", "qk_rope_head_dim"):
+        v = getattr(cfg, name, None)
+        if v is not None and not (name == "v_head_dim" and v == head_dim):
+            raise LayoutError(f"{what}: {name}={v}: latent (MLA) or mixed K/V head sizes do not "
+                              f"fit an MHA/GQA cache of {kv_heads} heads x {head_dim}")
+    types = set(_get(cfg, "layer_types", ["full_attention"]))
+    if types - {"full_attention"}:
+        raise LayoutError(f"{what}: only full causal attention layers are supported, config has "
+                          f"layer_types {sorted(types)}")
+    if _get(cfg, "attn_logit_softcapping") is not None:
+        raise LayoutError(f"{what}: attention logit softcapping is not supported")
+    p = next(model.parameters(), None)
+    if p is None:
+        raise InputError(f"{what} has no parameters")
+    if not p.dtype.is_floating_point:
+        raise LayoutError(f"{what}: parameters must be floating point, got {p.dtype}")
+    return ModelSpec(layers, heads, kv_heads, head_dim, vocab, p.dtype, p.device)
+
+
+@contextlib.contextmanager
+def attnpool_attention_on(models: Sequence[Any]) -> Iterator[None]:
+    """Switch each model's attention to ``"attnpool"`` for the duration, then restore it, so the
+    caller's model still runs its own implementation (``model.generate``) afterwards."""
+    done: list[tuple[Any, Any]] = []
+    try:
+        for m in models:
+            if any(m is d for d, _ in done):
+                continue
+            prev = m.config._attn_implementation
+            if prev != ATTN_NAME:
+                m.set_attn_implementation(ATTN_NAME)
+            done.append((m, prev))
+        yield
+    finally:
+        for m, prev in reversed(done):
+            if prev is not None and prev != ATTN_NAME:
+                m.set_attn_implementation(prev)
+
+
+def forward_logits(model: Any, ids: Tensor, positions: Tensor, ctx: StepContext,
+                   keep: Tensor | None = None) -> Tensor:
+    """Logits ``[T or len(keep), V]`` of one packed step.
+
+    Args:
+        ids: ``[T]`` token ids; positions: ``[T]`` their absolute positions (any int dtype).
+        keep: optional ``[k]`` int64 indices of the tokens whose logits are needed (the last
+            token of each prefilled request): the LM head runs on those rows only.
+    """
+    out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                past_key_values=None, attnpool=ctx, logits_to_keep=0 if keep is None else keep)
+    logits: Tensor = out.logits[0]
+    return logits

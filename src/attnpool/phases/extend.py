@@ -1,0 +1,164 @@
+"""Extend (prefill with a cached prefix): variable new tokens per request, causal. DESIGN §3a."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..arena import Arena
+from ..config import Phase
+from ..errors import CapacityError
+from ..update import reference as ref
+from ..views import ExtendView
+from ._checks import check_bs, host_lens
+from .base import PhaseBase, part_view
+
+
+class ExtendPhase(PhaseBase):
+    """``pool.extend``: request ``i`` appends ``extend_lens[i]`` tokens to a cached prefix of
+    ``seq_lens[i] - extend_lens[i]`` tokens; its queries attend causally over ``cache_seqlens =
+    seq_lens`` (the caller stores the new tokens' K/V before attention).
+
+    One update writes the paged part (lengths, cumsum, page table and/or CSR, like decode), the
+    packed query offsets ``cu_seqlens_q``, the per-token ``positions`` and, when asked, the new
+    tokens' KV slots (``out_slots``), so a prefill step is one metadata call: one launch on the
+    fused path. Padded rows and the fixed query total ``T = max_extend_tokens`` of padded batches
+    are described in :class:`attnpool.ExtendView`; the capture state (every row padded) has
+    ``cu_seqlens_q = [0, T, T, ...]``, valid for every ``bs``.
+    """
+
+    phase = Phase.EXTEND
+
+    def __init__(self, arena: Arena) -> None:
+        super().__init__(arena)
+        self._b = self._paged()
+        self._cu_q = arena.buffer(self.phase, "cu_seqlens_q")
+        self._pos = arena.buffer(self.phase, "positions")
+        #: T: packed query tokens of one batch, and the query total of a padded one.
+        self.max_tokens = arena.cfg.max_extend_tokens
+
+    def view(self, bs: int) -> ExtendView:
+        """The ``bs``-row view for capture: every row padded, static host bounds
+        (``max_seqlen_q = T``, ``max_seqlen_k = max_context_len``)."""
+        check_bs(self.cfg, bs)
+        self._ready(bs)
+        return self._view(bs, self.max_tokens, self.cfg.max_context_len)
+
+    def update_(
+        self,
+        bs: int,
+        *,
+        seq_lens: Tensor,
+        extend_lens: Tensor,
+        req_pool_indices: Tensor,
+        req_to_token: Tensor,
+        seq_lens_cpu: Tensor | Sequence[int] | None = None,
+        extend_lens_cpu: Tensor | Sequence[int] | None = None,
+        num_real: Tensor | None = None,
+        out_slots: Tensor | None = None,
+    ) -> ExtendView:
+        """Refill the ``bs``-row view in place for ``n = len(seq_lens)`` requests.
+
+        Args:
+            bs: the captured batch size (``n <= bs <= max_bs``).
+            seq_lens: ``[n]`` int, total KV length of each request *including* its new tokens,
+                in ``[1, C]``.
+            extend_lens: ``[n]`` int, new tokens per request, in ``[1, seq_lens[i]]``, summing
+                to at most ``T = max_extend_tokens``.
+            req_pool_indices, req_to_token: as in :meth:`DecodePhase.update_`.
+            seq_lens_cpu, extend_lens_cpu: optional host copies: bounds checks (``seq_lens_cpu
+                <= C``, ``1 <= extend_lens_cpu[i] <= seq_lens_cpu[i]``, ``sum <= T``), tight
+                ``max_seqlen_k`` / ``max_seqlen_q``, and page writes limited to the live pages.
+                Without them the values are the caller's contract (nothing is read back).
+            num_real: capturable mode (fused path): a ``[1]`` device count of real rows, every
+                input padded to ``bs`` rows; see :meth:`DecodePhase.update_`.
+            out_slots: optional ``[L]`` int32/int64 device tensor (e.g. ``kv.slot_view(T)`` of a
+                :class:`attnpool.KVCachePool`) that receives the new tokens' KV slots in packed
+                order: token ``j`` of request ``i`` gets ``req_to_token[r_i, prefix_i + j]``
+                and the tail ``[sum(extend_lens), L)`` gets -1 (stores skip it). ``L`` must be
+                ``>= sum(extend_lens_cpu)`` when that is given, else ``>= T``.
+
+        Returns:
+            the refilled :class:`attnpool.ExtendView` (same tensors as ``view(bs)``).
+        """
+        cfg, t_max = self.cfg, self.max_tokens
+        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu, extend_lens_cpu)
+        ext = self._tensor("extend_lens", extend_lens, 1, rows=n)
+        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
+        table = self._req_to_token(req_to_token)
+        host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
+        ehost = host_lens("extend_lens_cpu", extend_lens_cpu, n, 1, cfg.max_context_len)
+        total = self._check_host(host, ehost)
+        slots = None if out_slots is None else self._out_slots(out_slots, total)
+        if self.fused:
+            # --- writes start here ---
+            self._fused_part(self._b, bs, seq_lens, rpi, table, q_lens=ext,
+                             cu_seqlens_q=self._cu_q, q_total=t_max, positions=self._pos,
+                             out_slots=slots, num_real=num_real)
+        else:
+            pages = ref.gather_pages(table, rpi, cfg.page_size,
+                                     self._width(host, 0, cfg.page_size, cfg.max_pages))
+            size = t_max if slots is None else max(t_max, slots.shape[0])
+            pos, slot_vals = ref.extend_tokens(seq_lens, ext, rpi, table, size)
+            # --- writes start here: everything above is validation or a temporary ---
+            self._write(bs, seq_lens, ext, pages, pos)
+            if slots is not None:
+                slots.copy_(slot_vals[: slots.shape[0]])
+        self.arena.mark_written(self.phase, bs)
+        max_q = t_max
+        if ehost is not None:
+            max_q = max(max(ehost, default=0), t_max - sum(ehost) if n < bs else 0)
+        return self._view(bs, max_q, self._max_k(host, 0, n, bs, cfg.max_context_len))
+
+    # ---- checks --------------------------------------------------------------------------------
+    def _check_host(self, host: list[int] | None, ehost: list[int] | None) -> int | None:
+        """Bounds of the host copies; the batch's token total when ``extend_lens_cpu`` is given."""
+        if ehost is None:
+            return None
+        if host is not None:
+            for i, (e, s) in enumerate(zip(ehost, host, strict=True)):
+                if e > s:
+                    raise CapacityError(f"extend_lens_cpu[{i}] must be <= seq_lens_cpu[{i}]="
+                                        f"{s} (the new tokens are part of the sequence), got {e}")
+        total = sum(ehost)
+        if total > self.max_tokens:
+            raise CapacityError(f"sum(extend_lens_cpu) must be <= max_extend_tokens="
+                                f"{self.max_tokens}, got {total}")
+        return total
+
+    def _out_slots(self, t: object, total: int | None) -> Tensor:
+        """``out_slots``: a 1-D contiguous int device tensor long enough for every real token."""
+        slots = self._tensor("out_slots", t, 1)
+        need = self.max_tokens if total is None else total
+        if slots.shape[0] < need:
+            what = "sum(extend_lens_cpu)" if total is not None else (
+                "max_extend_tokens (no extend_lens_cpu given)")
+            raise CapacityError(f"out_slots must have >= {what} = {need} elements, "
+                                f"got {slots.shape[0]}")
+        return slots
+
+    # ---- writers -------------------------------------------------------------------------------
+    def _write(self, bs: int, seq_lens: Tensor, ext: Tensor, pages: Tensor,
+               pos: Tensor | None) -> None:
+        n = ext.shape[0]
+        cu = self._cu_q
+        ref.cumsum_(cu, ext)
+        # padded rows: the first takes the slack up to T, the others none (cu stays at T;
+        # max(T, total) keeps it non-decreasing if the caller broke sum <= T)
+        torch.clamp(cu[n : n + 1].expand(bs - n), min=self.max_tokens, out=cu[n + 1 : bs + 1])
+        self._write_part(self._b, bs, seq_lens, pages)
+        if pos is None:
+            self._pos.zero_()
+        else:
+            self._pos.copy_(pos[: self.max_tokens])
+
+    def _write_capture_state(self) -> None:
+        none = self._arange[:0]
+        self._write(self.cfg.max_bs, none, none, self._empty_pages(), None)
+
+    def _view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
+        return part_view(self._b, bs, self._cu_q, max_q=max_q, max_k=max_k,
+                         page_size=self.cfg.page_size, causal=True, cls=ExtendView,
+                         positions=self._pos)
