@@ -169,8 +169,6 @@ def paged_update_(
 
     if max_len is None:
         max_len = width * page_size
-    ck.need(is_int(max_len) and max_len >= steps - 1, InputError,
-            f"max_len must be an int >= steps - 1 = {steps - 1}, got {max_len}")
     dummy = b.cache_seqlens
     k = ck.kernels()
     k.paged_kernel[(bs,)](
@@ -190,7 +188,7 @@ def paged_update_(
         n, bs, extra, pad_seq_len, pad_page, pad_pages, pad_q, steps,
         b.cache_seqlens.stride(0) if steps > 1 else 0,
         b.cu_seqlens_k.stride(0) if steps > 1 else 0,
-        max_len - (steps - 1), ck.INT32_MAX if max_q is None else max_q,
+        max(max_len - (steps - 1), 0), ck.INT32_MAX if max_q is None else max_q,
         page_size, table.shape[0], table.shape[1], table.stride(0), pt_stride, width,
         b.kv_indices.shape[0] if b.kv_indices is not None else 0,
         q_total or 0, pos_cap, slot_cap, max(pos_cap, slot_cap),
