@@ -167,6 +167,8 @@ def paged_attention(
     *,
     softmax_scale: float | None = None,
     layout: Layout | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Attn:
     """Attention of the packed queries ``q`` over the KV rows of ``view`` (one pass).
 
@@ -178,6 +180,8 @@ def paged_attention(
             ``view.page_size``).
         softmax_scale: default ``1 / sqrt(D)``.
         layout: which of the view's layouts to read (default: the page table when present).
+        k_scale, v_scale: for an fp8 cache, float32 ``[1]`` or ``[H_kv]`` scales: the gathered rows
+            are dequantized (``stored * scale``, :func:`attnpool.kv_quant.dequantize`) first.
 
     Returns:
         :class:`Attn` ``(out [q.shape[0], H, D], lse [q.shape[0], H])``. Every row of the view is
@@ -198,8 +202,11 @@ def paged_attention(
     v_flat = v_cache.reshape(-1, h_kv, v_cache.shape[3])
     grp = h // h_kv
     # [bs, L, H_kv, D] -> [bs, H, L, D]; query head h reads KV head h // grp.
-    kp = k_flat[slots].to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(grp, dim=1)
-    vp = v_flat[slots].to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(grp, dim=1)
+    kp, vp = k_flat[slots], v_flat[slots]
+    if k_scale is not None or v_scale is not None:
+        kp, vp = _dequantize(k_flat.dtype, h_kv, kp, vp, k_scale, v_scale)
+    kp = kp.to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(grp, dim=1)
+    vp = vp.to(q.dtype).permute(0, 2, 1, 3).repeat_interleave(grp, dim=1)
 
     cu = view.cu_seqlens_q[: bs + 1].to(torch.int64)
     q_lens = cu[1:] - cu[:-1]
@@ -234,6 +241,16 @@ def paged_attention(
     return Attn(out[:total], out_lse[:total])
 
 
+def _dequantize(dtype: torch.dtype, h_kv: int, kp: Tensor, vp: Tensor, k_scale: object,
+                v_scale: object) -> tuple[Tensor, Tensor]:
+    from ..kv_quant import check_scales, dequantize
+
+    sc = check_scales(dtype, h_kv, kp.device, (("k_scale", k_scale), ("v_scale", v_scale)), False)
+    if sc is None:
+        return kp, vp
+    return dequantize(kp, sc[0]), dequantize(vp, sc[1])
+
+
 def merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Attn:
     """Combine two attention passes over disjoint key sets of the same queries.
 
@@ -266,6 +283,8 @@ def attention(
     *,
     softmax_scale: float | None = None,
     layout: Layout | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Attn:
     """Attention for a whole phase part: a :class:`PagedView`, or a two-pass
     :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` (prefix, plus the expand pass
@@ -274,18 +293,20 @@ def attention(
     Tree prefix and expand passes see the same packed queries (request ``i``'s ``N`` or ``K``
     queries at ``i*N ..``): the prefix pass groups them per request, the expand pass has one row
     per query. Views with parts that are separate attentions (an encoder view's cross and decoder
-    parts, a draft round's steps) are called part by part.
+    parts, a draft round's steps) are called part by part. ``k_scale`` / ``v_scale``: an fp8
+    cache's scales (see :func:`paged_attention`).
     """
+    sc = {"k_scale": k_scale, "v_scale": v_scale}
     if isinstance(view, PagedView):
         return paged_attention(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                               layout=layout)
+                               layout=layout, **sc)
     if isinstance(view, (VerifyView, DraftStepView)):
         first = paged_attention(view.prefix, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                                layout=layout)
+                                layout=layout, **sc)
         if view.expand is None:
             return first
         second = paged_attention(view.expand, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                                 layout=layout)
+                                 layout=layout, **sc)
         return merge_by_lse(first.out, first.lse, second.out, second.lse)
     raise InputError(
         f"attention expects a PagedView, VerifyView or DraftStepView, got {type(view).__name__}; "
