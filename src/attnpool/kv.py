@@ -25,125 +25,22 @@ device tensor, with no host sync, so a CUDA graph captured on ``slot_view(bs)`` 
 
 from __future__ import annotations
 
-import enum
 import math
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from .arena import sentinel
 from .check import ReadRegionError
-from .config import Impl, is_int, resolve_device, resolve_impl
+from .config import Impl, is_int, resolve_impl
 from .errors import CapacityError, InputError, LayoutError, PoolError
+from .kv_config import KVCacheConfig, KVKind, KVLayout
+from .kv_quant import MODEL_DTYPES, check_scales, dequantize, is_fp8, store_reference_
+
+__all__ = ["KVCacheConfig", "KVCachePool", "KVKind", "KVLayout", "store_reference_"]
 
 ALIGN = 256
 PAD_PAGE = 0
-
-
-class KVLayout(enum.Enum):
-    """Order of one page: ``NHD`` = ``[page_size, heads, dim]`` (flash-attn's), ``HND`` =
-    ``[heads, page_size, dim]`` (a FlashInfer option)."""
-
-    NHD = "nhd"
-    HND = "hnd"
-
-
-class KVKind(enum.Enum):
-    """``MHA`` (and GQA/MQA): separate K and V caches. ``MLA``: one latent+rope cache, one head."""
-
-    MHA = "mha"
-    MLA = "mla"
-
-
-def _int(name: str, v: object, lo: int) -> None:
-    if not is_int(v) or v < lo:
-        raise PoolError(f"KVCacheConfig: {name} must be an int >= {lo}, got {v!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheConfig:
-    """Sizes of a paged KV cache. Frozen: the cache never changes shape.
-
-    Args:
-        num_pages: pages per layer part, the pad page 0 included (so ``>= 2``).
-        page_size: tokens per page.
-        max_tokens: capacity of ``slot_mapping``: tokens of the largest captured forward.
-        num_layers: attention layers sharing the allocation.
-        kind: :class:`KVKind` (MHA needs ``num_kv_heads`` and ``head_dim``; MLA needs
-            ``kv_lora_rank`` and may have ``rope_dim``, with one head and ``head_dim = 0``).
-        dtype: element type (a floating type; fp8 included).
-        layout: page order (:class:`KVLayout`); irrelevant for MLA's single head.
-        device: ``"cpu"``, ``"cuda"``, a ``torch.device``, or ``"auto"``.
-    """
-
-    num_pages: int
-    page_size: int
-    max_tokens: int
-    num_layers: int = 1
-    kind: KVKind = KVKind.MHA
-    num_kv_heads: int = 1
-    head_dim: int = 0
-    kv_lora_rank: int = 0
-    rope_dim: int = 0
-    dtype: torch.dtype = torch.float16
-    layout: KVLayout = KVLayout.NHD
-    device: str | torch.device = "auto"
-    _device: torch.device = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        _int("num_pages", self.num_pages, 2)
-        for name in ("page_size", "max_tokens", "num_layers", "num_kv_heads"):
-            _int(name, getattr(self, name), 1)
-        for name in ("head_dim", "kv_lora_rank", "rope_dim"):
-            _int(name, getattr(self, name), 0)
-        if not isinstance(self.kind, KVKind) or not isinstance(self.layout, KVLayout):
-            raise PoolError(f"KVCacheConfig: kind must be a KVKind and layout a KVLayout, got "
-                            f"{self.kind!r}, {self.layout!r}")
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise PoolError(f"KVCacheConfig: dtype must be a floating torch.dtype, got {self.dtype!r}")
-        mha = self.head_dim >= 1 and not (self.kv_lora_rank or self.rope_dim)
-        mla = self.kv_lora_rank >= 1 and not self.head_dim and self.num_kv_heads == 1
-        if not (mha if self.kind is KVKind.MHA else mla):
-            need = ("head_dim >= 1, kv_lora_rank = rope_dim = 0" if self.kind is KVKind.MHA else
-                    "kv_lora_rank >= 1, head_dim = 0, num_kv_heads = 1")
-            raise PoolError(f"KVCacheConfig: {self.kind.name} needs {need}; got head_dim="
-                            f"{self.head_dim}, kv_lora_rank={self.kv_lora_rank}, rope_dim="
-                            f"{self.rope_dim}, num_kv_heads={self.num_kv_heads}")
-        object.__setattr__(self, "_device", resolve_device(self.device))
-
-    @property
-    def torch_device(self) -> torch.device:
-        return self._device
-
-    @property
-    def parts(self) -> int:
-        """Caches per layer: 2 (K, V) for MHA, 1 for MLA."""
-        return 2 if self.kind is KVKind.MHA else 1
-
-    @property
-    def row_dim(self) -> int:
-        """Elements per token and head of one part: ``head_dim``, or latent + rope for MLA."""
-        return self.head_dim if self.kind is KVKind.MHA else self.kv_lora_rank + self.rope_dim
-
-    @property
-    def num_slots(self) -> int:
-        """Token slots per layer part, the pad page's included."""
-        return self.num_pages * self.page_size
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Cache bytes one token takes across all layers and parts."""
-        per = self.parts * self.num_kv_heads * self.row_dim * self.dtype.itemsize
-        return self.num_layers * per
-
-    @property
-    def bytes_per_page(self) -> int:
-        return self.bytes_per_token * self.page_size
-
-    def page_shape(self) -> tuple[int, int, int]:
-        h, p, d = self.num_kv_heads, self.page_size, self.row_dim
-        return (p, h, d) if self.layout is KVLayout.NHD else (h, p, d)
 
 
 def _align(n: int) -> int:
@@ -155,23 +52,6 @@ def _fmt(n: int) -> str:
         if n >> shift:
             return f"{n / (1 << shift):.2f} {unit}"
     return f"{n} B"
-
-
-def store_reference_(
-    pairs: tuple[tuple[Tensor, Tensor], ...], slots: Tensor, page_size: int, num_slots: int
-) -> None:
-    """Vectorised torch store: ``dst[page, off] = src`` for each ``(src [n, H, d], dst)`` pair.
-
-    ``dst`` is a layer part in NHD order ``[num_pages + 1, P, H, >= d]`` (a transposed view for
-    HND). Slots outside ``[0, num_slots)`` are redirected to the scratch page ``num_pages`` with
-    ``torch.where``: no boolean-mask indexing, so no host sync and a fixed shape (graph-safe).
-    """
-    s = slots.to(torch.int64)
-    skip = (s < 0) | (s >= num_slots)
-    page = torch.where(skip, num_slots // page_size, torch.div(s, page_size, rounding_mode="floor"))
-    off = torch.where(skip, 0, torch.remainder(s, page_size))
-    for src, dst in pairs:
-        dst.index_put_((page, off), src)
 
 
 class KVCachePool:
@@ -285,11 +165,13 @@ class KVCachePool:
         return t
 
     def _src(self, name: str, t: object, n: int | None, dim: int) -> Tensor:
-        """A source ``[n, H, dim]`` of the cache dtype with unit last stride (2-D for one head)."""
+        """A source ``[n, H, dim]`` with unit last stride (2-D for one head): of the cache dtype, or
+        of a model dtype for an fp8 cache (which quantizes)."""
         heads = self.cfg.num_kv_heads
         if isinstance(t, Tensor) and t.dim() == 2 and heads == 1:
             t = t.unsqueeze(1)  # a view
-        src = self._check_tensor(name, t, 3, (self.cfg.dtype,))
+        dtypes = MODEL_DTYPES if is_fp8(self.cfg.dtype) else (self.cfg.dtype,)
+        src = self._check_tensor(name, t, 3, dtypes)
         if tuple(src.shape[1:]) != (heads, dim) or (n is not None and src.shape[0] != n):
             want = ("n" if n is None else str(n), heads, dim)
             raise InputError(f"{name} must have shape {want}, got {tuple(src.shape)}")
@@ -323,8 +205,11 @@ class KVCachePool:
         if len(set(real)) != len(real):
             raise err("slot_mapping has repeated slots; each token needs its own slot")
 
+    def _scales(self, named: tuple[tuple[str, object], ...], check: bool) -> tuple[Tensor, ...] | None:
+        return check_scales(self.cfg.dtype, self.cfg.num_kv_heads, self.storage.device, named, check)
+
     def _store(self, pairs: tuple[tuple[Tensor, Tensor], ...], slots: Tensor, impl: Impl,
-               check_range: bool) -> None:
+               check_range: bool, scales: tuple[Tensor, ...] | None) -> None:
         if not isinstance(impl, Impl):
             raise InputError(f"impl must be an attnpool.Impl, got {impl!r}")
         fused = resolve_impl(impl, self.cfg.torch_device) is Impl.TRITON
@@ -335,14 +220,24 @@ class KVCachePool:
             from .update import triton_kv
 
             a, b = pairs if len(pairs) == 2 else (pairs[0], (pairs[0][0][:, :, :0], pairs[0][1]))
-            triton_kv.store_((a, b), slots, p, ns)
+            sc = None if scales is None else (scales[0], scales[-1])
+            triton_kv.store_((a, b), slots, p, ns, sc)
         else:
-            store_reference_(pairs, slots, p, ns)
+            store_reference_(pairs, slots, p, ns, scales)
 
     def store_kv_(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor | None = None, *,
-                  impl: Impl = Impl.AUTO, check_range: bool = False) -> None:
+                  k_scale: Tensor | None = None, v_scale: Tensor | None = None,
+                  impl: Impl = Impl.AUTO, check_range: bool = False, check_scales: bool = True
+                  ) -> None:
         """MHA: write ``k``, ``v`` ``[n, H, D]`` at ``slot_mapping [n]`` (default: the pool's
         ``slot_mapping[:n]``); tokens whose slot is negative are skipped.
+
+        fp8 cache: ``k``, ``v`` are float16/bfloat16/float32 and ``k_scale``, ``v_scale`` (float32,
+        1 or ``H`` elements, on the cache's device) are required; the store writes
+        ``clamp(x / scale, +-fp8 max)`` rounded to nearest even (:mod:`attnpool.kv_quant`). Other
+        caches refuse scales. ``check_scales`` reads the scales to the host once per call (one
+        small sync) to refuse ``<= 0``, NaN and inf before anything is written; it is skipped while
+        a CUDA graph is being captured. Pass ``False`` on a hot path once the scales are known good.
 
         ``impl``: ``AUTO`` uses the fused Triton store on CUDA when triton imports, else the torch
         reference; ``TRITON`` forces the fused store (on CPU only under ``TRITON_INTERPRET=1``).
@@ -354,13 +249,16 @@ class KVCachePool:
         k_ = self._src("k", k, None, self.cfg.head_dim)
         v_ = self._src("v", v, k_.shape[0], self.cfg.head_dim)
         slots = self._slots(slot_mapping, k_.shape[0])
-        self._store(((k_, kp), (v_, vp)), slots, impl, check_range)
+        sc = self._scales((("k_scale", k_scale), ("v_scale", v_scale)), check_scales)
+        self._store(((k_, kp), (v_, vp)), slots, impl, check_range, sc)
 
     def store_mla_(self, layer: int, latent: Tensor, rope: Tensor | None = None,
-                   slot_mapping: Tensor | None = None, *, impl: Impl = Impl.AUTO,
-                   check_range: bool = False) -> None:
+                   slot_mapping: Tensor | None = None, *, scale: Tensor | None = None,
+                   impl: Impl = Impl.AUTO, check_range: bool = False, check_scales: bool = True
+                   ) -> None:
         """MLA: write ``latent [n, kv_lora_rank]`` and ``rope [n, rope_dim]`` (or ``[n, 1, .]``)
-        into one row per token; see :meth:`store_kv_` for slots, ``impl`` and checks."""
+        into one row per token; see :meth:`store_kv_` for slots, ``impl``, checks and fp8 (one
+        ``scale`` for the whole row)."""
         self._pages(KVKind.MLA, layer, 0)
         part = self._part(layer, 0)
         r = self.cfg.kv_lora_rank
@@ -372,15 +270,31 @@ class KVCachePool:
             pairs += ((self._src("rope", rope, lat.shape[0], self.cfg.rope_dim), part[..., r:]),)
         elif rope is not None:
             raise InputError("rope must be None: this cache has rope_dim=0")
-        self._store(pairs, self._slots(slot_mapping, lat.shape[0]), impl, check_range)
+        slots = self._slots(slot_mapping, lat.shape[0])
+        sc = self._scales((("scale", scale),), check_scales)
+        self._store(pairs, slots, impl, check_range, None if sc is None else sc * len(pairs))
 
     # ---- reads, poison, checks, report ---------------------------------------------------------
-    def gather(self, layer: int, slots: Tensor) -> tuple[Tensor, ...]:
-        """Rows ``[n, H, row_dim]`` of valid ``slots`` per part (K, V; or the MLA row): a copy."""
+    def gather(self, layer: int, slots: Tensor, k_scale: Tensor | None = None,
+               v_scale: Tensor | None = None, *, dtype: torch.dtype = torch.float32
+               ) -> tuple[Tensor, ...]:
+        """Rows ``[n, H, row_dim]`` of valid ``slots`` per part (K, V; or the MLA row): a copy.
+
+        On an fp8 cache, passing the scales (``k_scale`` and ``v_scale``; for MLA ``k_scale`` alone)
+        returns ``stored * scale`` in ``dtype``; without them the raw fp8 rows come back."""
         s = self._check_tensor("slots", slots, 1, (torch.int32, torch.int64)).to(torch.int64)
         page = torch.div(s, self.cfg.page_size, rounding_mode="floor")
         off = torch.remainder(s, self.cfg.page_size)
-        return tuple(self._part(layer, i)[page, off] for i in range(self.cfg.parts))
+        rows = tuple(self._part(layer, i)[page, off] for i in range(self.cfg.parts))
+        named = (("k_scale", k_scale), ("v_scale", v_scale))[: self.cfg.parts]
+        if all(sc is None for _, sc in named):
+            return rows
+        if self.cfg.parts == 1 and v_scale is not None:
+            raise InputError("v_scale must be None for an MLA cache: pass its scale as k_scale")
+        sc = self._scales(named, False)
+        if sc is None:
+            return rows
+        return tuple(dequantize(r, x, dtype) for r, x in zip(rows, sc, strict=True))
 
     def poison_(self) -> None:
         """Fill cache and slot mapping with sentinels (NaN, int64 max); re-zero the pad page."""

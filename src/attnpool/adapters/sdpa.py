@@ -176,7 +176,8 @@ class _Batch(NamedTuple):
 
 
 def _prepare(view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor,
-             layout: Layout | None, clamp: bool) -> _Batch:
+             layout: Layout | None, clamp: bool, k_scale: Tensor | None = None,
+             v_scale: Tensor | None = None) -> _Batch:
     """Gather one pass: keys and values of every row, queries grouped per KV head.
 
     Grouped-query attention without copies of K/V: the ``g = H / H_kv`` query heads that share a
@@ -202,6 +203,8 @@ def _prepare(view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor,
     lens, slots = _rows(view, lay, b, lmax)
     k = k_cache.reshape(-1, h_kv, d)[slots]  # [b, L, H_kv, D]
     v = v_cache.reshape(-1, h_kv, dv)[slots]
+    if k_scale is not None or v_scale is not None:  # an fp8 cache: stored * scale
+        k, v = _dequantize(k_cache.dtype, h_kv, k, v, k_scale, v_scale)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     t = torch.arange(lmax, device=dev)
@@ -263,6 +266,8 @@ def paged_attention(
     *,
     softmax_scale: float | None = None,
     layout: Layout | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Attn:
     """Attention of the packed queries ``q`` over the KV rows of ``view`` (one pass), with its
     log-sum-exp (for a merge; :func:`paged_attention_out` skips it).
@@ -275,12 +280,15 @@ def paged_attention(
             ``view.page_size``).
         softmax_scale: default ``1 / sqrt(D)``.
         layout: which of the view's layouts to read (default: the page table when present).
+        k_scale, v_scale: for an fp8 cache, float32 ``[1]`` or ``[H_kv]`` scales: the gathered rows
+            are dequantized (``stored * scale``, :func:`attnpool.kv_quant.dequantize`) first.
 
     Returns:
         :class:`Attn` ``(out [q.shape[0], H, D], lse [q.shape[0], H])``. Every row of the view is
         computed, padded rows included; positions no row covers hold 0 and ``-inf``.
     """
-    bt = _prepare(view, q, k_cache, v_cache, layout, clamp=False)
+    bt = _prepare(view, q, k_cache, v_cache, layout, clamp=False, k_scale=k_scale,
+                  v_scale=v_scale)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     # float32 at least (float64 stays float64): the log-sum-exp must not be computed in half.
     ct = torch.promote_types(q.dtype, torch.float32)
@@ -302,15 +310,27 @@ def paged_attention_out(
     *,
     softmax_scale: float | None = None,
     layout: Layout | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """:func:`paged_attention`'s output alone, through PyTorch SDPA (no log-sum-exp): what a
     single-pass forward needs (decode, chain verify and draft steps, extend)."""
-    bt = _prepare(view, q, k_cache, v_cache, layout, clamp=True)
+    bt = _prepare(view, q, k_cache, v_cache, layout, clamp=True, k_scale=k_scale, v_scale=v_scale)
     o = F.scaled_dot_product_attention(bt.q, bt.k, bt.v, attn_mask=bt.allowed,
                                        scale=softmax_scale)
     o = _ungroup(o, bt)
     o = torch.where((bt.keys > 0).view(-1, 1, 1), o, 0)  # queries with no key: 0, not key 0
     return _scatter(o, bt, 0.0)
+
+
+def _dequantize(dtype: torch.dtype, h_kv: int, kp: Tensor, vp: Tensor, k_scale: object,
+                v_scale: object) -> tuple[Tensor, Tensor]:
+    from ..kv_quant import check_scales, dequantize
+
+    sc = check_scales(dtype, h_kv, kp.device, (("k_scale", k_scale), ("v_scale", v_scale)), False)
+    if sc is None:
+        return kp, vp
+    return dequantize(kp, sc[0]), dequantize(vp, sc[1])
 
 
 def merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Attn:
@@ -349,6 +369,8 @@ def attention(
     *,
     softmax_scale: float | None = None,
     layout: Layout | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Attn:
     """Attention for a whole phase part: a :class:`PagedView`, or a two-pass
     :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` (prefix, plus the expand pass
@@ -357,18 +379,20 @@ def attention(
     Tree prefix and expand passes see the same packed queries (request ``i``'s ``N`` or ``K``
     queries at ``i*N ..``): the prefix pass groups them per request, the expand pass has one row
     per query. Views with parts that are separate attentions (an encoder view's cross and decoder
-    parts, a draft round's steps) are called part by part.
+    parts, a draft round's steps) are called part by part. ``k_scale`` / ``v_scale``: an fp8
+    cache's scales (see :func:`paged_attention`).
     """
+    sc = {"k_scale": k_scale, "v_scale": v_scale}
     if isinstance(view, PagedView):
         return paged_attention(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                               layout=layout)
+                               layout=layout, **sc)
     if isinstance(view, (VerifyView, DraftStepView)):
         first = paged_attention(view.prefix, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                                layout=layout)
+                                layout=layout, **sc)
         if view.expand is None:
             return first
         second = paged_attention(view.expand, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                                 layout=layout)
+                                 layout=layout, **sc)
         return merge_by_lse(first.out, first.lse, second.out, second.lse)
     raise InputError(
         f"attention expects a PagedView, VerifyView or DraftStepView, got {type(view).__name__}; "
@@ -384,13 +408,14 @@ def attention_out(
     *,
     softmax_scale: float | None = None,
     layout: Layout | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """:func:`attention`'s output alone. A single pass (a :class:`PagedView`, a chain verify or
     draft step) computes no log-sum-exp; a tree view's two passes still do, to merge."""
+    kw = {"softmax_scale": softmax_scale, "layout": layout, "k_scale": k_scale, "v_scale": v_scale}
     if isinstance(view, PagedView):
-        return paged_attention_out(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                                   layout=layout)
+        return paged_attention_out(view, q, k_cache, v_cache, **kw)  # type: ignore[arg-type]
     if isinstance(view, (VerifyView, DraftStepView)) and view.expand is None:
-        return paged_attention_out(view.prefix, q, k_cache, v_cache,
-                                   softmax_scale=softmax_scale, layout=layout)
-    return attention(view, q, k_cache, v_cache, softmax_scale=softmax_scale, layout=layout).out
+        return paged_attention_out(view.prefix, q, k_cache, v_cache, **kw)  # type: ignore[arg-type]
+    return attention(view, q, k_cache, v_cache, **kw).out  # type: ignore[arg-type]

@@ -1,0 +1,117 @@
+"""Configuration of a paged KV cache: sizes, kind (MHA / MLA), page layout and element type."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import is_int, resolve_device
+from .errors import PoolError
+
+
+class KVLayout(enum.Enum):
+    """Order of one page: ``NHD`` = ``[page_size, heads, dim]`` (flash-attn's), ``HND`` =
+    ``[heads, page_size, dim]`` (a FlashInfer option)."""
+
+    NHD = "nhd"
+    HND = "hnd"
+
+
+class KVKind(enum.Enum):
+    """``MHA`` (and GQA/MQA): separate K and V caches. ``MLA``: one latent+rope cache, one head."""
+
+    MHA = "mha"
+    MLA = "mla"
+
+
+def _int(name: str, v: object, lo: int) -> None:
+    if not is_int(v) or v < lo:
+        raise PoolError(f"KVCacheConfig: {name} must be an int >= {lo}, got {v!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheConfig:
+    """Sizes of a paged KV cache. Frozen: the cache never changes shape.
+
+    Args:
+        num_pages: pages per layer part, the pad page 0 included (so ``>= 2``).
+        page_size: tokens per page.
+        max_tokens: capacity of ``slot_mapping``: tokens of the largest captured forward.
+        num_layers: attention layers sharing the allocation.
+        kind: :class:`KVKind` (MHA needs ``num_kv_heads`` and ``head_dim``; MLA needs
+            ``kv_lora_rank`` and may have ``rope_dim``, with one head and ``head_dim = 0``).
+        dtype: element type, a floating type. ``float8_e4m3fn`` / ``float8_e5m2`` make a quantized
+            cache: stores take model-dtype K/V plus scales and quantize (:mod:`attnpool.kv_quant`).
+        layout: page order (:class:`KVLayout`); irrelevant for MLA's single head.
+        device: ``"cpu"``, ``"cuda"``, a ``torch.device``, or ``"auto"``.
+    """
+
+    num_pages: int
+    page_size: int
+    max_tokens: int
+    num_layers: int = 1
+    kind: KVKind = KVKind.MHA
+    num_kv_heads: int = 1
+    head_dim: int = 0
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    dtype: torch.dtype = torch.float16
+    layout: KVLayout = KVLayout.NHD
+    device: str | torch.device = "auto"
+    _device: torch.device = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _int("num_pages", self.num_pages, 2)
+        for name in ("page_size", "max_tokens", "num_layers", "num_kv_heads"):
+            _int(name, getattr(self, name), 1)
+        for name in ("head_dim", "kv_lora_rank", "rope_dim"):
+            _int(name, getattr(self, name), 0)
+        if not isinstance(self.kind, KVKind) or not isinstance(self.layout, KVLayout):
+            raise PoolError(f"KVCacheConfig: kind must be a KVKind and layout a KVLayout, got "
+                            f"{self.kind!r}, {self.layout!r}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise PoolError(f"KVCacheConfig: dtype must be a floating torch.dtype, got {self.dtype!r}")
+        mha = self.head_dim >= 1 and not (self.kv_lora_rank or self.rope_dim)
+        mla = self.kv_lora_rank >= 1 and not self.head_dim and self.num_kv_heads == 1
+        if not (mha if self.kind is KVKind.MHA else mla):
+            need = ("head_dim >= 1, kv_lora_rank = rope_dim = 0" if self.kind is KVKind.MHA else
+                    "kv_lora_rank >= 1, head_dim = 0, num_kv_heads = 1")
+            raise PoolError(f"KVCacheConfig: {self.kind.name} needs {need}; got head_dim="
+                            f"{self.head_dim}, kv_lora_rank={self.kv_lora_rank}, rope_dim="
+                            f"{self.rope_dim}, num_kv_heads={self.num_kv_heads}")
+        object.__setattr__(self, "_device", resolve_device(self.device))
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self._device
+
+    @property
+    def parts(self) -> int:
+        """Caches per layer: 2 (K, V) for MHA, 1 for MLA."""
+        return 2 if self.kind is KVKind.MHA else 1
+
+    @property
+    def row_dim(self) -> int:
+        """Elements per token and head of one part: ``head_dim``, or latent + rope for MLA."""
+        return self.head_dim if self.kind is KVKind.MHA else self.kv_lora_rank + self.rope_dim
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer part, the pad page's included."""
+        return self.num_pages * self.page_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes across all layers and parts."""
+        per = self.parts * self.num_kv_heads * self.row_dim * self.dtype.itemsize
+        return self.num_layers * per
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    def page_shape(self) -> tuple[int, int, int]:
+        h, p, d = self.num_kv_heads, self.page_size, self.row_dim
+        return (p, h, d) if self.layout is KVLayout.NHD else (h, p, d)
