@@ -197,10 +197,11 @@ class SimulatedGraphRunner(GraphRunner):
 
 
 def replay_stream(case: Case, dev: torch.device, steps: int, impl: Impl = Impl.AUTO,
-                  backend: str = "sdpa", simulate: bool = False) -> None:
+                  backend: str = "sdpa", simulate: bool = False, poison: bool = True) -> None:
+    """``poison=False``: the runner's pool is a plain ``torch.empty`` arena (initcheck runs)."""
     rng = random.Random(hash(case.name) % 2**16)
     page, d = PAGE[backend], HEAD_DIM[backend]
-    pool = make_pool(case, dev, impl, poison=True, page=page)
+    pool = make_pool(case, dev, impl, poison=poison, page=page)
     ref = make_pool(case, dev, Impl.REFERENCE, poison=True, page=page)
     table = make_table(pool.cfg, 48, rng).to(dev)
     dtype = torch.float32 if backend == "sdpa" else torch.bfloat16

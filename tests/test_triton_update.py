@@ -1,9 +1,11 @@
 """Fused Triton updates equal the reference path exactly (``torch.equal``) in every read region.
 
 On a CPU-only machine the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by
-conftest.py). Both paths write into separate buffers filled with *different* poison values first,
-so equal read regions also prove that each path wrote all of its read region. Outside the read
-region (columns past a row's live pages, the CSR scratch slot) the paths may differ by design.
+conftest.py); on a GPU machine they run on the GPU (``devices.on_device`` moves each call's
+tensors there and back, so cases are built and compared on the host either way). Both paths
+write into separate buffers filled with *different* poison values first, so equal read regions
+also prove that each path wrote all of its read region. Outside the read region (columns past a
+row's live pages, the CSR scratch slot) the paths may differ by design.
 """
 
 from __future__ import annotations
@@ -12,16 +14,18 @@ from dataclasses import dataclass, fields
 
 import pytest
 import torch
+from devices import on_device
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
 from attnpool.errors import CapacityError, InputError, LayoutError, PoolError
 from attnpool.update import reference as ref
-from attnpool.update import triton as tt
+from attnpool.update import triton as triton_update
 from attnpool.update.reference import PagedBuffers
 
 pytestmark = pytest.mark.triton
+tt = on_device(triton_update)  # the kernels, on the device that can run them
 
 POISON_REF, POISON_TT = -1_000_001, -2_000_002
 SETTINGS = settings(max_examples=25, deadline=None,
