@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from test_phases import _tree_mask
 from torch import Tensor
 
 from attnpool import BufferPool, Impl, Layout, Phase, PoolConfig
@@ -55,16 +56,8 @@ def make_pool(rng: random.Random, impl: Impl, *, page: int | None = None,
 
 
 def tree_mask(n: int, rng: random.Random) -> Tensor:
-    """Random trees: each draft's parent is an earlier draft or the root; mask = ancestors."""
-    mask = torch.zeros(n, ND, ND, dtype=torch.bool)
-    for i in range(n):
-        parent = [-1] + [rng.randrange(-1, j) for j in range(1, ND)]
-        for j in range(ND):
-            k = j
-            while k >= 0:
-                mask[i, j, k] = True
-                k = parent[k]
-    return mask
+    """Random trees (each draft's parent an earlier draft or the root); mask = ancestors."""
+    return _tree_mask(n, ND, rng)
 
 
 @dataclass

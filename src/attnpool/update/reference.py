@@ -225,7 +225,7 @@ def extend_tokens(
     n = seq_lens.shape[0]
     t = torch.arange(num_tokens, device=dev)
     if n == 0:
-        return torch.zeros_like(t), torch.full_like(t, -1)
+        return torch.zeros_like(t), torch.full_like(t, -1)  # ok: no real token; padded values
     ext = extend_lens.to(torch.int64)
     ends = torch.cumsum(ext, 0)
     row = torch.searchsorted(ends, t, right=True)
