@@ -72,8 +72,8 @@ class DecodeGraphs:
             return runner.forward(view, x[:, 0], x[:, 1]).argmax(-1)
 
         self.graphs = GraphRunner(
-            # ok: a [1, 2] example input that sizes the runner's static buffers (once, at init)
-            pool, Phase.DECODE, forward, torch.zeros(1, 2, dtype=torch.int64),
+            pool, Phase.DECODE, forward,
+            torch.zeros(1, 2, dtype=torch.int64),  # ok: example input sizing static buffers, once
             capture_sizes=capture_sizes, use_graphs=True, prepare=self._prepared)
 
     def _prepared(self, view: object) -> None:
