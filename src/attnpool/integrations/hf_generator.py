@@ -63,7 +63,8 @@ class PagedGenerator:
         cuda_graphs: ``"auto"`` (on CUDA), True or False: replay decode steps from CUDA graphs.
         num_pages: KV pages per cache, the pad page included (default: enough for ``max_bs``
             requests of ``max_context_len``). Fewer pages make requests wait for each other.
-        max_prefill_tokens: most prompt tokens in one prefill forward (default: the context).
+        max_prefill_tokens: most prompt tokens in one prefill forward (default: a batch of
+            ``max_bs`` contexts, at most 8192, at least one context).
         backend: attention kernel (:class:`~attnpool.integrations.hf_attention.Backend`).
         capture_sizes: padded batch sizes to capture (default: 1, 2, 4, 8, 16, 24, ...).
     """
@@ -110,7 +111,9 @@ class PagedGenerator:
         self.max_context_len, self.num_draft_tokens = max_context_len, n
         # Verify looks N + 1 positions past the committed tokens: the pool's context has room.
         self.context = max_context_len + (n + 1 if n else 0)
-        self.max_prefill_tokens = _int("max_prefill_tokens", self.context
+        # Default: room for a whole batch of short prompts in one prefill, and any one prompt.
+        default_t = max(self.context, min(max_bs * self.context, 8192))
+        self.max_prefill_tokens = _int("max_prefill_tokens", default_t
                                        if max_prefill_tokens is None else max_prefill_tokens, 1)
         pages = num_pages if num_pages is not None else \
             max_bs * -(-self.context // max(1, page_size)) + 1
@@ -119,16 +122,20 @@ class PagedGenerator:
                          spec_steps=max(n - 1, 0), max_extend_tokens=self.max_prefill_tokens,
                          num_pages=_int("num_pages", pages, 2))
         self.pool = BufferPool(cfg)
-        max_tokens = max(self.max_prefill_tokens + 1, max_bs * (n + 1))
+        max_tokens = max(self.max_prefill_tokens, max_bs * (n + 1))
         kw = {"num_pages": pages, "page_size": page_size, "max_tokens": max_tokens,
               "backend": backend}
         self.target = ModelRunner(model, spec, **kw)  # type: ignore[arg-type]
         self.draft = None if dspec is None else ModelRunner(draft_model, dspec, **kw)  # type: ignore[arg-type]
+        for runner in (self.target, self.draft):
+            if runner is not None:  # one update writes pool metadata and cache slots: agree
+                runner.kv.check_pool_config(cfg)
         self.alloc = PageAllocator(pages, page_size, max_bs)
-        # The engine-side request -> token-slot table. Zero-filled once: a row is read only up to
-        # its request's pages, which admission writes first; zeros keep stray reads in page 0.
+        # The engine-side request -> token-slot table, whole pages wide. Zero-filled once: a row
+        # is read only up to its request's pages, which admission writes first; zeros keep any
+        # stray read in the pad page.
         self.req_to_token = torch.zeros(  # ok: engine table, once
-            max_bs, self.context, dtype=torch.int32, device=spec.device)
+            max_bs, cfg.max_pages * page_size, dtype=torch.int32, device=spec.device)
         self._page_offsets = torch.arange(page_size, dtype=torch.int32, device=spec.device)
         self.use_graphs, self.capture_sizes = graphs, capture_sizes
         self._graphs: DecodeGraphs | None = None
@@ -153,7 +160,7 @@ class PagedGenerator:
         self.stats = st = GenerationStats(requests=len(reqs))
         t0 = time.perf_counter()
         models = [self.target.model] + ([] if self.draft is None else [self.draft.model])
-        with torch.no_grad(), attnpool_attention_on(models):
+        with torch.inference_mode(), attnpool_attention_on(models):
             if self.use_graphs and self._graphs is None:
                 self._graphs = DecodeGraphs(self.target, self.pool, self.capture_sizes)
             waiting, running = deque(reqs), list[Request]()
@@ -269,8 +276,9 @@ class PagedGenerator:
             len(reqs), seq_lens=blk[0], extend_lens=blk[1], req_pool_indices=blk[2],
             req_to_token=self.req_to_token, seq_lens_cpu=seq, extend_lens_cpu=ext,
             out_slots=runner.kv.slot_mapping[:total])
+        ctx = runner.context(view, total, prefix_free=not any(prefix))
         self._metadata(t0)
-        logits = runner.forward(view, ids, view.positions[:total], keep=blk[3])
+        logits = runner.forward(ctx, ids, view.positions[:total], keep=blk[3])
         out: list[int] = logits.argmax(-1).tolist()
         return out
 
@@ -311,8 +319,9 @@ class PagedGenerator:
             self.target.kv.update_slots_(blk[4])
             view = self.pool.decode.update_(n, blk[0], blk[1], self.req_to_token,
                                             seq_lens_cpu=seq)
+            ctx = self.target.context(view, n)
             self._metadata(t0)
-            toks = self.target.forward(view, blk[2], blk[3]).argmax(-1)
+            toks = self.target.forward(ctx, blk[2], blk[3]).argmax(-1)
         self.stats.decode_steps += 1
         for r, t in zip(running, toks.tolist(), strict=True):
             r.kv_len += 1
