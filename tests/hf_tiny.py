@@ -31,9 +31,10 @@ def _init(model: Any, dtype: torch.dtype) -> Any:
 def llama(seed: int = 0, dtype: torch.dtype = torch.float64, layers: int = 2, **kw: Any) -> Any:
     """GQA: 4 query heads, 2 KV heads, head dim 16."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, initializer_range=0.3, **(NO_EOS | kw))
+    args = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 256, "initializer_range": 0.3, **NO_EOS}
+    cfg = LlamaConfig(**(args | kw))
     return _init(LlamaForCausalLM(cfg), dtype)
 
 

@@ -9,6 +9,7 @@ element no update or store wrote produces NaN logits, not plausible tokens.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,6 +20,15 @@ from attnpool.integrations.transformers import PagedGenerator
 import hf_tiny
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny tensors: a second intra-op thread only waits for a busy core (CI shares them)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

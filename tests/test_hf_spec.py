@@ -9,15 +9,26 @@ reproduce ``model.generate`` token for token, with the pool and both caches pois
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from attnpool.integrations.transformers import PagedGenerator
 
 import hf_tiny
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny tensors: a second intra-op thread only waits for a busy core (CI shares them)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

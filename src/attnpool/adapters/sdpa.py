@@ -166,12 +166,22 @@ def plan(view: PagedView, *, num_q: int, num_heads: int, num_kv_heads: int,
 def run_plan(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
              softmax_scale: float | None = None) -> Tensor:
     """One layer's attention output ``[num_q, H, Dv]`` through PyTorch SDPA, from a :class:`Plan`
-    of the view (no log-sum-exp)."""
-    h, h_kv, _ = check_qkv(q, k_cache, v_cache)
-    if (q.shape[0], h, h_kv) != (pl.total, pl.num_heads, pl.num_kv_heads):
-        raise InputError(f"q / cache must match the plan: expected {pl.total} query rows, "
-                         f"{pl.num_heads} heads, {pl.num_kv_heads} KV heads; got "
-                         f"{q.shape[0]}, {h}, {h_kv}")
+    of the view (no log-sum-exp).
+
+    Called once per layer, so its checks are only what the plan does not already fix: the
+    shapes against the plan (which checked the view), dtypes and devices.
+    """
+    h, h_kv = pl.num_heads, pl.num_kv_heads
+    if (q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4
+            or (q.shape[0], q.shape[1], k_cache.shape[2]) != (pl.total, h, h_kv)
+            or k_cache.shape[3] != q.shape[2] or v_cache.shape[:3] != k_cache.shape[:3]
+            or not (q.dtype.is_floating_point and k_cache.dtype.is_floating_point)
+            or not q.device == k_cache.device == v_cache.device):
+        check_qkv(q, k_cache, v_cache)  # names the problem when it is one it knows
+        raise InputError(f"q / cache must match the plan: expected q [{pl.total}, {h}, D] and "
+                         f"caches [pages, P, {h_kv}, D] on one device; got q "
+                         f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
+                         f"{tuple(v_cache.shape)}")
     k, v = gather_kv(pl, k_cache, q.dtype), gather_kv(pl, v_cache, q.dtype)
     mask = pl.allowed
     if mask is None:  # prefix-free causal: SDPA's causal mask, heads kept in place

@@ -182,6 +182,8 @@ def group_q(pl: Plan, q: Tensor) -> Tensor:
     """Packed ``q [total, H, D]`` as ``[b, H_kv, Qmax*g, D]`` (a view for decode rows)."""
     b, hk, d = pl.b, pl.num_kv_heads, q.shape[2]
     if pl.q_idx is None:
+        if q.shape[0] == b and q.is_contiguous():  # one query per row: already grouped
+            return q.view(b, hk, -1, d)
         qp = q[:b].reshape(b, 1, hk, -1, d)
     elif pl.total:
         qp = q.index_select(0, pl.q_idx).view(b, pl.qmax, hk, -1, d)
@@ -203,6 +205,8 @@ def packed_heads_q(pl: Plan, q: Tensor) -> Tensor:
 def ungroup(x: Tensor, pl: Plan) -> Tensor:
     """``[b, H_kv, Qmax*g, ...]`` back to ``[b*Qmax, H, ...]`` (packed-lane order)."""
     b, h_kv, rest = x.shape[0], x.shape[1], x.shape[3:]
+    if pl.qmax == 1 and x.is_contiguous():  # one query per row: heads are already in order
+        return x.view(b, -1, *rest)
     x = x.view(b, h_kv, pl.qmax, -1, *rest).transpose(1, 2)
     return x.reshape(b * pl.qmax, -1, *rest)
 
