@@ -124,3 +124,23 @@ def test_attention_without_a_step_context(model: Any) -> None:
             model(torch.tensor([[1, 2, 3]]))
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def test_an_error_mid_run_returns_every_page(gen: PagedGenerator, model: Any,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model failing halfway (after prefills and decode steps) leaks no page or row."""
+    calls, orig = [0], gen.target.forward
+
+    def failing(*a: Any, **k: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("model failed")
+        return orig(*a, **k)
+
+    monkeypatch.setattr(gen.target, "forward", failing)
+    with pytest.raises(RuntimeError, match="model failed"):
+        gen.generate([[1, 2], [3, 4, 5], [6]], max_new_tokens=6)
+    _untouched(gen, model)
+    assert gen.alloc.free_rows == 2
+    monkeypatch.undo()
+    assert gen.generate([[1, 2]], max_new_tokens=2) == hf_tiny.greedy(model, [[1, 2]], new=2)

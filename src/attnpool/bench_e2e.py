@@ -70,7 +70,7 @@ FULL = E2ECase("llama-l4-h256-gqa8:2", layers=4, hidden=256, heads=8, kv_heads=2
                intermediate=512, vocab=2048, prompts=32, lo=8, hi=256, new_tokens=64, max_bs=8)
 QUICK = E2ECase("llama-l2-h64-gqa4:2", layers=2, hidden=64, heads=4, kv_heads=2,
                 intermediate=128, vocab=256, prompts=8, lo=1, hi=40, new_tokens=12, max_bs=4)
-ROUNDS = 3
+ROUNDS = 5
 
 
 def tiny_model(case: E2ECase, device: torch.device, dtype: torch.dtype = torch.float32,

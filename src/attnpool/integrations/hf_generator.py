@@ -34,7 +34,7 @@ from ..paging import PageAllocator
 from ..pool import BufferPool
 from . import hf_spec
 from .hf_attention import Backend
-from .hf_model import attnpool_attention_on, model_spec
+from .hf_model import ModelSpec, attnpool_attention_on, model_spec
 from .hf_runner import DecodeGraphs, ModelRunner
 from .hf_state import GenerationStats, Request
 
@@ -123,13 +123,15 @@ class PagedGenerator:
                          num_pages=_int("num_pages", pages, 2))
         self.pool = BufferPool(cfg)
         max_tokens = max(self.max_prefill_tokens, max_bs * (n + 1))
-        kw = {"num_pages": pages, "page_size": page_size, "max_tokens": max_tokens,
-              "backend": backend}
-        self.target = ModelRunner(model, spec, **kw)  # type: ignore[arg-type]
-        self.draft = None if dspec is None else ModelRunner(draft_model, dspec, **kw)  # type: ignore[arg-type]
-        for runner in (self.target, self.draft):
-            if runner is not None:  # one update writes pool metadata and cache slots: agree
-                runner.kv.check_pool_config(cfg)
+
+        def runner(m: Any, ms: ModelSpec) -> ModelRunner:
+            r = ModelRunner(m, ms, num_pages=pages, page_size=page_size, max_tokens=max_tokens,
+                            backend=backend)
+            r.kv.check_pool_config(cfg)  # one update writes pool metadata and cache slots
+            return r
+
+        self.target = runner(model, spec)
+        self.draft = None if dspec is None else runner(draft_model, dspec)
         self.alloc = PageAllocator(pages, page_size, max_bs)
         # The engine-side request -> token-slot table, whole pages wide. Zero-filled once: a row
         # is read only up to its request's pages, which admission writes first; zeros keep any
@@ -160,27 +162,37 @@ class PagedGenerator:
         self.stats = st = GenerationStats(requests=len(reqs))
         t0 = time.perf_counter()
         models = [self.target.model] + ([] if self.draft is None else [self.draft.model])
-        with torch.inference_mode(), attnpool_attention_on(models):
-            if self.use_graphs and self._graphs is None:
-                self._graphs = DecodeGraphs(self.target, self.pool, self.capture_sizes)
-            waiting, running = deque(reqs), list[Request]()
-            while waiting or running:
-                joined = self._admit(waiting, len(running))
-                if joined:
-                    self._prefill(joined)
-                    running = self._retire(running + joined)
-                if running:
-                    st.batch_sizes.append(len(running))
-                    if self.draft is None:
-                        self._decode(running)
-                    else:
-                        hf_spec.spec_round(self, running)
-                    running = self._retire(running)
-                elif waiting and not joined:  # unreachable: an idle cache fits any admitted size
-                    raise CapacityError("no request can be admitted into an empty cache")
+        try:
+            with torch.inference_mode(), attnpool_attention_on(models):
+                self._run(reqs)
+        finally:  # an exception mid-run (the model's, say) must not leak pages or rows
+            for r in reqs:
+                if r.alloc is not None:
+                    self.alloc.release(r.alloc)
+                    r.alloc = None
         st.wall_s = time.perf_counter() - t0
         st.new_tokens = sum(len(r.out) for r in reqs)
         return [r.out for r in reqs]
+
+    def _run(self, reqs: list[Request]) -> None:
+        """The scheduling loop: admit and prefill, then one decode step or speculative round."""
+        if self.use_graphs and self._graphs is None:
+            self._graphs = DecodeGraphs(self.target, self.pool, self.capture_sizes)
+        waiting, running = deque(reqs), list[Request]()
+        while waiting or running:
+            joined = self._admit(waiting, len(running))
+            if joined:
+                self._prefill(joined)
+                running = self._retire(running + joined)
+            if running:
+                self.stats.batch_sizes.append(len(running))
+                if self.draft is None:
+                    self._decode(running)
+                else:
+                    hf_spec.spec_round(self, running)
+                running = self._retire(running)
+            elif waiting and not joined:  # unreachable: an idle cache fits any admitted size
+                raise CapacityError("no request can be admitted into an empty cache")
 
     # ---- requests, pages -----------------------------------------------------------------------
     def _requests(self, prompts: Sequence[Sequence[int]], max_new: int, eos: int | None
