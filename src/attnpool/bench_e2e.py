@@ -34,7 +34,6 @@ import functools
 import importlib.util
 import json
 import logging
-import random
 import statistics
 import sys
 import time
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 
 from .bench import device_of, machine_info
+from .integrations.tiny import random_prompts, tiny_llama
 
 
 @dataclass(frozen=True)
@@ -75,22 +75,15 @@ ROUNDS = 5
 
 def tiny_model(case: E2ECase, device: torch.device, dtype: torch.dtype = torch.float32,
                seed: int = 0) -> Any:
-    """A random Llama of ``case``'s sizes (``initializer_range=0.3`` so greedy outputs vary)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=case.vocab, hidden_size=case.hidden,
-                      intermediate_size=case.intermediate, num_hidden_layers=case.layers,
-                      num_attention_heads=case.heads, num_key_value_heads=case.kv_heads,
-                      max_position_embeddings=case.hi + case.new_tokens + 8,
-                      initializer_range=0.3, pad_token_id=0)
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    """A random Llama of ``case``'s sizes (:func:`attnpool.integrations.tiny.tiny_llama`)."""
+    return tiny_llama(layers=case.layers, hidden=case.hidden, heads=case.heads,
+                      kv_heads=case.kv_heads, intermediate=case.intermediate, vocab=case.vocab,
+                      max_positions=case.hi + case.new_tokens + 8, device=device, dtype=dtype,
+                      seed=seed)
 
 
 def make_prompts(case: E2ECase, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, case.vocab) for _ in range(rng.randint(case.lo, case.hi))]
-            for _ in range(case.prompts)]
+    return random_prompts(case.prompts, case.lo, case.hi, case.vocab, seed)
 
 
 @dataclass

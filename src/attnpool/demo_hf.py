@@ -15,10 +15,11 @@ import time
 import torch
 
 from .bench import device_of
-from .bench_e2e import E2ECase, make_prompts, tiny_model
+from .integrations.tiny import random_prompts, tiny_llama
 
-DEMO = E2ECase("llama-l2-h128-gqa4:2", layers=2, hidden=128, heads=4, kv_heads=2,
-               intermediate=256, vocab=512, prompts=12, lo=1, hi=60, new_tokens=40, max_bs=4)
+#: the model: 2 layers, 4 query / 2 KV heads of 32, vocabulary 512
+LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 128, 4, 2, 512
+PROMPTS, LONGEST, MAX_BS, PAGE = 12, 60, 4, 16
 DRAFT_TOKENS = 3
 
 
@@ -31,16 +32,17 @@ def run_hf_demo(device: str = "auto", steps: int = 40, seed: int = 0) -> int:
     if dev.type == "cpu":
         torch.set_num_threads(1)  # tiny tensors: extra threads only contend (see demo.py)
     try:
-        model = tiny_model(DEMO, dev, seed=seed)
-        prompts = make_prompts(DEMO, seed=seed)
         new = max(1, steps)
-        ctx = DEMO.hi + new
-        print(f"attnpool demo (transformers) on {dev}: random Llama, {DEMO.layers} layers, "
-              f"{DEMO.heads} query / {DEMO.kv_heads} KV heads, vocab {DEMO.vocab}, float32; "
-              f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
-              f"tokens, {new} new tokens each, max_bs={DEMO.max_bs}, page_size={DEMO.page_size}")
-        gen = PagedGenerator(model, max_bs=DEMO.max_bs, max_context_len=ctx,
-                             page_size=DEMO.page_size)
+        ctx = LONGEST + new
+        model = tiny_llama(layers=LAYERS, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS,
+                           intermediate=2 * HIDDEN, vocab=VOCAB, max_positions=ctx, device=dev,
+                           seed=seed)
+        prompts = random_prompts(PROMPTS, 1, LONGEST, VOCAB, seed=seed)
+        print(f"attnpool demo (transformers) on {dev}: random Llama, {LAYERS} layers, "
+              f"{HEADS} query / {KV_HEADS} KV heads, vocab {VOCAB}, float32; {len(prompts)} "
+              f"prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {new} new "
+              f"tokens each, max_bs={MAX_BS}, page_size={PAGE}")
+        gen = PagedGenerator(model, max_bs=MAX_BS, max_context_len=ctx, page_size=PAGE)
         print(f"pool: {gen.pool.nbytes} bytes of metadata (one allocation), phases "
               f"{[p.value for p in gen.pool.phases]}; KV cache: {gen.target.kv.nbytes} bytes, "
               f"{gen.alloc.usable_pages} usable pages")
@@ -65,9 +67,8 @@ def run_hf_demo(device: str = "auto", steps: int = 40, seed: int = 0) -> int:
                 if want != out[i]:
                     raise SystemExit(f"prompt {i}: PagedGenerator differs from model.generate")
         print(f"matches model.generate (do_sample=False) on the first {check} prompts: ok")
-        spec = PagedGenerator(model, max_bs=DEMO.max_bs, max_context_len=ctx,
-                              page_size=DEMO.page_size, draft_model=model,
-                              num_draft_tokens=DRAFT_TOKENS)
+        spec = PagedGenerator(model, max_bs=MAX_BS, max_context_len=ctx, page_size=PAGE,
+                              draft_model=model, num_draft_tokens=DRAFT_TOKENS)
         t0 = time.perf_counter()
         out2 = spec.generate(prompts, max_new_tokens=new)
         wall2 = time.perf_counter() - t0
