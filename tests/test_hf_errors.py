@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from attnpool import CapacityError, InputError, LayoutError, PoolError
-from attnpool.integrations.transformers import ATTN_NAME, PagedGenerator
+from attnpool.integrations.hf_attention import resolve_backend
+from attnpool.integrations.transformers import ATTN_NAME, Backend, PagedGenerator
 
 import hf_tiny
 
@@ -144,3 +145,14 @@ def test_an_error_mid_run_returns_every_page(gen: PagedGenerator, model: Any,
     assert gen.alloc.free_rows == 2
     monkeypatch.undo()
     assert gen.generate([[1, 2]], max_new_tokens=2) == hf_tiny.greedy(model, [[1, 2]], new=2)
+
+
+def test_attention_backend_resolution(model: Any) -> None:
+    """On CPU the automatic choice is SDPA; a forced flash-attn kernel that cannot run is refused
+    at construction, not at the first step."""
+    cpu = torch.device("cpu")
+    assert resolve_backend(Backend.AUTO, cpu, torch.float32, 16) is Backend.SDPA
+    with pytest.raises(LayoutError, match="backend FA3 cannot run here"):
+        resolve_backend(Backend.FA3, cpu, torch.float16, 16)
+    with pytest.raises(LayoutError, match="backend FA2 cannot run here"):
+        PagedGenerator(model, max_bs=2, max_context_len=32, backend=Backend.FA2)

@@ -33,7 +33,14 @@ from torch import Tensor
 from ..adapters import sdpa
 from ..errors import InputError, LayoutError
 from ..kv import KVCachePool
-from ..views import DecodeView, DraftStepView, PagedView, VerifyView
+from ..views import (
+    DecodeView,
+    DraftExtendView,
+    DraftStepView,
+    ExtendView,
+    PagedView,
+    VerifyView,
+)
 
 #: The name the function is registered under in transformers' ``AttentionInterface``.
 ATTN_NAME = "attnpool"
@@ -97,11 +104,14 @@ def bind(backend: Backend, view: object, num_q: int, num_heads: int, num_kv_head
 
     SDPA: the view's :func:`attnpool.adapters.sdpa.plan` (token slots, masks, query lanes) is
     computed here, once per forward, instead of once per layer. flash-attn reads the view's
-    tensors directly, so there is nothing to prepare. ``prefix_free``: the view is a prefill
-    with nothing cached (see :func:`attnpool.adapters.sdpa.plan`).
+    tensors directly, so there is nothing to prepare (FA2 only runs parts with one query count
+    for every row; prefill and draft extend parts go through SDPA). ``prefix_free``: the view
+    is a prefill with nothing cached (see :func:`attnpool.adapters.sdpa.plan`).
     """
+    part = _single_pass(view)
+    if backend is Backend.FA2 and isinstance(part, (ExtendView, DraftExtendView)):
+        backend = Backend.SDPA  # FA2 takes the same query count for every row: not these
     if backend is Backend.SDPA:
-        part = _single_pass(view)
         if part is None:  # a tree view: two passes merged by log-sum-exp, per layer
             return lambda q, k, v, s: sdpa.attention_out(view, q, k, v, softmax_scale=s)
         pl = sdpa.plan(part, num_q=num_q, num_heads=num_heads, num_kv_heads=num_kv_heads,

@@ -9,9 +9,11 @@ Per call of :meth:`PagedGenerator.generate`:
 * **Prefill** of the joining prompts: one packed forward through ``pool.extend`` (queries causal
   over each request's own tokens), which also writes the new tokens' KV slots into the cache's
   slot mapping; the last token's logits give each request its first token.
-* **Decode**: one forward per step for every running request through ``pool.decode`` (on CUDA, a
-  CUDA graph per padded batch size; eagerly elsewhere), or, with a draft model, one speculative
-  round (:mod:`attnpool.integrations.hf_spec`).
+* **Decode**: one forward per step for every running request through ``pool.decode``. On CUDA
+  the batch is padded to the next captured size and replays that size's CUDA graph; eagerly
+  (CPU, or ``cuda_graphs=False``) it runs the real rows only, since padding buys nothing without
+  a graph. With a draft model, a step is one speculative round (:mod:`attnpool.integrations.
+  hf_spec`; eager).
 * Finished requests (``max_new_tokens`` or ``eos_token_id``) leave between steps.
 
 Host data (token lists, page ids) stays on the host; each step moves one small int64 block of
