@@ -12,12 +12,14 @@ Per call of :meth:`PagedGenerator.generate`:
 * **Decode**: one forward per step for every running request through ``pool.decode``. On CUDA
   the batch is padded to the next captured size and replays that size's CUDA graph; eagerly
   (CPU, or ``cuda_graphs=False``) it runs the real rows only, since padding buys nothing without
-  a graph. With a draft model, a step is one speculative round (:mod:`attnpool.integrations.
-  hf_spec`; eager).
+  a graph. With a draft model, a step is one speculative round, run eagerly
+  (:mod:`attnpool.integrations.hf_spec`).
 * Finished requests (``max_new_tokens`` or ``eos_token_id``) leave between steps.
 
 Host data (token lists, page ids) stays on the host; each step moves one small int64 block of
 inputs (lengths, rows, ids, positions, slots) to the device, and reads back the chosen tokens.
+Everything runs under ``torch.inference_mode()``: a step issues hundreds of small view and
+metadata ops, and without autograd's version and view bookkeeping each costs less host time.
 """
 
 from __future__ import annotations
