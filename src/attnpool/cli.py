@@ -1,8 +1,9 @@
-"""Command line: ``attnpool plan | demo`` (also ``python -m attnpool ...``)."""
+"""Command line: ``attnpool plan | demo | bench`` (also ``python -m attnpool ...``)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Sequence
@@ -41,12 +42,24 @@ def _plan(a: argparse.Namespace) -> int:
 
 
 def _demo(a: argparse.Namespace) -> int:
-    from .demo import run_demo  # the demo pulls in more of the library; keep `plan` light
+    # the demos pull in more of the library (and transformers); keep `plan` light
+    if not a.toy and importlib.util.find_spec("transformers") is not None:
+        from .demo_hf import run_hf_demo
+
+        return run_hf_demo(device=a.device, steps=a.steps, seed=a.seed)
+    from .demo import run_demo
 
     return run_demo(device=a.device, steps=a.steps, seed=a.seed)
 
 
 def _bench(a: argparse.Namespace) -> int:
+    if a.e2e:
+        from .bench_e2e import run_cli as run_e2e  # needs transformers (the hf extra)
+
+        if a.plot:
+            print("attnpool bench: --plot draws the update benchmark, not --e2e", file=sys.stderr)
+            return 2
+        return run_e2e(quick=a.quick, json_path=a.json, device=a.device)
     from .bench import run_cli  # benchmarks build pools and baselines; keep `plan` light
 
     return run_cli(quick=a.quick, json_path=a.json, plot_path=a.plot, device=a.device)
@@ -59,9 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _config_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(fn=_plan)
-    d = sub.add_parser("demo", help="run a small continuous-batching decode loop through a pool")
+    d = sub.add_parser("demo", help="generate with a tiny transformers model through a pool "
+                       "(the toy decode loop without transformers, or with --toy)")
     d.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
-    d.add_argument("--steps", type=int, default=40)
+    d.add_argument("--steps", type=int, default=40,
+                   help="new tokens per prompt (toy demo: decode steps)")
+    d.add_argument("--toy", action="store_true",
+                   help="run the toy model's decode loop (no transformers needed)")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(fn=_demo)
     b = sub.add_parser("bench", help="time attnpool against the classic per-buffer baseline")
@@ -70,6 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--plot", metavar="FILE.png", default=None,
                    help="draw update time vs batch size (needs the 'plot' extra: matplotlib)")
     b.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    b.add_argument("--e2e", action="store_true",
+                   help="end to end: PagedGenerator vs transformers' continuous batching vs "
+                   "model.generate on a tiny random model (needs the 'hf' extra)")
     b.set_defaults(fn=_bench)
     a = parser.parse_args(argv)
     try:

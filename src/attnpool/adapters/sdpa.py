@@ -1,15 +1,18 @@
 """Paged attention over any :class:`attnpool.PagedView` with PyTorch SDPA (CPU and CUDA).
 
-This is the library's CPU backend and the oracle the kernel adapters are checked against, so it
-favours being obviously right over being fast, while staying vectorised:
+This is the library's CPU backend and the oracle the kernel adapters are checked against:
+obviously right first, then as cheap as vectorised torch allows.
 
 * **One padded batched gather, no loop over rows.** Each row's keys are gathered into a
-  ``[bs, Lmax, H_kv, D]`` block (``Lmax = view.max_seqlen_k``) and its queries into
-  ``[bs, Qmax, H, D]`` (``Qmax = view.max_seqlen_q``); a boolean mask hides the lanes past a row's
-  length (and, when ``view.causal``, keys after each query, aligned to the end of the KV row as in
-  flash-attn and FlashInfer). The extents are the view's host ints, so nothing is read back from
-  the device: the adapter issues no host sync. Views refilled with
+  ``[bs, Lmax, H_kv, D]`` block (``Lmax = view.max_seqlen_k``, one ``index_select``) and its
+  queries into ``[bs, Qmax, H, D]`` (``Qmax = view.max_seqlen_q``); a boolean mask hides the lanes
+  past a row's length (and, when ``view.causal``, keys after each query, aligned to the end of the
+  KV row as in flash-attn and FlashInfer). The extents are the view's host ints, so nothing is
+  read back from the device: the adapter issues no host sync. Views refilled with
   ``seq_lens_cpu`` carry tight bounds; capture views carry ``max_context_len`` (correct, bigger).
+* **Grouped-query attention without copies of K/V**: the query heads sharing a KV head are
+  grouped as extra query rows of it (:mod:`attnpool.adapters.sdpa_plan`); a decode view (one
+  query per row) skips the query gather and scatter.
 * **Both layouts, read as a kernel reads them.** ``FLASH_ATTN``: a row's length is
   ``cache_seqlens[i]`` and its pages ``page_table[i, :ceil(len / page_size)]``. ``FLASHINFER``: its
   pages are ``kv_indices[kv_indptr[i] : kv_indptr[i+1]]`` and its length
@@ -19,8 +22,13 @@ favours being obviously right over being fast, while staying vectorised:
 * **Any page size.** Token slot = ``page * view.page_size + offset`` into the cache flattened to
   ``[tokens, H_kv, D]``: expand parts (``page_size = 1``, ids are raw slots) and page-level parts
   read the same cache.
-* **Log-sum-exp.** SDPA's public API does not return it, so it is computed from the same masked
-  scores in float32; two passes over disjoint keys merge exactly with :func:`merge_by_lse`.
+* **Log-sum-exp only when a merge needs it.** SDPA's public API does not return it, so
+  :func:`paged_attention` / :func:`attention` compute the pass by hand from the masked scores in
+  float32 (float64 for float64 inputs) and return both; two passes over disjoint keys merge
+  exactly with :func:`merge_by_lse`. A single pass (decode, chain verify, draft steps, extend)
+  needs only the output: :func:`paged_attention_out` / :func:`attention_out` run SDPA and skip it.
+  A forward over many layers computes the view's :func:`plan` once and calls :func:`run_plan` per
+  layer.
 
 Padding: the adapter computes every row of the view, padded ones included (as a captured kernel
 does), and returns an output shaped like ``q``. The caller keeps the real rows' queries
@@ -40,7 +48,12 @@ from torch import Tensor
 
 from ..config import Layout
 from ..errors import InputError, LayoutError
-from ..views import DecodeView, DraftStepView, PagedView, VerifyView
+from ..kv_quant import check_scales
+from ..views import DraftStepView, PagedView, VerifyView
+from .sdpa_plan import Plan, build, gather_kv, group_q, packed_heads_q, scatter, ungroup
+
+#: SDPA takes fewer KV heads than query heads itself (``enable_gqa``) from torch 2.5 on.
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 class Attn(NamedTuple):
@@ -123,139 +136,84 @@ def pick_layout(view: PagedView, layout: Layout | None) -> Layout:
     return layout
 
 
-def _rows(view: PagedView, layout: Layout, rows: int, lmax: int) -> tuple[Tensor, Tensor]:
-    """``(kv_lens [rows] i64, slots [rows, lmax] i64)`` of the view's first ``rows`` rows.
+def plan(view: PagedView, *, num_q: int, num_heads: int, num_kv_heads: int,
+         layout: Layout | None = None, dtype: torch.dtype | None = None,
+         prefix_free: bool = False) -> Plan:
+    """The layer-independent part of :func:`paged_attention_out` for ``view``: compute it once
+    per forward and pass it to :func:`run_plan` in every layer (see
+    :mod:`attnpool.adapters.sdpa_plan`).
 
-    Slots at or past a row's length are 0 (a valid index; those lanes are masked out of
-    attention). Page ids are never range-checked or clamped: lanes outside a row's pages (which
-    may hold anything, poison included) are replaced by the final ``where`` before any lookup.
-    """
-    p, dev = view.page_size, view.cache_seqlens.device
-    width = max(1, -(-lmax // p))
-    if layout is Layout.FLASH_ATTN:
-        assert view.page_table is not None  # guaranteed by pick_layout
-        lens = view.cache_seqlens[:rows].to(torch.int64)
-        table = view.page_table[:rows, :width]
-        if table.shape[1] < width:
-            raise LayoutError(f"page_table has {table.shape[1]} columns, max_seqlen_k="
-                              f"{view.max_seqlen_k} needs {width} pages of {p}")
-        pages = table
-    else:
-        assert view.kv_indptr is not None and view.kv_indices is not None
-        assert view.kv_last_page_len is not None
-        indptr = view.kv_indptr[: rows + 1].to(torch.int64)
-        npages = indptr[1:] - indptr[:-1]
-        last = view.kv_last_page_len[:rows].to(torch.int64)
-        lens = torch.where(npages > 0, (npages - 1) * p + last, 0)
-        col = torch.arange(width, device=dev)
-        live = col[None, :] < npages[:, None]
-        idx = torch.where(live, indptr[:-1, None] + col[None, :], 0)
-        idx = idx.clamp_(max=view.kv_indices.shape[0] - 1)
-        pages = view.kv_indices.to(torch.int64)[idx]
-    t = torch.arange(max(lmax, p), device=dev)
-    if p == 1:
-        slots = pages[:, :lmax]
-    else:  # page * p + offset for every token lane: one product, one broadcast add (int64)
-        slots = ((pages * p)[:, :, None] + t[:p]).view(rows, width * p)[:, :lmax]
-    return lens, torch.where(t[:lmax] < lens[:, None], slots, 0)
-
-
-class _Batch(NamedTuple):
-    """Padded, head-grouped operands of one pass (see :func:`_prepare`)."""
-
-    q: Tensor  # [b, H_kv, Qmax*g, D]: query (j, head-in-group) pairs of each KV head, grouped
-    k: Tensor  # [b, H_kv, L, D] (a permuted view of the gathered keys: no copy per head)
-    v: Tensor  # [b, H_kv, L, Dv]
-    keys: Tensor  # [b, Qmax] i64: keys each query may see (0: none)
-    allowed: Tensor  # [b, 1, Qmax*g or 1, L] bool: key lanes each grouped query reads
-    dst: Tensor | None  # [b*Qmax] packed position of each lane (``total`` = discard); None: row i
-    #                     is query i (one query per row, the first b rows of q)
-    b: int
-    qmax: int
-    total: int
-
-
-def _prepare(view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor,
-             layout: Layout | None, clamp: bool, k_scale: Tensor | None = None,
-             v_scale: Tensor | None = None) -> _Batch:
-    """Gather one pass: keys and values of every row, queries grouped per KV head.
-
-    Grouped-query attention without copies of K/V: the ``g = H / H_kv`` query heads that share a
-    KV head become ``g`` extra query rows of that head (``[b, H_kv, Qmax*g, D]``), so one batched
-    product per KV head serves them all. Only the (small) queries and mask are regrouped.
-
-    ``clamp``: give a query with no key one masked-in lane (key 0, a valid slot) so a softmax
-    never divides 0 by 0; the caller zeroes those queries' output (``keys == 0``).
+    Args:
+        num_q: packed query rows the layers will pass (``q.shape[0]``).
+        num_heads, num_kv_heads: the model's ``H`` and ``H_kv`` (``H % H_kv == 0``).
+        layout: which of the view's layouts to read (default: the page table when present).
+        dtype: the queries' dtype, when known: the key mask is then built once as SDPA's
+            additive mask instead of being converted from bool by SDPA in every layer.
+        prefix_free: the caller's promise that ``view`` is a causal prefill with nothing cached
+            (every real row's queries start at position 0, ``cache_seqlens`` = its query
+            count): SDPA's own causal mask is then exact, and no mask is built or applied (the
+            cheapest prefill). Wrong for a view with a cached prefix.
     """
     if not isinstance(view, PagedView):
+        raise InputError(f"plan expects a PagedView, got {type(view).__name__}")
+    if not isinstance(num_q, int) or num_q < 0:
+        raise InputError(f"num_q must be an int >= 0, got {num_q!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InputError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    return build(view, pick_layout(view, layout), num_q, num_heads, num_kv_heads, clamp=True,
+                 dtype=dtype, prefix_free=prefix_free)
+
+
+def run_plan(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
+             softmax_scale: float | None = None, k_scale: Tensor | None = None,
+             v_scale: Tensor | None = None) -> Tensor:
+    """One layer's attention output ``[num_q, H, Dv]`` through PyTorch SDPA, from a :class:`Plan`
+    of the view (no log-sum-exp).
+
+    Called once per layer, so its checks are only what the plan does not already fix: the
+    shapes against the plan (which checked the view), dtypes and devices.
+    """
+    h, h_kv = pl.num_heads, pl.num_kv_heads
+    if (q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4
+            or (q.shape[0], q.shape[1], k_cache.shape[2]) != (pl.total, h, h_kv)
+            or k_cache.shape[3] != q.shape[2] or v_cache.shape[:3] != k_cache.shape[:3]
+            or not (q.dtype.is_floating_point and k_cache.dtype.is_floating_point)
+            or not q.device == k_cache.device == v_cache.device):
+        check_qkv(q, k_cache, v_cache)  # names the problem when it is one it knows
+        raise InputError(f"q / cache must match the plan: expected q [{pl.total}, {h}, D] and "
+                         f"caches [pages, P, {h_kv}, D] on one device; got q "
+                         f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
+                         f"{tuple(v_cache.shape)}")
+    ks, vs = _scales(k_cache, h_kv, k_scale, v_scale)
+    k, v = gather_kv(pl, k_cache, q.dtype, ks), gather_kv(pl, v_cache, q.dtype, vs)
+    mask = pl.allowed
+    if mask is None:  # prefix-free causal: SDPA's causal mask, heads kept in place
+        g, qh = h // h_kv, packed_heads_q(pl, q)
+        if g > 1 and _SDPA_GQA:
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=softmax_scale,
+                                               enable_gqa=True)
+        else:  # torch < 2.5: SDPA needs as many KV heads as query heads
+            if g > 1:
+                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=softmax_scale)
+        return scatter(o.transpose(1, 2).reshape(pl.b * pl.qmax, h, -1), pl, 0.0)
+    if mask.dtype != torch.bool and mask.dtype != q.dtype:
+        raise InputError(f"the plan's mask was built for {mask.dtype}, q is {q.dtype}")
+    o = F.scaled_dot_product_attention(group_q(pl, q), k, v, attn_mask=mask, scale=softmax_scale)
+    o = ungroup(o, pl)
+    if pl.keyed is not None:  # queries with no key: 0, not key 0
+        o = torch.where(pl.keyed, o, 0)
+    return scatter(o, pl, 0.0)
+
+
+def _checked_plan(view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                  layout: Layout | None, clamp: bool) -> Plan:
+    if not isinstance(view, PagedView):
         raise InputError(f"paged_attention expects a PagedView, got {type(view).__name__}")
-    h, h_kv, d = check_qkv(q, k_cache, v_cache)
+    h, h_kv, _ = check_qkv(q, k_cache, v_cache)
     if view.cache_seqlens.device != q.device:
         raise InputError(f"view is on {view.cache_seqlens.device}, q on {q.device}")
-    lay = pick_layout(view, layout)
-    g, total, dev, dv = h // h_kv, q.shape[0], q.device, v_cache.shape[3]
-    lmax = max(1, view.max_seqlen_k)
-    # A decode view has one query per row at position i (cu_seqlens_q = arange): no query
-    # gather or scatter, and only the rows q has are computed.
-    decode = isinstance(view, DecodeView)
-    b = min(view.bs, total) if decode else view.bs
-    qmax = 1 if decode else max(1, view.max_seqlen_q)
-    lens, slots = _rows(view, lay, b, lmax)
-    k = k_cache.reshape(-1, h_kv, d)[slots]  # [b, L, H_kv, D]
-    v = v_cache.reshape(-1, h_kv, dv)[slots]
-    if k_scale is not None or v_scale is not None:  # an fp8 cache: stored * scale
-        k, v = _dequantize(k_cache.dtype, h_kv, k, v, k_scale, v_scale)
-    if k.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
-    t = torch.arange(lmax, device=dev)
-    dst: Tensor | None = None
-    if decode:
-        qp = q[:b].reshape(b, 1, h_kv, g, d)
-        keys = lens[:, None]
-    else:
-        cu = view.cu_seqlens_q[: b + 1].to(torch.int64)
-        q_lens = cu[1:] - cu[:-1]
-        j = torch.arange(qmax, device=dev)
-        pos = cu[:-1, None] + j  # [b, Qmax] packed query positions
-        q_ok = (j < q_lens[:, None]) & (pos < total)
-        dst = torch.where(q_ok, pos, total).view(-1)
-        qp = q[pos.clamp(max=max(total - 1, 0))] if total else q.new_zeros(b, qmax, h, d)
-        qp = qp.view(b, qmax, h_kv, g, d)
-        if view.causal:  # query j of a row with q_len queries sits at position len - q_len + j
-            keys = (lens - q_lens)[:, None] + (j + 1)
-            keys = torch.minimum(keys.clamp_(min=0), lens[:, None])
-        else:
-            keys = lens[:, None].expand(b, qmax)
-    seen = keys.clamp(min=1) if clamp else keys
-    allowed = t < seen[:, :, None]  # [b, Qmax, L]
-    if qmax > 1 and g > 1:  # grouped row order is (j, head in group)
-        allowed = allowed[:, :, None].expand(b, qmax, g, lmax).reshape(b, 1, qmax * g, lmax)
-    else:  # one query per row broadcasts over the group's rows
-        allowed = allowed[:, None]
-    qg = qp.permute(0, 2, 1, 3, 4).reshape(b, h_kv, qmax * g, d)
-    return _Batch(qg, k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3), keys, allowed, dst, b, qmax,
-                  total)
-
-
-def _ungroup(x: Tensor, bt: _Batch) -> Tensor:
-    """``[b, H_kv, Qmax*g, ...]`` back to ``[b*Qmax, H, ...]`` (packed-lane order)."""
-    b, h_kv, rest = x.shape[0], x.shape[1], x.shape[3:]
-    x = x.view(b, h_kv, bt.qmax, -1, *rest).transpose(1, 2)
-    return x.reshape(b * bt.qmax, -1, *rest)
-
-
-def _scatter(x: Tensor, bt: _Batch, fill: float) -> Tensor:
-    """Lanes ``[b*Qmax, ...]`` to packed query positions ``[total, ...]``; uncovered ones
-    ``fill``."""
-    if bt.dst is None:  # decode: lane i is query i
-        if bt.b == bt.total:
-            return x
-        out = x.new_full((bt.total, *x.shape[1:]), fill)
-        out[: bt.b] = x
-        return out
-    out = x.new_full((bt.total + 1, *x.shape[1:]), fill)  # the extra row takes discarded lanes
-    out.index_copy_(0, bt.dst, x)
-    return out[: bt.total]
+    return build(view, pick_layout(view, layout), q.shape[0], h, h_kv, clamp)
 
 
 def paged_attention(
@@ -287,19 +245,21 @@ def paged_attention(
         :class:`Attn` ``(out [q.shape[0], H, D], lse [q.shape[0], H])``. Every row of the view is
         computed, padded rows included; positions no row covers hold 0 and ``-inf``.
     """
-    bt = _prepare(view, q, k_cache, v_cache, layout, clamp=False, k_scale=k_scale,
-                  v_scale=v_scale)
+    pl = _checked_plan(view, q, k_cache, v_cache, layout, clamp=False)
     scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
     # float32 at least (float64 stays float64): the log-sum-exp must not be computed in half.
     ct = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(bt.q.to(ct), bt.k.to(ct).transpose(-1, -2)).mul_(scale)
-    scores.masked_fill_(~bt.allowed, float("-inf"))
+    ks, vs = _scales(k_cache, pl.num_kv_heads, k_scale, v_scale)
+    k, v = gather_kv(pl, k_cache, ct, ks), gather_kv(pl, v_cache, ct, vs)
+    scores = torch.matmul(group_q(pl, q).to(ct), k.transpose(-1, -2)).mul_(scale)
+    assert pl.allowed is not None  # built without prefix_free
+    scores.masked_fill_(~pl.allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     # A query with no key has lse = -inf: exp(-inf - 0) = 0 weights, so its output is 0.
     probs = scores.sub_(torch.where(torch.isneginf(lse), 0.0, lse)).exp_()
-    o = torch.matmul(probs, bt.v.to(ct)).to(q.dtype)
-    out = _scatter(_ungroup(o, bt), bt, 0.0)
-    return Attn(out, _scatter(_ungroup(lse, bt)[..., 0].float(), bt, float("-inf")))
+    o = torch.matmul(probs, v).to(q.dtype)
+    out = scatter(ungroup(o, pl), pl, 0.0)
+    return Attn(out, scatter(ungroup(lse, pl)[..., 0].float(), pl, float("-inf")))
 
 
 def paged_attention_out(
@@ -314,23 +274,23 @@ def paged_attention_out(
     v_scale: Tensor | None = None,
 ) -> Tensor:
     """:func:`paged_attention`'s output alone, through PyTorch SDPA (no log-sum-exp): what a
-    single-pass forward needs (decode, chain verify and draft steps, extend)."""
-    bt = _prepare(view, q, k_cache, v_cache, layout, clamp=True, k_scale=k_scale, v_scale=v_scale)
-    o = F.scaled_dot_product_attention(bt.q, bt.k, bt.v, attn_mask=bt.allowed,
-                                       scale=softmax_scale)
-    o = _ungroup(o, bt)
-    o = torch.where((bt.keys > 0).view(-1, 1, 1), o, 0)  # queries with no key: 0, not key 0
-    return _scatter(o, bt, 0.0)
+    single-pass forward needs (decode, chain verify and draft steps, extend). A forward that
+    runs many layers over one view should :func:`plan` once and :func:`run_plan` per layer."""
+    pl = _checked_plan(view, q, k_cache, v_cache, layout, clamp=True)
+    return run_plan(pl, q, k_cache, v_cache, softmax_scale=softmax_scale, k_scale=k_scale,
+                    v_scale=v_scale)
 
 
-def _dequantize(dtype: torch.dtype, h_kv: int, kp: Tensor, vp: Tensor, k_scale: object,
-                v_scale: object) -> tuple[Tensor, Tensor]:
-    from ..kv_quant import check_scales, dequantize
-
-    sc = check_scales(dtype, h_kv, kp.device, (("k_scale", k_scale), ("v_scale", v_scale)), False)
-    if sc is None:
-        return kp, vp
-    return dequantize(kp, sc[0]), dequantize(vp, sc[1])
+def _scales(cache: Tensor, h_kv: int, k_scale: object, v_scale: object
+            ) -> tuple[Tensor | None, Tensor | None]:
+    """An fp8 cache's ``(k_scale, v_scale)`` checked for shape, dtype and device (values are not
+    read: no host sync per layer), or ``(None, None)`` when neither is given (a model-dtype cache,
+    or an fp8 cache read raw)."""
+    if k_scale is None and v_scale is None:
+        return None, None
+    sc = check_scales(cache.dtype, h_kv, cache.device,
+                      (("k_scale", k_scale), ("v_scale", v_scale)), False)
+    return (sc[0], sc[1]) if sc is not None else (None, None)
 
 
 def merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Attn:

@@ -33,7 +33,14 @@ from torch import Tensor
 from ..adapters import sdpa
 from ..errors import InputError, LayoutError
 from ..kv import KVCachePool
-from ..views import DecodeView, PagedView
+from ..views import (
+    DecodeView,
+    DraftExtendView,
+    DraftStepView,
+    ExtendView,
+    PagedView,
+    VerifyView,
+)
 
 #: The name the function is registered under in transformers' ``AttentionInterface``.
 ATTN_NAME = "attnpool"
@@ -79,29 +86,42 @@ def resolve_backend(backend: Backend, device: torch.device, dtype: torch.dtype,
     return backend
 
 
-Attend = Callable[[object, Tensor, Tensor, Tensor, "float | None"], Tensor]
+Run = Callable[[Tensor, Tensor, Tensor, "float | None"], Tensor]
 
 
-def _sdpa(view: object, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
-    return sdpa.attention_out(view, q, k, v, softmax_scale=scale)
+def _single_pass(view: object) -> PagedView | None:
+    """The one paged part of a single-pass view (chain verify and draft steps included)."""
+    if isinstance(view, PagedView):
+        return view
+    if isinstance(view, (VerifyView, DraftStepView)) and view.expand is None:
+        return view.prefix
+    return None
 
 
-def _flash(version: str) -> Attend:
-    def run(view: object, q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+def bind(backend: Backend, view: object, num_q: int, num_heads: int, num_kv_heads: int,
+         dtype: torch.dtype, prefix_free: bool = False) -> Run:
+    """``run(q, k_cache, v_cache, scale) -> out`` for every layer of one forward over ``view``.
+
+    SDPA: the view's :func:`attnpool.adapters.sdpa.plan` (token slots, masks, query lanes) is
+    computed here, once per forward, instead of once per layer. flash-attn reads the view's
+    tensors directly, so there is nothing to prepare (FA2 only runs parts with one query count
+    for every row; prefill and draft extend parts go through SDPA). ``prefix_free``: the view
+    is a prefill with nothing cached (see :func:`attnpool.adapters.sdpa.plan`).
+    """
+    part = _single_pass(view)
+    if backend is Backend.FA2 and isinstance(part, (ExtendView, DraftExtendView)):
+        backend = Backend.SDPA  # FA2 takes the same query count for every row: not these
+    if backend is Backend.SDPA:
+        if part is None:  # a tree view: two passes merged by log-sum-exp, per layer
+            return lambda q, k, v, s: sdpa.attention_out(view, q, k, v, softmax_scale=s)
+        pl = sdpa.plan(part, num_q=num_q, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                       dtype=dtype, prefix_free=prefix_free)
+        return lambda q, k, v, s: sdpa.run_plan(pl, q, k, v, softmax_scale=s)
+    if backend in (Backend.FA3, Backend.FA2):
         from ..adapters import flash_attn as fa  # lazy: CUDA-only kernels
 
-        ver = fa.FlashAttnVersion.FA3 if version == "fa3" else fa.FlashAttnVersion.FA2
-        return fa.attention(view, q, k, v, version=ver, softmax_scale=scale).out
-
-    return run
-
-
-def attend_fn(backend: Backend) -> Attend:
-    """The adapter call for a resolved backend: ``fn(view, q, k_cache, v_cache, scale) -> out``."""
-    if backend is Backend.SDPA:
-        return _sdpa
-    if backend in (Backend.FA3, Backend.FA2):
-        return _flash(backend.value)
+        ver = fa.FlashAttnVersion.FA3 if backend is Backend.FA3 else fa.FlashAttnVersion.FA2
+        return lambda q, k, v, s: fa.attention(view, q, k, v, version=ver, softmax_scale=s).out
     raise InputError(f"resolve the backend first, got {backend}")
 
 
@@ -113,12 +133,15 @@ class StepContext:
         view: the phase view of this forward (a :class:`attnpool.PagedView`, or a chain
             :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView`).
         kv: the model's KV cache; ``kv.slot_mapping[:T]`` holds this step's new-token slots.
-        attend: the adapter call (:func:`attend_fn`).
+        run: the adapter call bound to ``view`` (:func:`bind`).
+        caches: ``(k_cache, v_cache)`` of every layer, ``kv.k_cache(i)`` / ``kv.v_cache(i)``
+            looked up once (the cache never moves), not once per layer and step.
     """
 
     view: object
     kv: KVCachePool
-    attend: Attend
+    run: Run
+    caches: tuple[tuple[Tensor, Tensor], ...]
 
 
 def as_decode(view: PagedView) -> DecodeView:
@@ -160,8 +183,9 @@ def attnpool_attention(
             raise LayoutError(f"attnpool attention does not support {name} (got "
                               f"{kwargs[name]!r}): only full causal attention")
     layer = getattr(module, "layer_idx", None)
-    if not isinstance(layer, int):
-        raise LayoutError(f"attention module {type(module).__name__} has no int layer_idx")
+    if not isinstance(layer, int) or not 0 <= layer < len(ctx.caches):
+        raise LayoutError(f"attention module {type(module).__name__}: layer_idx must be an int "
+                          f"in [0, {len(ctx.caches)}), got {layer!r}")
     if query.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1:
         raise InputError(f"expected packed queries [1, H, T, D] and keys [1, H_kv, T, D], got "
                          f"{tuple(query.shape)} and {tuple(key.shape)}")
@@ -173,5 +197,6 @@ def attnpool_attention(
                           f"{tuple(value.shape)}")
     q = query[0].transpose(0, 1)  # [T, H, D]: a view of transformers' layout
     kv.store_kv_(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out = ctx.attend(ctx.view, q, kv.k_cache(layer), kv.v_cache(layer), scaling)
+    k_cache, v_cache = ctx.caches[layer]
+    out = ctx.run(q, k_cache, v_cache, scaling)
     return out[None], None

@@ -9,13 +9,17 @@ Per call of :meth:`PagedGenerator.generate`:
 * **Prefill** of the joining prompts: one packed forward through ``pool.extend`` (queries causal
   over each request's own tokens), which also writes the new tokens' KV slots into the cache's
   slot mapping; the last token's logits give each request its first token.
-* **Decode**: one forward per step for every running request through ``pool.decode`` (on CUDA, a
-  CUDA graph per padded batch size; eagerly elsewhere), or, with a draft model, one speculative
-  round (:mod:`attnpool.integrations.hf_spec`).
+* **Decode**: one forward per step for every running request through ``pool.decode``. On CUDA
+  the batch is padded to the next captured size and replays that size's CUDA graph; eagerly
+  (CPU, or ``cuda_graphs=False``) it runs the real rows only, since padding buys nothing without
+  a graph. With a draft model, a step is one speculative round, run eagerly
+  (:mod:`attnpool.integrations.hf_spec`).
 * Finished requests (``max_new_tokens`` or ``eos_token_id``) leave between steps.
 
 Host data (token lists, page ids) stays on the host; each step moves one small int64 block of
 inputs (lengths, rows, ids, positions, slots) to the device, and reads back the chosen tokens.
+Everything runs under ``torch.inference_mode()``: a step issues hundreds of small view and
+metadata ops, and without autograd's version and view bookkeeping each costs less host time.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from ..paging import PageAllocator
 from ..pool import BufferPool
 from . import hf_spec
 from .hf_attention import Backend
-from .hf_model import attnpool_attention_on, model_spec
+from .hf_model import ModelSpec, attnpool_attention_on, model_spec
 from .hf_runner import DecodeGraphs, ModelRunner
 from .hf_state import GenerationStats, Request
 
@@ -63,7 +67,8 @@ class PagedGenerator:
         cuda_graphs: ``"auto"`` (on CUDA), True or False: replay decode steps from CUDA graphs.
         num_pages: KV pages per cache, the pad page included (default: enough for ``max_bs``
             requests of ``max_context_len``). Fewer pages make requests wait for each other.
-        max_prefill_tokens: most prompt tokens in one prefill forward (default: the context).
+        max_prefill_tokens: most prompt tokens in one prefill forward (default: a batch of
+            ``max_bs`` contexts, at most 8192, at least one context).
         backend: attention kernel (:class:`~attnpool.integrations.hf_attention.Backend`).
         capture_sizes: padded batch sizes to capture (default: 1, 2, 4, 8, 16, 24, ...).
     """
@@ -110,7 +115,9 @@ class PagedGenerator:
         self.max_context_len, self.num_draft_tokens = max_context_len, n
         # Verify looks N + 1 positions past the committed tokens: the pool's context has room.
         self.context = max_context_len + (n + 1 if n else 0)
-        self.max_prefill_tokens = _int("max_prefill_tokens", self.context
+        # Default: room for a whole batch of short prompts in one prefill, and any one prompt.
+        default_t = max(self.context, min(max_bs * self.context, 8192))
+        self.max_prefill_tokens = _int("max_prefill_tokens", default_t
                                        if max_prefill_tokens is None else max_prefill_tokens, 1)
         pages = num_pages if num_pages is not None else \
             max_bs * -(-self.context // max(1, page_size)) + 1
@@ -119,16 +126,22 @@ class PagedGenerator:
                          spec_steps=max(n - 1, 0), max_extend_tokens=self.max_prefill_tokens,
                          num_pages=_int("num_pages", pages, 2))
         self.pool = BufferPool(cfg)
-        max_tokens = max(self.max_prefill_tokens + 1, max_bs * (n + 1))
-        kw = {"num_pages": pages, "page_size": page_size, "max_tokens": max_tokens,
-              "backend": backend}
-        self.target = ModelRunner(model, spec, **kw)  # type: ignore[arg-type]
-        self.draft = None if dspec is None else ModelRunner(draft_model, dspec, **kw)  # type: ignore[arg-type]
+        max_tokens = max(self.max_prefill_tokens, max_bs * (n + 1))
+
+        def runner(m: Any, ms: ModelSpec) -> ModelRunner:
+            r = ModelRunner(m, ms, num_pages=pages, page_size=page_size, max_tokens=max_tokens,
+                            backend=backend)
+            r.kv.check_pool_config(cfg)  # one update writes pool metadata and cache slots
+            return r
+
+        self.target = runner(model, spec)
+        self.draft = None if dspec is None else runner(draft_model, dspec)
         self.alloc = PageAllocator(pages, page_size, max_bs)
-        # The engine-side request -> token-slot table. Zero-filled once: a row is read only up to
-        # its request's pages, which admission writes first; zeros keep stray reads in page 0.
+        # The engine-side request -> token-slot table, whole pages wide. Zero-filled once: a row
+        # is read only up to its request's pages, which admission writes first; zeros keep any
+        # stray read in the pad page.
         self.req_to_token = torch.zeros(  # ok: engine table, once
-            max_bs, self.context, dtype=torch.int32, device=spec.device)
+            max_bs, cfg.max_pages * page_size, dtype=torch.int32, device=spec.device)
         self._page_offsets = torch.arange(page_size, dtype=torch.int32, device=spec.device)
         self.use_graphs, self.capture_sizes = graphs, capture_sizes
         self._graphs: DecodeGraphs | None = None
@@ -153,27 +166,37 @@ class PagedGenerator:
         self.stats = st = GenerationStats(requests=len(reqs))
         t0 = time.perf_counter()
         models = [self.target.model] + ([] if self.draft is None else [self.draft.model])
-        with torch.no_grad(), attnpool_attention_on(models):
-            if self.use_graphs and self._graphs is None:
-                self._graphs = DecodeGraphs(self.target, self.pool, self.capture_sizes)
-            waiting, running = deque(reqs), list[Request]()
-            while waiting or running:
-                joined = self._admit(waiting, len(running))
-                if joined:
-                    self._prefill(joined)
-                    running = self._retire(running + joined)
-                if running:
-                    st.batch_sizes.append(len(running))
-                    if self.draft is None:
-                        self._decode(running)
-                    else:
-                        hf_spec.spec_round(self, running)
-                    running = self._retire(running)
-                elif waiting and not joined:  # unreachable: an idle cache fits any admitted size
-                    raise CapacityError("no request can be admitted into an empty cache")
+        try:
+            with torch.inference_mode(), attnpool_attention_on(models):
+                self._run(reqs)
+        finally:  # an exception mid-run (the model's, say) must not leak pages or rows
+            for r in reqs:
+                if r.alloc is not None:
+                    self.alloc.release(r.alloc)
+                    r.alloc = None
         st.wall_s = time.perf_counter() - t0
         st.new_tokens = sum(len(r.out) for r in reqs)
         return [r.out for r in reqs]
+
+    def _run(self, reqs: list[Request]) -> None:
+        """The scheduling loop: admit and prefill, then one decode step or speculative round."""
+        if self.use_graphs and self._graphs is None:
+            self._graphs = DecodeGraphs(self.target, self.pool, self.capture_sizes)
+        waiting, running = deque(reqs), list[Request]()
+        while waiting or running:
+            joined = self._admit(waiting, len(running))
+            if joined:
+                self._prefill(joined)
+                running = self._retire(running + joined)
+            if running:
+                self.stats.batch_sizes.append(len(running))
+                if self.draft is None:
+                    self._decode(running)
+                else:
+                    hf_spec.spec_round(self, running)
+                running = self._retire(running)
+            elif waiting and not joined:  # unreachable: an idle cache fits any admitted size
+                raise CapacityError("no request can be admitted into an empty cache")
 
     # ---- requests, pages -----------------------------------------------------------------------
     def _requests(self, prompts: Sequence[Sequence[int]], max_new: int, eos: int | None
@@ -269,8 +292,9 @@ class PagedGenerator:
             len(reqs), seq_lens=blk[0], extend_lens=blk[1], req_pool_indices=blk[2],
             req_to_token=self.req_to_token, seq_lens_cpu=seq, extend_lens_cpu=ext,
             out_slots=runner.kv.slot_mapping[:total])
+        ctx = runner.context(view, total, prefix_free=not any(prefix))
         self._metadata(t0)
-        logits = runner.forward(view, ids, view.positions[:total], keep=blk[3])
+        logits = runner.forward(ctx, ids, view.positions[:total], keep=blk[3])
         out: list[int] = logits.argmax(-1).tolist()
         return out
 
@@ -311,8 +335,9 @@ class PagedGenerator:
             self.target.kv.update_slots_(blk[4])
             view = self.pool.decode.update_(n, blk[0], blk[1], self.req_to_token,
                                             seq_lens_cpu=seq)
+            ctx = self.target.context(view, n)
             self._metadata(t0)
-            toks = self.target.forward(view, blk[2], blk[3]).argmax(-1)
+            toks = self.target.forward(ctx, blk[2], blk[3]).argmax(-1)
         self.stats.decode_steps += 1
         for r, t in zip(running, toks.tolist(), strict=True):
             r.kv_len += 1

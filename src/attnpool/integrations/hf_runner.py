@@ -18,7 +18,7 @@ from ..config import Phase
 from ..graphs import GraphRunner
 from ..kv import KVCacheConfig, KVCachePool
 from ..pool import BufferPool
-from .hf_attention import Backend, StepContext, attend_fn, resolve_backend
+from .hf_attention import Backend, StepContext, bind, resolve_backend
 from .hf_model import ModelSpec, forward_logits
 
 
@@ -42,13 +42,21 @@ class ModelRunner:
             num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
             dtype=spec.dtype, device=spec.device))
         self.backend = resolve_backend(backend, spec.device, spec.dtype, page_size)
-        self.attend = attend_fn(self.backend)
+        self.caches = tuple((self.kv.k_cache(i), self.kv.v_cache(i))
+                            for i in range(spec.num_layers))
 
-    def forward(self, view: object, ids: Tensor, positions: Tensor,
+    def context(self, view: object, num_q: int, prefix_free: bool = False) -> StepContext:
+        """The forward kwarg for ``num_q`` packed tokens over ``view`` (the attention call bound
+        to it: for SDPA, the view's gather plan, computed once for every layer).
+        ``prefix_free``: a prefill of whole prompts (nothing cached before them)."""
+        s = self.spec
+        run = bind(self.backend, view, num_q, s.num_heads, s.num_kv_heads, s.dtype, prefix_free)
+        return StepContext(view, self.kv, run, self.caches)
+
+    def forward(self, ctx: StepContext, ids: Tensor, positions: Tensor,
                 keep: Tensor | None = None) -> Tensor:
         """Logits of one packed step whose new-token slots are already in ``kv.slot_mapping``."""
-        return forward_logits(self.model, ids, positions, StepContext(view, self.kv, self.attend),
-                              keep)
+        return forward_logits(self.model, ids, positions, ctx, keep)
 
 
 class DecodeGraphs:
@@ -69,7 +77,7 @@ class DecodeGraphs:
         self.prepared_at = 0.0
 
         def forward(view: Any, x: Tensor) -> Tensor:
-            return runner.forward(view, x[:, 0], x[:, 1]).argmax(-1)
+            return runner.forward(runner.context(view, x.shape[0]), x[:, 0], x[:, 1]).argmax(-1)
 
         self.graphs = GraphRunner(
             pool, Phase.DECODE, forward,

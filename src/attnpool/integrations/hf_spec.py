@@ -54,10 +54,10 @@ def _draft_steps(gen: PagedGenerator, running: list[Request], rows: list[int]) -
         if s:
             t0 = time.perf_counter()
         draft.kv.update_slots_(blk[3 + s])
-        view = as_decode(dview.steps[s].prefix)
+        ctx = draft.context(as_decode(dview.steps[s].prefix), n)
         pos = blk[0] + s
         gen._metadata(t0)
-        props.append(draft.forward(view, props[-1], pos).argmax(-1))
+        props.append(draft.forward(ctx, props[-1], pos).argmax(-1))
         gen.stats.draft_forwards += 1
     return props
 
@@ -75,8 +75,9 @@ def _verify(gen: PagedGenerator, running: list[Request], rows: list[int],
     ids = torch.stack([blk[2], *props], dim=1).view(-1)  # [n * (N + 1)]: request-major
     view = gen.pool.verify.update_(n, blk[0], blk[1], gen.req_to_token, seq_lens_cpu=kvl)
     gen.target.kv.update_slots_(tok[0])
+    ctx = gen.target.context(view, n * nq)
     gen._metadata(t0)
-    t = gen.target.forward(view, ids, tok[1]).argmax(-1).view(n, nq)
+    t = gen.target.forward(ctx, ids, tok[1]).argmax(-1).view(n, nq)
     d = ids.view(n, nq)[:, 1:]
     m = (d == t[:, :-1]).cumprod(1).sum(1)  # accepted proposals: the longest matching prefix
     res: list[list[int]] = torch.cat([t, m[:, None]], 1).tolist()
@@ -104,8 +105,9 @@ def _draft_extend(gen: PagedGenerator, live: list[Request], new: list[list[int]]
     view = gen.pool.draft_extend.update_(len(live), blk[0], blk[1], blk[2], gen.req_to_token,
                                          seq_lens_cpu=seq, accept_lens_cpu=acc)
     draft.kv.update_slots_(flat[2])
+    ctx = draft.context(view, total)
     gen._metadata(t0)
-    props: list[int] = draft.forward(view, flat[0], flat[1], keep=blk[3]).argmax(-1).tolist()
+    props: list[int] = draft.forward(ctx, flat[0], flat[1], keep=blk[3]).argmax(-1).tolist()
     gen.stats.draft_forwards += 1
     for r, p, s in zip(live, props, seq, strict=True):
         r.draft_len, r.proposal = s, p

@@ -1,0 +1,107 @@
+"""Pages: page 0 is never handed out, a page has one owner, a request that does not fit waits.
+
+Unit tests of :class:`attnpool.paging.PageAllocator`, then the generator under a KV cache too
+small for ``max_bs`` requests at once: requests wait for pages, every admission is checked
+against the live requests' pages, and the outputs still equal ``model.generate`` (with the cache
+poisoned, so a request reading pages another one overwrote, or never wrote, would show).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from attnpool import CapacityError, InputError
+from attnpool.integrations.transformers import PagedGenerator
+from attnpool.paging import Allocation, PageAllocator
+
+import hf_tiny
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_allocator_never_hands_out_the_pad_page_and_is_all_or_nothing() -> None:
+    a = PageAllocator(num_pages=6, page_size=4, num_rows=3)
+    assert a.usable_pages == a.free_pages == 5
+    x = a.admit(9)  # 3 pages
+    assert x is not None and len(x.pages) == 3 and 0 not in x.pages
+    assert a.admit(12) is None  # needs 3, 2 left: nothing taken
+    assert a.free_pages == 2 and a.free_rows == 2
+    y = a.admit(8)
+    assert y is not None and set(x.pages).isdisjoint(y.pages) and 0 not in y.pages
+    assert a.admit(1) is None  # no page left (a row is free)
+    a.release(x)
+    z = a.admit(12)
+    assert z is not None and set(z.pages) == set(x.pages) and z.row == x.row
+    assert {al.row for al in a.live()} == {y.row, z.row}
+    assert a.slot(z, 0) == z.pages[0] * 4 and a.slot(z, 5) == z.pages[1] * 4 + 1
+    with pytest.raises(CapacityError, match="position 12 is outside the 3 pages"):
+        a.slot(z, 12)
+    with pytest.raises(InputError, match="released twice"):
+        a.release(x)
+    with pytest.raises(CapacityError, match="needs 6 pages of 4, more than the 5 usable"):
+        a.check_fits(21)
+
+
+def test_rows_run_out_before_pages() -> None:
+    a = PageAllocator(num_pages=100, page_size=1, num_rows=1, pad_page=3)
+    x = a.admit(5)
+    assert x is not None and 3 not in x.pages
+    assert a.admit(1) is None
+    a.release(x)
+    assert a.admit(1) == Allocation(0, (0,))
+
+
+class _Watch:
+    """Checks every admission against the allocations already live."""
+
+    def __init__(self, gen: PagedGenerator) -> None:
+        self.alloc, self.peak, self.admitted = gen.alloc, 0, 0
+        self._admit = gen.alloc.admit
+        gen.alloc.admit = self.admit  # type: ignore[method-assign]
+
+    def admit(self, tokens: int) -> Allocation | None:
+        live = self.alloc.live()
+        got = self._admit(tokens)
+        if got is not None:
+            self.admitted += 1
+            assert 0 not in got.pages
+            for other in live:
+                assert set(got.pages).isdisjoint(other.pages), (got, other)
+                assert got.row != other.row
+            self.peak = max(self.peak, len(live) + 1)
+        return got
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_requests_wait_for_pages_and_never_share_them(spec: bool) -> None:
+    model = hf_tiny.llama()
+    ps = hf_tiny.prompts((33, 40, 17, 50, 5, 64), seed=5)
+    new = 20
+    # the longest request needs ceil((64 + 20 - 1 + N) / 8) pages; give the cache a bit more
+    # than two such requests, so at most 2-3 of the max_bs = 4 can run at once
+    n = 3 if spec else 0
+    pages = 2 * -(-(64 + new - 1 + n) // 8) + 2 + 1
+    gen = PagedGenerator(model, max_bs=4, max_context_len=hf_tiny.CONTEXT, page_size=8,
+                         num_pages=pages, draft_model=model if spec else None,
+                         num_draft_tokens=n)
+    gen.pool.poison_()
+    gen.target.kv.poison_()
+    if gen.draft is not None:
+        gen.draft.kv.poison_()
+    watch = _Watch(gen)
+    assert gen.generate(ps, max_new_tokens=new) == hf_tiny.greedy(model, ps, new=new)
+    assert watch.admitted == len(ps)
+    assert watch.peak < 4  # pages, not max_bs, limited the batch: some requests waited
+    assert max(gen.stats.batch_sizes) < 4
+    assert gen.alloc.live() == () and gen.alloc.free_pages == pages - 1
