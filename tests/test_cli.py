@@ -28,6 +28,16 @@ def test_plan_table_and_json() -> None:
     assert d["nbytes"] <= d["separate_nbytes"]
 
 
+def test_plan_extend_tokens_sizes_the_extend_phase() -> None:
+    js = _run("plan", "--max-bs", "8", "--context", "1024", "--page-size", "16",
+              "--extend-tokens", "512", "--json")
+    assert js.returncode == 0, js.stderr
+    bufs = {(b["phase"], b["name"]): b for b in json.loads(js.stdout)["buffers"]}
+    assert bufs[("extend", "positions")]["shape"] == [512]
+    plain = json.loads(_run("plan", "--max-bs", "8", "--context", "1024", "--json").stdout)
+    assert all(b["phase"] != "extend" for b in plain["buffers"])
+
+
 def test_plan_bad_config_is_a_clean_error() -> None:
     out = _run("plan", "--page-size", "3")
     assert out.returncode == 2

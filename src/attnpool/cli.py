@@ -24,6 +24,8 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-steps", type=int, default=0, help="draft steps per round (S)")
     p.add_argument("--encoder-len", type=int, default=0, help="max_encoder_len")
     p.add_argument("--chunk", type=int, default=None, help="attention_chunk_size")
+    p.add_argument("--extend-tokens", type=int, default=0,
+                   help="max_extend_tokens (packed prefill tokens per extend step)")
     p.add_argument("--layout", choices=sorted(_LAYOUTS), default="flash_attn")
 
 
@@ -32,6 +34,7 @@ def _config(a: argparse.Namespace, device: str) -> PoolConfig:
         max_bs=a.max_bs, max_context_len=a.context, page_size=a.page_size, device=device,
         num_draft_tokens=a.draft_tokens, topk=a.topk, spec_steps=a.spec_steps,
         max_encoder_len=a.encoder_len, attention_chunk_size=a.chunk, layout=_LAYOUTS[a.layout],
+        max_extend_tokens=a.extend_tokens,
     )
 
 
