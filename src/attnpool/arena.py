@@ -163,7 +163,7 @@ class Arena:
     here ever reallocates.
     """
 
-    __slots__ = ("_bufs", "_epoch", "_valid", "cfg", "plan", "recorded", "storage")
+    __slots__ = ("_bufs", "_gen", "_own", "cfg", "plan", "recorded", "storage")
 
     def __init__(self, cfg: PoolConfig, poison: bool = False) -> None:
         self.cfg = cfg
@@ -174,10 +174,11 @@ class Arena:
         for p in self.plan.placements:
             flat = self.storage[p.offset : p.offset + p.nbytes].view(p.spec.dtype)
             self._bufs[p.spec.key] = flat.view(p.shape)
-        #: rows whose read region is currently valid, per phase (absent: not valid at all).
-        self._valid: dict[Phase, int] = {}
-        #: per phase, a counter bumped by every write that may touch its bytes (see :meth:`epoch`).
-        self._epoch: dict[Phase, int] = {}
+        #: per region (the overlay, or a phase that is not overlaid): the last write's
+        #: ``(phase, generation, rows)``; absent: nothing valid there (see :meth:`mark_written`).
+        self._own: dict[object, tuple[Phase, int, int]] = {}
+        #: bumped by every write through this arena (updates, capture states, poison)
+        self._gen = 0
         #: set once an update ran in capturable mode (``num_real``): the engine may replay it from
         #: its own graph, writing bytes behind this bookkeeping, so epochs prove nothing after.
         self.recorded = False
@@ -208,30 +209,29 @@ class Arena:
     # ---- overlay bookkeeping -------------------------------------------------------------------
     def valid_rows(self, phase: Phase) -> int:
         """Rows of ``phase`` whose read region is valid now (0: must be (re)written first)."""
-        return self._valid.get(phase, 0)
+        o = self._own.get(_REGION[phase])
+        return o[2] if o is not None and o[0] is phase else 0
 
     def mark_written(self, phase: Phase, rows: int) -> None:
         """Record that ``phase`` just wrote its read region for ``rows`` rows.
 
-        Writing an overlaid phase invalidates every other overlaid phase (their bytes are shared).
+        Overlaid phases share one region: writing one invalidates every other. Two dict
+        operations, so the per-update bookkeeping costs next to nothing.
         """
-        if phase in OVERLAID_PHASES:
-            for p in OVERLAID_PHASES:
-                self._valid.pop(p, None)
-                self._epoch[p] = self._epoch.get(p, 0) + 1
-        else:
-            self._epoch[phase] = self._epoch.get(phase, 0) + 1
-        self._valid[phase] = rows
+        self._gen += 1
+        self._own[_REGION[phase]] = (phase, self._gen, rows)
 
     def epoch(self, phase: Phase) -> int:
-        """A counter that changes whenever ``phase``'s bytes may have been written.
+        """A value that changes whenever ``phase``'s bytes may have been written.
 
         A phase that reuses what its previous update left (the incremental page table) compares
         the epoch right after that update with the epoch now: equal means no other phase, capture
-        state or poison wrote those bytes in between through this arena's calls. Writes replayed
+        state or poison wrote those bytes in between through this arena's calls (each such write
+        takes a new generation; a region owned by another phase reads ``-1``). Writes replayed
         from an engine's own graph bypass it; see :attr:`recorded`.
         """
-        return self._epoch.get(phase, 0)
+        o = self._own.get(_REGION[phase])
+        return o[1] if o is not None and o[0] is phase else -1
 
     # ---- poison --------------------------------------------------------------------------------
     def poison_(self) -> None:
@@ -243,9 +243,8 @@ class Arena:
         self.storage.fill_(0xFF)
         for (_, _), buf in self._bufs.items():
             buf.fill_(sentinel(buf.dtype))
-        self._valid.clear()
-        for ph in Phase:
-            self._epoch[ph] = self._epoch.get(ph, 0) + 1
+        self._own.clear()
+        self._gen += 1
         self._write_constants()
 
     def _write_constants(self) -> None:
@@ -255,6 +254,10 @@ class Arena:
                 buf = self._bufs[s.key]
                 step = s.const_step(self.cfg)
                 torch.arange(0, buf.numel() * step, step, out=buf)
+
+
+#: the region each phase's buffers live in: the shared overlay, or the phase's own
+_REGION: dict[Phase, object] = {p: "overlay" if p in OVERLAID_PHASES else p for p in Phase}
 
 
 def sentinel(dtype: torch.dtype) -> int | float:

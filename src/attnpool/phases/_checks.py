@@ -19,6 +19,8 @@ from ..errors import CapacityError, InputError
 
 def check_bs(cfg: PoolConfig, bs: int, n: int | None = None) -> None:
     """``1 <= bs <= max_bs`` and ``0 <= n <= bs``."""
+    if type(bs) is int and 1 <= bs <= cfg.max_bs and (n is None or n <= bs):
+        return
     if not is_int(bs):
         raise InputError(f"bs must be an int, got {type(bs).__name__}")
     if not 1 <= bs <= cfg.max_bs:
@@ -36,14 +38,21 @@ def check_tensor(
     rows: int | None = None,
     device: torch.device | None = None,
 ) -> Tensor:
-    """A tensor of ``ndim`` dims, one of ``dtypes``, on the pool's device (or ``device``)."""
+    """A tensor of ``ndim`` dims, one of ``dtypes``, on the pool's device (or ``device``).
+
+    The hot path is one expression of attribute reads; the per-check messages below are only
+    reached (and formatted) when it fails, or for a device spelled without its index."""
+    want = device if device is not None else cfg.torch_device
+    if (isinstance(t, Tensor) and t.dim() == ndim and t.dtype in dtypes and t.device == want
+            and (rows is None or t.shape[0] == rows)
+            and (ndim != 1 or t.shape[0] <= 1 or t.stride(0) == 1)):
+        return t
     if not isinstance(t, Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise InputError(f"{name} must have {ndim} dim(s), got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise InputError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    want = device if device is not None else cfg.torch_device
     if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
         raise InputError(f"{name} must be on {want}, got {t.device}")
     if rows is not None and t.shape[0] != rows:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -16,6 +16,14 @@ from ..update import reference as ref
 from ..update.reference import PagedBuffers
 from ..views import PagedView
 from ._checks import check_bs, check_req_to_token, check_tensor
+
+#: cached fused launches per phase before the cache is dropped (a bound on its memory)
+_MAX_LAUNCHES = 1024
+#: cached views per phase before the cache is dropped
+_MAX_VIEWS = 4096
+T = TypeVar("T")
+#: :meth:`PhaseBase._write_part`'s padding names -> :func:`attnpool.update.triton.paged_launch`'s
+_PAD_NAMES = {"pad_len": "pad_seq_len", "pad_id": "pad_page"}
 
 
 def capturing(device: torch.device) -> bool:
@@ -46,15 +54,33 @@ class PhaseBase:
         self._arange = arena.buffer(None, "arange")
         #: the arena's address range, for the aliasing check of inputs (computed once)
         self._span = (arena.storage.data_ptr(), arena.storage.data_ptr() + arena.storage.numel())
+        #: assembled fused launches per (part, batch shape, call site): see :meth:`_fused`
+        self._launches: dict[Hashable, Any] = {}
+        #: views handed out, per phase-specific key (see :meth:`_memo`)
+        self._views: dict[Hashable, Any] = {}
+        #: the launches of the update being bound (:meth:`bind`), else None
+        self._rec: list[Callable[[], object]] | None = None
 
     # ---- input checks ----------------------------------------------------------------------------
     def _tensor(self, name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] = INT_DTYPES,
                 rows: int | None = None) -> Tensor:
         """``check_tensor`` against the arena's exact device (``cuda`` resolved to ``cuda:i``),
-        then :meth:`_not_ours`."""
+        then :meth:`_not_ours`. The accepted case is one expression of attribute reads; the
+        detailed checks (and their messages) run only when it fails."""
+        lo, hi = self._span
+        if (type(t) is Tensor and t.dim() == ndim and t.dtype in dtypes and t.device == self._dev
+                and (rows is None or t.shape[0] == rows)
+                and (ndim != 1 or t.shape[0] <= 1 or t.stride(0) == 1)
+                and not lo <= t.data_ptr() < hi):
+            return t
         return self._not_ours(name, check_tensor(name, t, self.cfg, ndim, dtypes, rows, self._dev))
 
     def _req_to_token(self, t: object) -> Tensor:
+        lo, hi = self._span
+        if (type(t) is Tensor and t.dim() == 2 and t.dtype in INT_DTYPES and t.device == self._dev
+                and t.shape[0] >= 1 and t.shape[1] >= self.cfg.max_context_len
+                and t.stride(1) == 1 and not lo <= t.data_ptr() < hi):
+            return t
         return self._not_ours("req_to_token", check_req_to_token(t, self.cfg, self._dev))
 
     def _not_ours(self, name: str, t: Tensor) -> Tensor:
@@ -104,18 +130,50 @@ class PhaseBase:
 
         return triton
 
-    def _fused_part(self, b: PagedBuffers, bs: int, seq_lens: Tensor, rpi: Tensor, table: Tensor,
-                    *, page_size: int | None = None, pad_len: int | None = None,
-                    pad_id: int | None = None, max_len: int | None = None, **kw: object) -> None:
-        """One :func:`attnpool.update.triton.paged_update_` launch with this pool's padding
-        (the same defaults as :meth:`_write_part`)."""
+    def _paged_launch(self, b: PagedBuffers, bs: int, seq_lens: Tensor, rpi: Tensor,
+                      table: Tensor, **kw: Any) -> Any:
+        """Check and assemble one :func:`attnpool.update.triton.paged_launch` of part ``b``
+        with this pool's padding (the defaults of :meth:`_write_part`, whose names ``pad_len`` /
+        ``pad_id`` are accepted; other keywords pass through)."""
         cfg = self.cfg
-        self._tt().paged_update_(
-            b, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi, req_to_token=table,
-            page_size=cfg.page_size if page_size is None else page_size,
-            pad_seq_len=cfg.pad_seq_len if pad_len is None else pad_len,
-            pad_page=cfg.pad_page if pad_id is None else pad_id,
-            max_len=cfg.max_context_len if max_len is None else max_len, **{"extra": 0, **kw})
+        args: dict[str, Any] = {"extra": 0, "page_size": cfg.page_size,
+                                "pad_seq_len": cfg.pad_seq_len, "pad_page": cfg.pad_page,
+                                "max_len": cfg.max_context_len}
+        for k, v in kw.items():
+            args[_PAD_NAMES.get(k, k)] = v
+        return self._tt().paged_launch(b, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi,
+                                       req_to_token=table, **args)
+
+    def _run(self, key: Hashable, build: Callable[[], tuple[Any, ...]],
+             vals: tuple[object, ...]) -> None:
+        """Run the fused launches of ``key`` with ``vals`` (the phase's inputs, laid out as its
+        launches were told with ``take``).
+
+        ``build()`` checks and assembles them on the first update of a key (the batch shape:
+        bs, ``req_to_token``'s shape and which optional inputs are given); every later update
+        only swaps its inputs into the cached arguments. While :meth:`bind` builds a bound
+        update, the launches are also recorded with ``vals`` fixed.
+        """
+        plan = self._launches.get(key)
+        if plan is None:
+            if len(self._launches) >= _MAX_LAUNCHES:  # e.g. a new req_to_token shape per call
+                self._launches.clear()
+            plan = self._launches[key] = build()
+        if self._rec is not None:
+            self._rec.extend(lc.bound(vals) for lc in plan)
+        for lc in plan:
+            lc(vals)
+
+    def _memo(self, key: Hashable, build: Callable[[], T]) -> T:
+        """The view of ``key`` (bs and host bounds), built once: views are frozen slices of
+        fixed buffers, so the same object serves every update of the same shape. Keys that vary
+        per call (host-tight bounds) only fill the cache up to a bound, then start it over."""
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= _MAX_VIEWS:
+                self._views.clear()
+            v = self._views[key] = build()
+        return v  # type: ignore[no-any-return]
 
     def _paged(self, prefix: str = "") -> PagedBuffers:
         a, ph = self.arena, self.phase

@@ -15,6 +15,9 @@ from ..views import DecodeView
 from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
 
+#: the fused launch's inputs, in the order :meth:`DecodePhase.update_` passes them
+_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "keep")
+
 
 class DecodePhase(PhaseBase):
     """``pool.decode``: ``view(bs)`` for capture, ``update_(...)`` before each replay.
@@ -100,12 +103,15 @@ class DecodePhase(PhaseBase):
             if len(ids) != n:
                 raise InputError(f"request_ids must have n={n} values, got {len(ids)}")
         if self.fused:
-            keep = self._keep_flags(ids, bs)
-            # --- writes start here (the kernel wrapper's checks repeat the ones above) ---
-            if keep is not None:
-                self._keep[:bs].copy_(keep, non_blocking=True)
-            self._fused_part(self._b, bs, seq_lens, rpi, table, num_real=num_real,
-                             keep=None if keep is None else self._keep[:bs])
+            flags = self._keep_flags(ids, bs)
+            keep = None if flags is None else self._keep[:bs]
+            # --- writes start here (a launch's first build repeats the checks above) ---
+            if keep is not None and flags is not None:
+                keep.copy_(flags, non_blocking=True)
+            self._run((bs, table.shape, table.stride(0), num_real is None, keep is None),
+                      lambda: (self._paged_launch(self._b, bs, seq_lens, rpi, table,
+                                                  num_real=num_real, keep=keep).take(_NAMES),),
+                      (n, seq_lens, rpi, table, num_real, keep))
             return self._done(bs, n, host, ids)
         # --- writes start here: everything above is validation (the gather cannot raise) ---
         pages = self._gather(rpi, table, host)
@@ -141,5 +147,8 @@ class DecodePhase(PhaseBase):
         self._write_part(self._b, self.cfg.max_bs, self._arange[:0], self._empty_pages())
 
     def _view(self, bs: int, max_seqlen_k: int) -> DecodeView:
+        return self._memo((bs, max_seqlen_k), lambda: self._make_view(bs, max_seqlen_k))
+
+    def _make_view(self, bs: int, max_seqlen_k: int) -> DecodeView:
         return part_view(self._b, bs, self._arange, max_q=1, max_k=max_seqlen_k,
                          page_size=self.cfg.page_size, causal=True, cls=DecodeView)

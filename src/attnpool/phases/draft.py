@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor
 
@@ -15,6 +16,9 @@ from ..update.reference import PagedBuffers
 from ..views import DraftStepView, DraftView, PagedView
 from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
+
+#: the fused launches' inputs, in the order :meth:`DraftPhase.update_` passes them
+_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "out_cache_loc")
 
 
 class DraftPhase(PhaseBase):
@@ -109,8 +113,11 @@ class DraftPhase(PhaseBase):
                                  f"req_to_token, got one with topk={cfg.topk}")
             if self.fused:
                 # --- writes start here ---
-                self._fused_part(self._chain_all, bs, seq_lens, rpi, table, extra=1, steps=steps,
-                                 num_real=num_real)
+                self._run((bs, table.shape, table.stride(0), num_real is None),
+                          lambda: (self._paged_launch(self._chain_all, bs, seq_lens, rpi, table,
+                                                      extra=1, steps=steps, num_real=num_real
+                                                      ).take(_NAMES),),
+                          (n, seq_lens, rpi, table, num_real, None))
             else:
                 width = self._width(host, steps, cfg.page_size, cfg.max_pages)
                 pages = ref.gather_pages(table, rpi, cfg.page_size, width)
@@ -123,13 +130,9 @@ class DraftPhase(PhaseBase):
                                  f"got {tuple(loc.shape)}")
             if self.fused:
                 # --- writes start here (both launches' inputs were checked above) ---
-                self._fused_part(self._prefix, bs, seq_lens, rpi, table, full_pages=True,
-                                 num_real=num_real)
-                self._tt().draft_tree_expand_update_(
-                    self._expand_all, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi,
-                    req_to_token=table, out_cache_loc=loc, page_size=cfg.page_size,
-                    pad_len=self._expand_pad, pad_id=cfg.pad_page * cfg.page_size,
-                    num_real=num_real)
+                self._run((bs, table.shape, table.stride(0), num_real is None, loc.stride()),
+                          lambda: self._tree_launches(bs, seq_lens, rpi, table, loc, num_real),
+                          (n, seq_lens, rpi, table, num_real, loc))
             else:
                 width = self._width(host, 0, cfg.page_size, cfg.max_pages)
                 pages = ref.gather_pages(table, rpi, cfg.page_size, width)
@@ -138,6 +141,18 @@ class DraftPhase(PhaseBase):
                 self._write_tree(bs, full, pages, part, slots)
         self.arena.mark_written(self.phase, bs)
         return self._view(bs, host, n)
+
+    def _tree_launches(self, bs: int, seq_lens: Tensor, rpi: Tensor, table: Tensor, loc: Tensor,
+                       num_real: Tensor | None) -> tuple[Any, ...]:
+        """A tree round's fused launches: the prefix pass, then every step's expand rows."""
+        cfg = self.cfg
+        prefix = self._paged_launch(self._prefix, bs, seq_lens, rpi, table, full_pages=True,
+                                    num_real=num_real)
+        expand = self._tt().draft_tree_expand_launch(
+            self._expand_all, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi, req_to_token=table,
+            out_cache_loc=loc, page_size=cfg.page_size, pad_len=self._expand_pad,
+            pad_id=cfg.pad_page * cfg.page_size, num_real=num_real)
+        return prefix.take(_NAMES), expand.take(_NAMES)
 
     @property
     def _expand_pad(self) -> int:
@@ -170,6 +185,10 @@ class DraftPhase(PhaseBase):
             self._write_chain(bs, none, self._empty_pages())
 
     def _view(self, bs: int, host: list[int] | None, n: int) -> DraftView:
+        key = (bs, None) if host is None else (bs, tuple(host), n)
+        return self._memo(key, lambda: self._make_view(bs, host, n))
+
+    def _make_view(self, bs: int, host: list[int] | None, n: int) -> DraftView:
         cfg, c = self.cfg, self.cfg.max_context_len
         out: list[DraftStepView] = []
         if self.tree:

@@ -15,6 +15,9 @@ from ..views import DraftExtendView
 from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
 
+#: the fused launch's inputs, in the order :meth:`DraftExtendPhase.update_` passes them
+_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "q_lens")
+
 
 class DraftExtendPhase(PhaseBase):
     """``pool.draft_extend``: request ``i`` runs ``accept_lens[i]`` queries (1..N) causally over
@@ -79,9 +82,11 @@ class DraftExtendPhase(PhaseBase):
                                         f"got {a}")
         if self.fused:
             # --- writes start here ---
-            self._fused_part(self._b, bs, seq_lens, rpi, table, q_lens=acc,
-                             cu_seqlens_q=self._cu_q, pad_q=1, max_q=cfg.num_draft_tokens,
-                             num_real=num_real)
+            self._run((bs, table.shape, table.stride(0), num_real is None),
+                      lambda: (self._paged_launch(
+                          self._b, bs, seq_lens, rpi, table, q_lens=acc, cu_seqlens_q=self._cu_q,
+                          pad_q=1, max_q=cfg.num_draft_tokens, num_real=num_real).take(_NAMES),),
+                      (n, seq_lens, rpi, table, num_real, acc))
         else:
             width = self._width(host, 0, cfg.page_size, cfg.max_pages)
             pages = ref.gather_pages(table, rpi, cfg.page_size, width)
@@ -109,5 +114,8 @@ class DraftExtendPhase(PhaseBase):
                     pad_q=self.cfg.num_draft_tokens)
 
     def _view(self, bs: int, max_k: int) -> DraftExtendView:
+        return self._memo((bs, max_k), lambda: self._make_view(bs, max_k))
+
+    def _make_view(self, bs: int, max_k: int) -> DraftExtendView:
         return part_view(self._b, bs, self._cu_q, max_q=self.cfg.num_draft_tokens, max_k=max_k,
                          page_size=self.cfg.page_size, causal=True, cls=DraftExtendView)

@@ -14,6 +14,9 @@ from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
 from .decode import DecodePhase
 
+#: the fused launches' inputs, in the order :meth:`EncoderPhase.update_` passes them
+_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "encoder_lens")
+
 
 class EncoderPhase(PhaseBase):
     """``pool.encoder``: each request's ``req_to_token`` row holds its encoder tokens first, then
@@ -76,10 +79,15 @@ class EncoderPhase(PhaseBase):
         dec = self._decode
         if self.fused:
             # --- writes start here (both launches' inputs were checked above) ---
-            self._fused_part(self._b, bs, enc, rpi, table, pad_len=self._pad,
-                             max_len=cfg.max_encoder_len, num_real=num_real)
-            dec._fused_part(dec._b, bs, seq_lens, rpi, table, token_offset=enc,
-                            num_real=num_real)
+            self._run((bs, table.shape, table.stride(0), num_real is None),
+                      lambda: (
+                          self._paged_launch(self._b, bs, enc, rpi, table, pad_len=self._pad,
+                                             max_len=cfg.max_encoder_len, num_real=num_real
+                                             ).take(_NAMES, seq_lens="encoder_lens"),
+                          dec._paged_launch(dec._b, bs, seq_lens, rpi, table, token_offset=enc,
+                                            num_real=num_real
+                                            ).take(_NAMES, token_offset="encoder_lens")),
+                      (n, seq_lens, rpi, table, num_real, enc))
         else:
             cap = -(-cfg.max_encoder_len // cfg.page_size)
             width = self._width(enc_host, 0, cfg.page_size, cap)
@@ -101,5 +109,8 @@ class EncoderPhase(PhaseBase):
         self._write(self.cfg.max_bs, self._arange[:0], self._empty_pages())
 
     def _view(self, bs: int, max_k: int) -> PagedView:
+        return self._memo((bs, max_k), lambda: self._make_view(bs, max_k))
+
+    def _make_view(self, bs: int, max_k: int) -> PagedView:
         return part_view(self._b, bs, self._arange, max_q=1, max_k=max_k,
                          page_size=self.cfg.page_size, causal=False)

@@ -15,6 +15,9 @@ from ..views import ExtendView
 from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
 
+#: the fused launch's inputs, in the order :meth:`ExtendPhase.update_` passes them
+_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "q_lens", "out_slots")
+
 
 class ExtendPhase(PhaseBase):
     """``pool.extend``: request ``i`` appends ``extend_lens[i]`` tokens to a cached prefix of
@@ -94,9 +97,13 @@ class ExtendPhase(PhaseBase):
         slots = None if out_slots is None else self._out_slots(out_slots, total)
         if self.fused:
             # --- writes start here ---
-            self._fused_part(self._b, bs, seq_lens, rpi, table, q_lens=ext,
-                             cu_seqlens_q=self._cu_q, q_total=t_max, positions=self._pos,
-                             out_slots=slots, num_real=num_real)
+            self._run((bs, table.shape, table.stride(0), num_real is None,
+                       None if slots is None else slots.shape[0]),
+                      lambda: (self._paged_launch(
+                          self._b, bs, seq_lens, rpi, table, q_lens=ext, cu_seqlens_q=self._cu_q,
+                          q_total=t_max, positions=self._pos, out_slots=slots,
+                          num_real=num_real).take(_NAMES),),
+                      (n, seq_lens, rpi, table, num_real, ext, slots))
         else:
             pages = ref.gather_pages(table, rpi, cfg.page_size,
                                      self._width(host, 0, cfg.page_size, cfg.max_pages))
@@ -159,6 +166,9 @@ class ExtendPhase(PhaseBase):
         self._write(self.cfg.max_bs, none, none, self._empty_pages(), None)
 
     def _view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
+        return self._memo((bs, max_q, max_k), lambda: self._make_view(bs, max_q, max_k))
+
+    def _make_view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
         return part_view(self._b, bs, self._cu_q, max_q=max_q, max_k=max_k,
                          page_size=self.cfg.page_size, causal=True, cls=ExtendView,
                          positions=self._pos)

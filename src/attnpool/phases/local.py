@@ -16,6 +16,9 @@ from ..views import LocalView
 from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
 
+#: the fused launch's inputs, in the order :meth:`LocalPhase.update_` passes them
+_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real")
+
 
 class LocalPhase(PhaseBase):
     """``pool.local``: the chunked-local-attention view that goes with a decode or verify step.
@@ -88,11 +91,14 @@ class LocalPhase(PhaseBase):
         host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - extra)
         if self.fused:
             # --- writes start here ---
-            self._tt().local_update_(
-                self._b, cu_seqlens_q=self._cu_q, bs=bs, seq_lens=seq_lens,
-                req_pool_indices=rpi, req_to_token=table, extra=extra, num_queries=q,
-                rows_per_request=per, chunk=self.chunk, page_size=cfg.page_size,
-                pad_len=self._pad, pad_page=cfg.pad_page, num_real=num_real)
+            self._run((bs, extra, q, per, table.shape, table.stride(0), num_real is None),
+                      lambda: (self._tt().local_launch(
+                          self._b, cu_seqlens_q=self._cu_q, bs=bs, seq_lens=seq_lens,
+                          req_pool_indices=rpi, req_to_token=table, extra=extra, num_queries=q,
+                          rows_per_request=per, chunk=self.chunk, page_size=cfg.page_size,
+                          pad_len=self._pad, pad_page=cfg.pad_page, num_real=num_real
+                          ).take(_NAMES),),
+                      (n, seq_lens, rpi, table, num_real))
         else:
             kv = seq_lens + extra if extra else seq_lens
             q_lens, kv_lens, off, valid = ref.local_rows(kv, q, self.chunk, per, self._pad)
@@ -122,6 +128,9 @@ class LocalPhase(PhaseBase):
         self._write(self.cfg.max_bs, q, per, none, none, self._empty_pages())
 
     def _view(self, bs: int, for_phase: Phase) -> LocalView:
+        return self._memo((bs, for_phase), lambda: self._make_view(bs, for_phase))
+
+    def _make_view(self, bs: int, for_phase: Phase) -> LocalView:
         q, _, per = self._shape(for_phase)
         max_k = min(self.chunk, self.cfg.max_context_len)
         return part_view(self._b, bs * per, self._cu_q, max_q=q, max_k=max_k,

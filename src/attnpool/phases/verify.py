@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -14,6 +15,9 @@ from ..update import reference as ref
 from ..views import PagedView, VerifyView
 from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
+
+#: the fused launches' inputs, in the order :meth:`VerifyPhase.update_` passes them
+_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "tree_mask")
 
 
 class VerifyPhase(PhaseBase):
@@ -79,12 +83,10 @@ class VerifyPhase(PhaseBase):
         add = 0 if self.tree else nd
         if self.fused:
             # --- writes start here (both launches' inputs were checked above) ---
-            self._fused_part(self._p, bs, seq_lens, rpi, table, extra=add, num_real=num_real)
-            if mask is not None and self._e is not None:
-                self._tt().tree_expand_update_(
-                    self._e, bs=bs, tree_mask=mask, seq_lens=seq_lens, req_pool_indices=rpi,
-                    req_to_token=table, pad_len=self._expand_pad, pad_id=self._expand_pad_id,
-                    num_real=num_real)
+            self._run((bs, table.shape, table.stride(0), num_real is None,
+                       None if mask is None else mask.stride()),
+                      lambda: self._launches_for(bs, seq_lens, rpi, table, num_real, mask, add),
+                      (n, seq_lens, rpi, table, num_real, mask))
         else:
             width = self._width(host, add, cfg.page_size, cfg.max_pages)
             pages = ref.gather_pages(table, rpi, cfg.page_size, width)
@@ -95,6 +97,18 @@ class VerifyPhase(PhaseBase):
                 self._write_expand(bs, *expand)
         self.arena.mark_written(self.phase, bs)
         return self._view(bs, self._max_k(host, add, n, bs, cfg.max_context_len))
+
+    def _launches_for(self, bs: int, seq_lens: Tensor, rpi: Tensor, table: Tensor,
+                      num_real: Tensor | None, mask: Tensor | None, add: int) -> tuple[Any, ...]:
+        """The fused launches of one batch shape: the prefix part, then the tree expand part."""
+        out = [self._paged_launch(self._p, bs, seq_lens, rpi, table, extra=add,
+                                  num_real=num_real).take(_NAMES)]
+        if mask is not None and self._e is not None:
+            out.append(self._tt().tree_expand_launch(
+                self._e, bs=bs, tree_mask=mask, seq_lens=seq_lens, req_pool_indices=rpi,
+                req_to_token=table, pad_len=self._expand_pad, pad_id=self._expand_pad_id,
+                num_real=num_real).take(_NAMES))
+        return tuple(out)
 
     @property
     def _expand_pad(self) -> int:
@@ -117,6 +131,9 @@ class VerifyPhase(PhaseBase):
         self._write_expand(bs, self._arange[:0], self._empty_pages())
 
     def _view(self, bs: int, max_k: int) -> VerifyView:
+        return self._memo((bs, max_k), lambda: self._make_view(bs, max_k))
+
+    def _make_view(self, bs: int, max_k: int) -> VerifyView:
         cfg, nd = self.cfg, self.cfg.num_draft_tokens
         prefix: PagedView = part_view(self._p, bs, self._cu_q, max_q=nd, max_k=max_k,
                            page_size=cfg.page_size, causal=not self.tree)

@@ -44,6 +44,7 @@ positions shift whenever an earlier row's page count changes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -52,14 +53,21 @@ from ..config import is_int
 from ..errors import CapacityError, InputError, LayoutError
 from . import triton_checks as ck
 from .reference import PagedBuffers
-from .triton_draft import draft_tree_expand_update_
+from .triton_draft import draft_tree_expand_launch, draft_tree_expand_update_
 
 __all__ = [
-    "draft_tree_expand_update_", "keep_flags", "local_update_", "paged_update_",
-    "tree_expand_update_",
+    "draft_tree_expand_launch",
+    "draft_tree_expand_update_", "keep_flags", "local_launch", "local_update_", "paged_launch",
+    "paged_update_", "tree_expand_launch", "tree_expand_update_",
 ]
 
-def paged_update_(
+def paged_update_(b: PagedBuffers, **kw: Any) -> None:
+    """Write one paged part's read region for ``bs`` rows in one launch: :func:`paged_launch`
+    with the same arguments, run once."""
+    paged_launch(b, **kw)()
+
+
+def paged_launch(
     b: PagedBuffers,
     *,
     bs: int,
@@ -83,8 +91,8 @@ def paged_update_(
     q_total: int | None = None,
     positions: Tensor | None = None,
     out_slots: Tensor | None = None,
-) -> None:
-    """Write one paged part's read region for ``bs`` rows in one launch.
+) -> ck.Launch:
+    """Check one paged part's update and assemble its launch (see :func:`paged_update_`).
 
     Same bytes in every read region as ``reference.lengths_`` + ``reference.paged_`` over
     ``reference.gather_pages`` (page ``p`` of row ``i`` is ``req_to_token[r_i, off_i + p*P] // P``):
@@ -170,8 +178,7 @@ def paged_update_(
     if max_len is None:
         max_len = width * page_size
     dummy = b.cache_seqlens
-    k = ck.kernels()
-    k.paged_kernel[(bs,)](
+    args = (
         seq_lens, req_pool_indices, table,
         token_offset if token_offset is not None else dummy,
         num_real if num_real is not None else dummy,
@@ -192,15 +199,24 @@ def paged_update_(
         page_size, table.shape[0], table.shape[1], table.stride(0), pt_stride, width,
         b.kv_indices.shape[0] if b.kv_indices is not None else 0,
         q_total or 0, pos_cap, slot_cap, max(pos_cap, slot_cap),
-        HAS_OFF=token_offset is not None, DEVICE_N=num_real is not None, HAS_PT=has_pt,
-        HAS_FI=has_fi, INCR=keep is not None, HAS_Q=q_lens is not None, FULL_PAGES=full_pages,
-        Q_FIXED=q_total is not None, TOKENS=tokens,
-        BLOCK=ck.pow2(bs), BLOCK_P=min(ck.MAX_BLOCK_P, ck.pow2(width)), BLOCK_T=ck.BLOCK_T,
-        num_warps=ck.warps(bs),
     )
+    kw = {"HAS_OFF": token_offset is not None, "DEVICE_N": num_real is not None,
+          "HAS_PT": has_pt, "HAS_FI": has_fi, "INCR": keep is not None, "HAS_Q": q_lens is not None,
+          "FULL_PAGES": full_pages, "Q_FIXED": q_total is not None, "TOKENS": tokens,
+          "BLOCK": ck.pow2(bs), "BLOCK_P": min(ck.MAX_BLOCK_P, ck.pow2(width)),
+          "BLOCK_T": ck.BLOCK_T, "num_warps": ck.warps(bs)}
+    dyn = ck.dyn(n=(16, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
+                 req_to_token=(2, table), token_offset=(3, token_offset), num_real=(4, num_real),
+                 keep=(5, keep), q_lens=(6, q_lens), out_slots=(15, out_slots))
+    return ck.Launch(ck.kernels().paged_kernel, (bs,), args, kw, dyn)
 
 
-def tree_expand_update_(
+def tree_expand_update_(e: PagedBuffers, **kw: Any) -> None:
+    """Write the verify tree *expand* part in one launch: :func:`tree_expand_launch`, run once."""
+    tree_expand_launch(e, **kw)()
+
+
+def tree_expand_launch(
     e: PagedBuffers,
     *,
     bs: int,
@@ -211,8 +227,8 @@ def tree_expand_update_(
     pad_len: int,
     pad_id: int,
     num_real: Tensor | None = None,
-) -> None:
-    """Write the verify tree *expand* part (``bs*N`` token-slot rows, page size 1) in one launch.
+) -> ck.Launch:
+    """Check and assemble the verify tree *expand* part (``bs*N`` token-slot rows, page size 1).
 
     Row ``i*N + j`` lists the slots ``req_to_token[r_i, seq_lens[i] + k]`` of the drafts ``k``
     that ``tree_mask[i, j, k]`` allows, allowed first in increasing ``k``; its length is the
@@ -239,8 +255,7 @@ def tree_expand_update_(
     has_pt, has_fi = ck.layouts(e, bs * nd, dev, nd)
     dummy = e.cache_seqlens
     bn = ck.pow2(nd, 2)
-    k = ck.kernels()
-    k.tree_expand_kernel[(bs,)](
+    args = (
         tree_mask, seq_lens, req_pool_indices, table,
         num_real if num_real is not None else dummy,
         e.cache_seqlens, e.cu_seqlens_k,
@@ -252,12 +267,21 @@ def tree_expand_update_(
         table.shape[0], table.shape[1], table.stride(0),
         e.page_table.stride(0) if e.page_table is not None else 0,
         e.kv_indices.shape[0] if e.kv_indices is not None else 0,
-        DEVICE_N=num_real is not None, HAS_PT=has_pt, HAS_FI=has_fi,
-        BLOCK_N=bn, BLOCK_R=max(1, 4096 // bn),
     )
+    kw = {"DEVICE_N": num_real is not None, "HAS_PT": has_pt, "HAS_FI": has_fi,
+          "BLOCK_N": bn, "BLOCK_R": max(1, 4096 // bn)}
+    dyn = ck.dyn(n=(11, n), tree_mask=(0, tree_mask), seq_lens=(1, seq_lens),
+                 req_pool_indices=(2, req_pool_indices), req_to_token=(3, table),
+                 num_real=(4, num_real))
+    return ck.Launch(ck.kernels().tree_expand_kernel, (bs,), args, kw, dyn)
 
 
-def local_update_(
+def local_update_(b: PagedBuffers, **kw: Any) -> None:
+    """Write the chunked-local-attention part in one launch: :func:`local_launch`, run once."""
+    local_launch(b, **kw)()
+
+
+def local_launch(
     b: PagedBuffers,
     *,
     cu_seqlens_q: Tensor,
@@ -273,8 +297,8 @@ def local_update_(
     pad_len: int,
     pad_page: int,
     num_real: Tensor | None = None,
-) -> None:
-    """Write the chunked-local-attention part (``bs * rows_per_request`` virtual rows) in one launch.
+) -> ck.Launch:
+    """Check and assemble the chunked-local-attention part (``bs * rows_per_request`` virtual rows).
 
     Same bytes in every read region as the reference local phase: ``reference.local_rows`` over
     ``seq_lens + extra`` with ``num_queries`` queries per request, pages gathered from each row's
@@ -305,7 +329,7 @@ def local_update_(
     else:
         width, pt_stride = -(-min(chunk, table.shape[1]) // page_size), 0
     dummy = b.cache_seqlens
-    ck.kernels().local_kernel[(rows,)](
+    args = (
         seq_lens, req_pool_indices, table, num_real if num_real is not None else dummy,
         b.cache_seqlens, b.cu_seqlens_k, cu_seqlens_q,
         b.page_table if b.page_table is not None else dummy,
@@ -315,10 +339,13 @@ def local_update_(
         n, bs, rows_per_request, extra, num_queries, chunk, pad_len, pad_page,
         page_size, table.shape[0], table.shape[1], table.stride(0), pt_stride, width,
         b.kv_indices.shape[0] if b.kv_indices is not None else 0,
-        DEVICE_N=num_real is not None, HAS_PT=has_pt, HAS_FI=has_fi,
-        BLOCK=ck.pow2(rows), BLOCK_P=min(ck.MAX_BLOCK_P, ck.pow2(width)),
-        num_warps=ck.warps(rows),
     )
+    kw = {"DEVICE_N": num_real is not None, "HAS_PT": has_pt, "HAS_FI": has_fi,
+          "BLOCK": ck.pow2(rows), "BLOCK_P": min(ck.MAX_BLOCK_P, ck.pow2(width)),
+          "num_warps": ck.warps(rows)}
+    dyn = ck.dyn(n=(11, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
+                 req_to_token=(2, table), num_real=(3, num_real))
+    return ck.Launch(ck.kernels().local_kernel, (rows,), args, kw, dyn)
 
 
 def keep_flags(prev_ids: Sequence[int] | None, ids: Sequence[int], bs: int) -> list[int]:

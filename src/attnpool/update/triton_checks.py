@@ -7,7 +7,10 @@ accepted one costs nothing but the launch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -115,3 +118,51 @@ def real_count(num_real: Tensor | None, n: int, bs: int, dev: torch.device) -> N
         need(n <= bs, CapacityError, f"real rows n must be <= bs={bs}, got n={n}")
     else:
         vec("num_real", num_real, 1, dev)
+
+
+class Launch:
+    """One kernel launch with every argument resolved, replayable with new inputs.
+
+    The wrappers check everything and assemble the ~20-45 arguments of a launch once; a phase
+    keeps the result per batch shape and replays it, so its hot path is its own one-pass input
+    check plus :meth:`__call__`. ``dyn`` maps the inputs a replay may change (the real row count
+    ``n`` and the caller's tensors that were given, by the wrapper's parameter names) to their
+    argument positions; :meth:`take` says where in the phase's value tuple each one is.
+    """
+
+    __slots__ = ("args", "dyn", "fn", "kw", "map")
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], args: tuple[object, ...],
+                 kw: dict[str, Any], dyn: dict[str, int]) -> None:
+        self.fn: Callable[..., object] = kernel[grid]
+        self.args, self.kw, self.dyn = args, kw, dyn
+        self.map: tuple[tuple[int, int], ...] = ()
+
+    def take(self, names: tuple[str, ...], **alias: str) -> Launch:
+        """Read the replayed inputs from value tuples laid out as ``names`` (``alias``: wrapper
+        parameter -> the name it has there, e.g. ``seq_lens="encoder_lens"``)."""
+        self.map = tuple((p, names.index(alias.get(k, k))) for k, p in self.dyn.items())
+        return self
+
+    def __call__(self, vals: tuple[object, ...] | None = None) -> None:
+        """Launch, with the inputs of :meth:`take` read from ``vals`` (None: as built)."""
+        if vals is None:
+            self.fn(*self.args, **self.kw)
+            return
+        a = list(self.args)
+        for p, i in self.map:
+            a[p] = vals[i]
+        self.fn(*a, **self.kw)
+
+    def bound(self, vals: tuple[object, ...]) -> Callable[[], object]:
+        """The launch with ``vals`` fixed: a no-argument callable (a bound update's replay)."""
+        a = list(self.args)
+        for p, i in self.map:
+            a[p] = vals[i]
+        return partial(self.fn, *a, **self.kw)
+
+
+def dyn(**given: tuple[int, object]) -> dict[str, int]:
+    """``name -> position`` of the replayable inputs that were given (``(position, value)``
+    pairs; absent optional inputs stay the dummies the launch was built with)."""
+    return {k: p for k, (p, v) in given.items() if v is not None}

@@ -9,6 +9,8 @@ fused updates hold (one launch, no aten op, no host sync, capturable with ``num_
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
 from ..config import is_int
@@ -16,10 +18,16 @@ from ..errors import CapacityError, InputError
 from . import triton_checks as ck
 from .reference import PagedBuffers
 
-__all__ = ["draft_tree_expand_update_"]
+__all__ = ["draft_tree_expand_launch", "draft_tree_expand_update_"]
 
 
-def draft_tree_expand_update_(
+def draft_tree_expand_update_(e: PagedBuffers, **kw: Any) -> None:
+    """Write the draft tree expand rows of all ``S`` steps in one launch:
+    :func:`draft_tree_expand_launch`, run once."""
+    draft_tree_expand_launch(e, **kw)()
+
+
+def draft_tree_expand_launch(
     e: PagedBuffers,
     *,
     bs: int,
@@ -31,8 +39,8 @@ def draft_tree_expand_update_(
     pad_len: int,
     pad_id: int,
     num_real: Tensor | None = None,
-) -> None:
-    """Write the draft tree expand rows of all ``S`` steps for ``bs`` requests.
+) -> ck.Launch:
+    """Check and assemble the draft tree expand rows of all ``S`` steps for ``bs`` requests.
 
     Same bytes in every read region as ``reference.draft_expand`` written step by step the way
     the reference draft phase does: step ``d`` (1-based) has ``cache_seqlens = part + d`` with
@@ -73,7 +81,7 @@ def draft_tree_expand_update_(
     dummy = e.cache_seqlens
     from . import triton_draft_kernels as k
 
-    k.draft_expand_kernel[(rows,)](
+    args = (
         seq_lens, req_pool_indices, table, loc, num_real if num_real is not None else dummy,
         e.cache_seqlens, e.cu_seqlens_k,
         pt if pt is not None else dummy, ip if ip is not None else dummy,
@@ -83,7 +91,10 @@ def draft_tree_expand_update_(
         e.cache_seqlens.stride(0), e.cu_seqlens_k.stride(0),
         ip.stride(0) if ip is not None else 0, idx.stride(0) if idx is not None else 0,
         last.stride(0) if last is not None else 0, idx.shape[1] if idx is not None else 0,
-        DEVICE_N=num_real is not None, HAS_PT=has_pt, HAS_FI=has_fi,
-        BLOCK=ck.pow2(rows), BLOCK_W=ck.pow2(width, 2), num_warps=ck.warps(rows),
     )
+    kw = {"DEVICE_N": num_real is not None, "HAS_PT": has_pt, "HAS_FI": has_fi,
+          "BLOCK": ck.pow2(rows), "BLOCK_W": ck.pow2(width, 2), "num_warps": ck.warps(rows)}
+    dyn = ck.dyn(n=(11, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
+                 req_to_token=(2, table), out_cache_loc=(3, loc), num_real=(4, num_real))
+    return ck.Launch(k.draft_expand_kernel, (rows,), args, kw, dyn)
 
