@@ -1,6 +1,7 @@
 """One module per phase; each exposes ``view(bs)`` and ``update_(...)`` over the pool's arena."""
 
 from .base import PhaseBase
+from .bound import BoundUpdate
 from .decode import DecodePhase
 from .draft import DraftPhase
 from .draft_extend import DraftExtendPhase
@@ -10,6 +11,7 @@ from .local import LocalPhase
 from .verify import VerifyPhase
 
 __all__ = [
+    "BoundUpdate",
     "DecodePhase",
     "DraftExtendPhase",
     "DraftPhase",

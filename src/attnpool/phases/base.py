@@ -16,6 +16,7 @@ from ..update import reference as ref
 from ..update.reference import PagedBuffers
 from ..views import PagedView
 from ._checks import check_bs, check_req_to_token, check_tensor
+from .bound import BoundUpdate
 
 #: cached fused launches per phase before the cache is dropped (a bound on its memory)
 _MAX_LAUNCHES = 1024
@@ -123,6 +124,29 @@ class PhaseBase:
         # input checks of the phase is harmless even if one of them rejects the call.
         self.arena.recorded = True
         return seq_lens, n
+
+    def bind(self, bs: int, **inputs: Any) -> BoundUpdate[Any]:
+        """``update_(bs, **inputs)`` once, bound for cheap replays (see :mod:`.bound`).
+
+        ``inputs`` are the engine's static tensors (keywords of this phase's ``update_``); the
+        returned :class:`BoundUpdate` refills the same view from their current values each time
+        it is called, with no checks (the fused path) or through ``update_`` (the reference
+        path). Host copies (``*_cpu``) and ``request_ids`` cannot be bound: they describe one
+        step only.
+        """
+        host = sorted(k for k, v in inputs.items()
+                      if v is not None and (k.endswith("_cpu") or k == "request_ids"))
+        if host:
+            raise InputError(f"bind takes device inputs only; host values of one step cannot be "
+                             f"bound, got {host}")
+        self._rec = [] if self.fused else None
+        try:
+            view = self.update_(bs, **inputs)  # type: ignore[attr-defined]
+            rec = self._rec
+        finally:
+            self._rec = None
+        return BoundUpdate(self.arena, self.phase, bs, view, rec,
+                           lambda: self.update_(bs, **inputs))  # type: ignore[attr-defined]
 
     def _tt(self) -> ModuleType:
         """The fused wrappers, imported on first use (importing attnpool never imports triton)."""

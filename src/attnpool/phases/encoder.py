@@ -96,10 +96,13 @@ class EncoderPhase(PhaseBase):
             dec_pages = dec._gather(rpi, table, host, token_offset=enc)
             self._write(bs, enc, pages)
             dec._write_part(dec._b, bs, seq_lens, dec_pages)
+        # One write of the overlay: the encoder now owns it, decoder rows included (decode's own
+        # view of those buffers is not valid until decode writes them again).
         self.arena.mark_written(self.phase, bs)
-        decoder = dec._done(bs, n, host, None)
+        dec_k = self._max_k(host, 0, n, bs, cfg.max_context_len)
         max_k = self._max_k(enc_host, 0, n, bs, cfg.max_encoder_len)
-        return EncoderView(bs, self._view(bs, max_k), decoder)
+        return self._memo(("enc", bs, max_k, dec_k), lambda: EncoderView(
+            bs, self._view(bs, max_k), dec._view(bs, dec_k)))
 
     def _write(self, bs: int, enc: Tensor, pages: Tensor) -> None:
         self._write_part(self._b, bs, enc, pages, pad_len=self._pad,
