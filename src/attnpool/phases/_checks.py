@@ -91,7 +91,9 @@ def host_lens(
             raise InputError(f"{name} must be 1-D, got shape {tuple(v.shape)}")
         if v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool:
             raise InputError(f"{name} must hold integers, got dtype {v.dtype}")
-        vals = v.tolist()
+        vals = v.tolist()  # ints by the dtype check: no per-element check needed
+    elif type(v) is list and all(type(x) is int for x in v):
+        vals = v  # the common case, checked in one pass (read only, never stored)
     else:
         try:
             vals = list(v)

@@ -79,7 +79,8 @@ def lengths_(dst: Tensor, src: Tensor, add: int, bs: int, pad: int, max_len: int
         else:
             dst[:n].copy_(src)
         dst[:n].clamp_(0, max_len)  # (a value past int32 has wrapped by now; the clamp bounds it)
-    dst[n:bs].fill_(pad)
+    if n < bs:  # (an empty fill is still a dispatched op)
+        dst[n:bs].fill_(pad)
 
 
 def cumsum_(dst: Tensor, lens: Tensor) -> None:
@@ -114,12 +115,14 @@ def paged_(
     if b.page_table is not None:
         if pages.data_ptr() != b.page_table.data_ptr():  # (not gathered in place)
             b.page_table[:n, :width].copy_(pages)
-        b.page_table[n:bs, :pad_pages].fill_(pad_page)
+        if n < bs:
+            b.page_table[n:bs, :pad_pages].fill_(pad_page)
     if b.kv_indptr is not None and b.kv_indices is not None and b.kv_last_page_len is not None:
         real = lens[:n]
         npages = torch.div(real + (page_size - 1), page_size, rounding_mode="floor")
         cumsum_(b.kv_indptr, npages)
-        b.kv_indptr[n + 1 : bs + 1].copy_(b.kv_indptr[n : n + 1].expand(bs - n))
+        if n < bs:
+            b.kv_indptr[n + 1 : bs + 1].copy_(b.kv_indptr[n : n + 1].expand(bs - n))
         cols = arange[:width]
         pos = b.kv_indptr[:n, None] + cols[None, :]
         # Lanes past a row's live pages go to the scratch slot at the end of kv_indices, so the
@@ -129,7 +132,8 @@ def paged_(
         # (len - 1) % P + 1, and 1 for an empty row (a draft tree prefix shorter than a page)
         torch.remainder((real - 1).clamp_(min=0), page_size, out=b.kv_last_page_len[:n])
         b.kv_last_page_len[:n].add_(1)
-        b.kv_last_page_len[n:bs].fill_(1)
+        if n < bs:
+            b.kv_last_page_len[n:bs].fill_(1)
 
 
 def tree_expand(
