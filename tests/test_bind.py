@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import fuzzcases as fc
 import pytest
 import torch
 from test_fused_phases import assert_same, padded
@@ -21,7 +22,6 @@ from torch import Tensor
 
 from attnpool import BufferPool, Impl, InputError
 
-import fuzzcases as fc
 from opcount import count
 
 PHASES = fc.PHASES

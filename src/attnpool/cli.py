@@ -63,6 +63,15 @@ def _bench(a: argparse.Namespace) -> int:
             print("attnpool bench: --plot draws the update benchmark, not --e2e", file=sys.stderr)
             return 2
         return run_e2e(quick=a.quick, json_path=a.json, device=a.device)
+    if a.host:
+        from .bench import device_of
+        from .bench_host import run_cli as run_host
+
+        if a.plot or a.json:
+            print("attnpool bench: --host prints its table only (no --plot / --json)",
+                  file=sys.stderr)
+            return 2
+        return run_host(device_of(a.device), quick=a.quick)
     from .bench import run_cli  # benchmarks build pools and baselines; keep `plan` light
 
     return run_cli(quick=a.quick, json_path=a.json, plot_path=a.plot, device=a.device)
@@ -93,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--e2e", action="store_true",
                    help="end to end: PagedGenerator vs transformers' continuous batching vs "
                    "model.generate on a tiny random model (needs the 'hf' extra)")
+    b.add_argument("--host", action="store_true",
+                   help="host cost per update of every phase, in units of one small torch op "
+                   "(fused eager and bound with the launch stubbed, reference, classic)")
     b.set_defaults(fn=_bench)
     a = parser.parse_args(argv)
     try:

@@ -1,0 +1,204 @@
+"""``attnpool bench --host``: host cost per metadata update, in units of one small torch op.
+
+An update's host time is a budget like its launches: the fused path replaces ~10 launches with
+one, which only pays if its Python costs about as little. Every figure here is a ratio to one
+*unit*, ``t.fill_(1)`` on an 8-element tensor of the pool's device, timed in the same process
+and interleaved with the case (so a busy machine slows both alike); the minimum of many short
+rounds is used for both.
+
+Columns, per phase part and batch size (``n = bs`` real rows, no host copies):
+
+* ``fused eager``: ``update_`` on the fused path with the Triton launch replaced by a no-op
+  (the launch itself is the kernel library's cost; what is left is attnpool's: input checks,
+  the cached launch's argument swap, the bookkeeping and the view);
+* ``bound``: a :meth:`~attnpool.phases.PhaseBase.bind` update's call, launch stubbed the same
+  way (on CUDA a bound call is one graph replay instead);
+* ``reference``: ``update_`` on the reference path (real torch ops);
+* ``classic``: the engine-style per-op replay (:class:`attnpool.baseline.ClassicPaged`; decode
+  and chain verify only).
+
+The fused columns need triton installed; on a machine without CUDA they set
+``TRITON_INTERPRET=1`` while they build their pools (nothing is interpreted: the kernels are
+stubbed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import timeit
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .baseline import ClassicPaged
+from .config import Impl, Layout, Phase, PoolConfig
+from .pool import BufferPool
+
+#: (label, phase attribute, topk): every part kind a pool updates
+PARTS = (("decode", "decode", 1), ("verify chain", "verify", 1), ("verify tree", "verify", 2),
+         ("draft chain", "draft", 1), ("draft tree", "draft", 2),
+         ("draft extend", "draft_extend", 1), ("encoder", "encoder", 1), ("local", "local", 1))
+BATCH_SIZES = (1, 32, 160)
+CONTEXT, PAGE, DRAFT, STEPS, ENC, CHUNK = 4096, 16, 4, 3, 32, 256
+COLUMNS = ("fused eager", "bound", "reference", "classic")
+
+
+def config(impl: Impl, topk: int, device: torch.device) -> PoolConfig:
+    return PoolConfig(max_bs=max(BATCH_SIZES), max_context_len=CONTEXT, page_size=PAGE,
+                      device=device, layout=Layout.FLASH_ATTN, num_draft_tokens=DRAFT, topk=topk,
+                      spec_steps=STEPS, max_encoder_len=ENC, attention_chunk_size=CHUNK,
+                      impl=impl)
+
+
+def inputs(cfg: PoolConfig, phase: str, bs: int, seed: int = 0) -> dict[str, Any]:
+    """In-contract ``update_`` keywords for ``bs`` real rows of ``phase`` (device tensors)."""
+    rng, dev = random.Random(seed), cfg.torch_device
+    slots = 2 * cfg.max_bs
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(slots * cfg.max_pages, generator=g).add_(1).view(slots, cfg.max_pages)
+    table = (ids.repeat_interleave(PAGE, 1) * PAGE + torch.arange(PAGE).repeat(cfg.max_pages))
+    lens = [rng.randint(1, CONTEXT // 4) for _ in range(bs)]
+    kw: dict[str, Any] = {
+        "seq_lens": torch.tensor(lens, device=dev),
+        "req_pool_indices": torch.tensor(rng.sample(range(slots), bs), device=dev),
+        "req_to_token": table[:, :CONTEXT].to(torch.int32).contiguous().to(dev),
+    }
+    if phase == "verify" and cfg.topk > 1:  # a chain-shaped tree: each draft sees its ancestors
+        kw["tree_mask"] = torch.ones(DRAFT, DRAFT, dtype=torch.bool).tril().expand(
+            bs, DRAFT, DRAFT).contiguous().to(dev)
+    if phase == "draft" and cfg.topk > 1:
+        kw["out_cache_loc"] = torch.randint(PAGE, 1 << 20, (bs, STEPS, cfg.topk), generator=g
+                                            ).to(dev)
+    if phase == "draft_extend":
+        kw["accept_lens"] = torch.tensor([rng.randint(1, DRAFT) for _ in range(bs)], device=dev)
+    if phase == "encoder":
+        kw["encoder_lens"] = torch.tensor([rng.randint(1, ENC) for _ in range(bs)], device=dev)
+    if phase == "local":
+        kw["for_phase"] = Phase.DECODE
+    return kw
+
+
+class _NoLaunch:
+    """Stands in for a jit kernel: ``kernel[grid](*args, **kw)`` does nothing."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return _noop
+
+
+def _noop(*args: object, **kw: object) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def stubbed_launches(device: torch.device) -> Iterator[None]:
+    """Every fused kernel replaced by :class:`_NoLaunch` (restored on exit)."""
+    from .update import triton_draft_kernels, triton_kernels
+
+    saved: list[tuple[object, str, object]] = []
+    env = os.environ.get("TRITON_INTERPRET")
+    if device.type != "cuda":
+        os.environ["TRITON_INTERPRET"] = "1"  # lets a CPU pool pick the (stubbed) fused path
+    try:
+        for mod in (triton_kernels, triton_draft_kernels):
+            for name in [n for n in dir(mod) if n.endswith("_kernel")]:
+                saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, _NoLaunch())
+        yield
+    finally:
+        for owner, attr, kernel in saved:
+            setattr(owner, attr, kernel)
+        if env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = env
+
+
+def units(fn: Callable[[], object], device: torch.device, rounds: int = 25, number: int = 20
+          ) -> float:
+    """``fn``'s host time in units of ``t.fill_(1)`` (8 elements), interleaved, min of rounds."""
+    t = torch.zeros(8, device=device)
+    fn()  # first call: builds caches / compiles; not what a step costs
+    ts, us = [], []
+    for _ in range(rounds):
+        us.append(timeit.timeit(lambda: t.fill_(1), number=number * 10) / (number * 10))
+        ts.append(timeit.timeit(fn, number=number) / number)
+    return min(ts) / min(us)
+
+
+@dataclass(frozen=True)
+class Row:
+    part: str
+    bs: int
+    cost: dict[str, float | None]  # column -> units (None: not applicable here)
+
+
+def _case(label: str, phase: str, topk: int, bs: int, column: str, device: torch.device
+          ) -> Callable[[], object] | None:
+    if column == "classic":
+        if label not in ("decode", "verify chain"):
+            return None
+        cfg = config(Impl.REFERENCE, 1, device)
+        kw = inputs(cfg, "decode", bs)
+        c = ClassicPaged(cfg, num_draft_tokens=DRAFT if phase == "verify" else 0)
+        host = kw["seq_lens"].cpu()
+        return lambda: c.replay(bs, kw["seq_lens"], kw["req_pool_indices"], kw["req_to_token"],
+                                host)
+    impl = Impl.REFERENCE if column == "reference" else Impl.TRITON
+    cfg = config(impl, topk, device)
+    pool = BufferPool(cfg)
+    kw = inputs(cfg, phase, bs)
+    ph = getattr(pool, phase)
+    if column == "bound":
+        bound: Callable[[], object] = ph.bind(bs, **kw)
+        return bound
+    return lambda: ph.update_(bs, **kw)
+
+
+def run(device: torch.device, triton: bool, batch_sizes: tuple[int, ...] = BATCH_SIZES
+        ) -> list[Row]:
+    """Every part x batch size x column (fused columns only when ``triton``)."""
+    rows = []
+    for label, phase, topk in PARTS:
+        for bs in batch_sizes:
+            cost: dict[str, float | None] = {}
+            for col in COLUMNS:
+                if col in ("fused eager", "bound") and not triton:
+                    cost[col] = None
+                    continue
+                ctx = stubbed_launches(device) if col in ("fused eager", "bound") else (
+                    contextlib.nullcontext())
+                with ctx:
+                    fn = _case(label, phase, topk, bs, col, device)
+                    cost[col] = None if fn is None else units(fn, device)
+            rows.append(Row(label, bs, cost))
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    """Markdown table of the units, with reference / classic where both exist."""
+    head = ["part", "bs", *COLUMNS, "reference / classic"]
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        cells = [f"{r.cost[c]:.1f}" if r.cost[c] is not None else "-" for c in COLUMNS]
+        ref, cl = r.cost["reference"], r.cost["classic"]
+        ratio = f"{ref / cl:.2f}" if ref is not None and cl is not None else "-"
+        out.append("| " + " | ".join([r.part, str(r.bs), *cells, ratio]) + " |")
+    return "\n".join(out)
+
+
+
+def run_cli(device: torch.device, quick: bool) -> int:
+    """``attnpool bench --host``: print the table (``--quick``: bs 1 and 32 only)."""
+    import importlib.util
+
+    triton = importlib.util.find_spec("triton") is not None
+    rows = run(device, triton, BATCH_SIZES[:2] if quick else BATCH_SIZES)
+    print(f"host cost per update, in units of one t.fill_(1) on {device} (launches stubbed)")
+    print(table(rows))
+    if not triton:
+        print("fused columns skipped: triton is not installed")
+    return 0
