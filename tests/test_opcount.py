@@ -241,7 +241,7 @@ def _reference_local(bs: int) -> Counts:
 @pytest.mark.parametrize("part", ["paged both", "paged page_table", "paged csr", "tree expand",
                                   "local"])
 def test_reference_op_count_is_fixed(part: str, record_property: Callable[[str, object], None]) -> None:
-    sizes = (2, 16, 160)
+    sizes = (4, 16, 160)  # every batch has padded rows (a full one skips the padding fills)
     if part == "tree expand":
         got = [_reference_tree(bs) for bs in sizes]
     elif part == "local":

@@ -120,7 +120,7 @@ RANK = {
     "views": 4, "check": 5, "update": 6,
     "phases": 7, "pool": 8, "adapters": 9, "graphs": 10, "kv": 10, "lora": 10, "baseline": 10,
     "paging": 10, "integrations": 11, "demo": 11, "bench_report": 10, "bench": 11,
-    "bench_e2e": 12, "demo_hf": 12, "cli": 13, "__main__": 14, "__init__": 15,
+    "bench_e2e": 12, "demo_hf": 12, "bench_host": 11, "cli": 13, "__main__": 14, "__init__": 15,
 }
 
 
