@@ -45,8 +45,8 @@ E4M3, E5M2, BF16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
 FA3_NAMES = [name for name, _ in fa.FA3_MODULES]
 
 
-def _pool(layout: Layout, **kw: Any) -> BufferPool:
-    cfg = PoolConfig(max_bs=6, max_context_len=64, page_size=P, device="cpu", layout=layout,
+def _pool(layout: Layout, device: str = "cpu", **kw: Any) -> BufferPool:
+    cfg = PoolConfig(max_bs=6, max_context_len=64, page_size=P, device=device, layout=layout,
                      pad_page=2, **kw)
     return BufferPool(cfg, poison=True)
 
@@ -58,30 +58,33 @@ def _scales(per_head: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _kv(pool: BufferPool, dtype: torch.dtype, ks: torch.Tensor, vs: torch.Tensor,
-        seed: int = 0) -> KVCachePool:
+        seed: int = 0, d: int = D) -> KVCachePool:
     """Every page a view of ``pool`` may read (make_table's ids, the pad page 2) written by the
     quantizing store; page 0 stays poisoned (NaN), so a read of it would show."""
     pages = 12 * pool.cfg.max_pages + 2
+    dev = pool.cfg.torch_device
     c = KVCacheConfig(num_pages=pages, page_size=P, max_tokens=pages * P, num_kv_heads=H_KV,
-                      head_dim=D, dtype=dtype, device="cpu")
+                      head_dim=d, dtype=dtype, device=dev)
     kv = KVCachePool(c, poison=True)
     g = torch.Generator().manual_seed(seed)
     n = (pages - 1) * P
-    k, v = torch.randn(n, H_KV, D, generator=g) * 4, torch.randn(n, H_KV, D, generator=g)
-    kv.store_kv_(0, k.to(BF16), v.to(BF16), torch.arange(P, pages * P), k_scale=ks, v_scale=vs)
+    k, v = torch.randn(n, H_KV, d, generator=g) * 4, torch.randn(n, H_KV, d, generator=g)
+    kv.store_kv_(0, k.to(dev, BF16), v.to(dev, BF16), torch.arange(P, pages * P, device=dev),
+                 k_scale=ks.to(dev), v_scale=vs.to(dev))
     return kv
 
 
 def _view(pool: BufferPool, part: str, seed: int = 1) -> tuple[object, int]:
     """A refilled view and its real query rows."""
     rng = random.Random(seed)
+    dev = pool.cfg.torch_device
     if part == "decode":
         b = make_batch(pool.cfg, 3, rng)
-        return pool.decode.update_(4, *b.tensors()), 3
+        return pool.decode.update_(4, *b.tensors(dev)), 3
     topk = 2 if part == "tree" else 1
     b = make_batch(pool.cfg, 3, rng, extra=ND)
-    mask = torch.ones(3, ND, ND, dtype=torch.bool).tril() if topk > 1 else None
-    return pool.verify.update_(5, *b.tensors(), tree_mask=mask), 3 * ND
+    mask = torch.ones(3, ND, ND, dtype=torch.bool, device=dev).tril() if topk > 1 else None
+    return pool.verify.update_(5, *b.tensors(dev), tree_mask=mask), 3 * ND
 
 
 def _rows(view: object) -> int:
@@ -410,3 +413,49 @@ def test_fake_flashinfer_takes_float_scales_only() -> None:
     q = torch.randn(4, H, D).to(BF16)
     with pytest.raises(TypeError, match="k_scale must be a Python float"):
         wr.run(q, (kv.k_cache(0), kv.v_cache(0)), k_scale=ks, v_scale=0.2, return_lse=True)
+
+
+# ---- real kernels (GPU) -------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("part", ["decode", "tree"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fa3_kernel_over_fp8_matches_sdpa(part: str, per_head: bool) -> None:
+    try:
+        kernel = fa.load_fa3()
+    except ImportError as e:
+        pytest.skip(str(e))
+    pool = _pool(Layout.FLASH_ATTN, "cuda", num_draft_tokens=ND, topk=2)
+    ks, vs = (s.cuda() for s in _scales(per_head))
+    kv = _kv(pool, E4M3, ks, vs, d=64)
+    view, rows = _view(pool, part)
+    q = torch.randn(_rows(view), H, 64, device="cuda", dtype=BF16)
+    got = fa.attention(view, q, kv.k_cache(0), kv.v_cache(0), kernel=kernel, k_scale=ks,
+                       v_scale=vs)
+    want = sdpa.attention(view, _q8(q), kv.k_cache(0), kv.v_cache(0), k_scale=ks, v_scale=vs)
+    # fp8 products accumulated in float32 by both; the kernel also rounds P to fp8 for P @ V
+    torch.testing.assert_close(got.out[:rows].float(), want.out[:rows].float(), atol=3e-2,
+                               rtol=3e-2)
+    torch.testing.assert_close(got.lse[:rows], want.lse[:rows], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_flashinfer_kernel_over_fp8_matches_sdpa(dtype: torch.dtype) -> None:
+    pytest.importorskip("flashinfer")
+    pool = _pool(Layout.FLASHINFER, "cuda")
+    ks, vs = (s.cuda() for s in _scales(False))
+    kv = _kv(pool, dtype, ks, vs, d=64)
+    k8, v8 = kv.k_cache(0), kv.v_cache(0)
+    kf, vf = fp8.host_scales(k8, ks, vs)
+    w = fi.GraphWrappers(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
+    view, rows = _view(pool, "decode")
+    assert isinstance(view, PagedView)
+    w.wrapper(view)
+    w.plan(view, num_qo_heads=H, num_kv_heads=H_KV, head_dim=64, q_dtype=BF16, kv_dtype=dtype)
+    q = torch.randn(4, H, 64, device="cuda", dtype=BF16)
+    got = w.run(view, q, k8, v8, k_scale=kf, v_scale=vf)
+    want = sdpa.attention(view, q.float(), k8, v8, k_scale=ks, v_scale=vs,
+                          layout=Layout.FLASHINFER)
+    torch.testing.assert_close(got.out[:rows].float(), want.out[:rows].float(), atol=3e-2,
+                               rtol=3e-2)
+    torch.testing.assert_close(got.lse[:rows], want.lse[:rows], atol=2e-2, rtol=2e-2)

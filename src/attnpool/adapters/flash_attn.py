@@ -18,6 +18,13 @@ pool's arena), never a copy, so a graph captured on them reads what the next ``u
 ``cu_seqlens_k_new`` is not passed: KV of new tokens is written into the cache by the engine before
 attention, not by this call.
 
+fp8 KV caches: FA3 reads ``float8_e4m3fn`` caches (no e5m2 kernels) and takes one dtype for q, k
+and v, so ``q`` is cast to e4m3fn and the cache's ``k_scale`` / ``v_scale`` (float32 ``[1]`` or
+``[H_kv]``) go to ``k_descale`` / ``v_descale`` as stride-0 ``[bs, H_kv]`` views, graph-safe without
+a copy (:func:`attnpool.adapters.fp8.fa3_fp8_kwargs`); plan its scheduler with ``qkv_dtype=
+torch.float8_e4m3fn``. FA2 has no fp8 KV: an fp8 cache is refused with a
+:class:`attnpool.LayoutError`. Scales with a model-dtype cache are refused (:class:`InputError`).
+
 Outputs follow the adapters' convention, ``out [total_q, H, D]`` and natural-log ``lse [total_q,
 H]`` (FA3 returns ``lse [H, total_q]``, FA2 ``[bs, H, seqlen_q]``), so tree passes merge with
 :func:`attnpool.adapters.sdpa.merge_by_lse`. A row with no keys gets ``lse = +inf`` from flash-attn
@@ -220,9 +227,11 @@ def scheduler_metadata_(
     """Plan FA3's scheduler for ``view`` into the pool's ``scheduler_metadata`` buffer.
 
     Call it after the view's update and before each replay, outside the graph (FA3 computes the
-    plan on the device from ``cache_seqlens`` and ``cu_seqlens_q``). The planner gets exactly what
-    the kernel will see: the view's ``causal``, ``page_size``, ``max_seqlen_q`` and the KV bound
-    the kernel derives from the page table (:func:`kernel_seqlen_k`).
+    plan on the device from ``cache_seqlens`` and ``cu_seqlens_q``). ``qkv_dtype`` is the dtype
+    the kernel runs in: ``torch.float8_e4m3fn`` over an fp8 cache (q is cast to it). The planner
+    gets exactly what the kernel will see: the view's ``causal``, ``page_size``,
+    ``max_seqlen_q`` and the KV bound the kernel derives from the page table
+    (:func:`kernel_seqlen_k`).
 
     Returns:
         The head of the pool's buffer holding FA3's result, *exactly* as many int32 elements as

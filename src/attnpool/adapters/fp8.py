@@ -22,11 +22,13 @@ Why FA3 gets views and FlashInfer floats: FA3's ``q_descale`` / ``k_descale`` / 
 float32 tensors of shape ``[batch_size, num_heads_k]`` that the kernel reads on the device through
 their strides, so a stride-0 expansion of our ``[1]`` or ``[H_kv]`` scale is accepted as is: a
 captured graph bakes the scale's address and sees in-place changes of its value, at no copy or
-launch. FlashInfer's wrappers take the scales as Python floats: ``k_scale`` is multiplied into the
-softmax scale on the host and ``v_scale`` into the output after the kernel, so a captured graph
-bakes the *values*. Turning a device scale into a float is a host read (a sync, and illegal during
-capture); it belongs at model load, once per layer (:func:`host_scales`), never per step.
-FlashInfer has no per-head form of these arguments, so per-head scales are refused there.
+launch. FlashInfer's paged wrappers take the scales in ``run`` as Python floats (the decode
+wrapper types them ``Optional[float]``; some newer prefill backends also take tensors, not all):
+``k_scale`` is multiplied into the softmax scale on the host and the output by ``v_scale`` after
+the kernel, so a captured graph bakes the *values*. Floats are what every version and backend
+takes, so the adapter passes floats. Turning a device scale into a float is a host read (a sync,
+and illegal during capture); it belongs at model load, once per layer (:func:`host_scales`),
+never per step. A float has no per-head form, so per-head scales are refused there.
 """
 
 from __future__ import annotations
