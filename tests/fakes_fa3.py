@@ -20,6 +20,11 @@ Modelled FA3 details (the parts the adapter must get right):
   a simplified heuristic with the same inputs, writes each row's planned split count into the
   metadata and, unlike FA3 (which silently runs a mismatched plan), raises when the kernel's own
   plan differs from the metadata's.
+* fp8: q, k and v must share one dtype, ``float8_e4m3fn`` being the only fp8 one (sm90 and up),
+  with head dims that are multiples of 16. Only then are ``q_descale`` / ``k_descale`` /
+  ``v_descale`` read: each float32 with sizes ``(batch_size, num_heads_k)`` and any strides, as
+  ``mha_fwd`` checks them; they scale the softmax scale (q and k) and the output (v) per row and
+  KV head. The output is bfloat16.
 """
 
 from __future__ import annotations
@@ -71,8 +76,17 @@ def _row_splits(cache_seqlens: Tensor, cap: int) -> Tensor:
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, *, cache_seqlens: Tensor, cu_seqlens_q: Tensor,
-            page_table: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """out [total_q, H, D] (q dtype, NaN where no row covers), lse [total_q, H] (+inf if empty)."""
+            page_table: Tensor, causal: bool, scale: float,
+            descales: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
+            out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+    """out [total_q, H, D] (``out_dtype``, default q's; NaN where no row covers), lse [total_q, H]
+    (+inf if empty).
+
+    ``descales``: FA3's ``(q_descale, k_descale, v_descale)``, each ``[b, H_kv]`` or None (1).
+    As in FA3's kernel, row ``b``'s KV head ``j`` scales the softmax scale by ``q_descale[b, j] *
+    k_descale[b, j]`` and the output by ``v_descale[b, j]``; here the first factor is folded
+    into the float32 queries and the second applied to the float32 output before the cast.
+    """
     bs, total = page_table.shape[0], q.shape[0]
     cu = cu_seqlens_q.to(torch.int64)
     q_lens = (cu[1:] - cu[:-1]).tolist()
@@ -82,12 +96,45 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, *, cache_seqlens: Tensor, cu_seqlen
         kv_indptr=None, kv_indices=None, kv_last_page_len=None,
         max_seqlen_q=max([1, *q_lens]), max_seqlen_k=page_table.shape[1] * k.shape[1],
         page_size=k.shape[1], causal=causal)
-    got = sdpa.paged_attention(view, q.float(), k.float(), v.float(), softmax_scale=scale)
+    qf = q.float()
+    qd, kd, vd = descales
+    per_q = _per_query(cu, total, q.shape[1], k.shape[2])
+    if qd is not None or kd is not None:
+        f = torch.ones(bs, k.shape[2])
+        f = f * qd.float() if qd is not None else f
+        f = f * kd.float() if kd is not None else f
+        qf = qf * per_q(f)[..., None]
+    got = sdpa.paged_attention(view, qf, k.float(), v.float(), softmax_scale=scale)
+    o = got.out if vd is None else got.out * per_q(vd.float())[..., None]
     covered = torch.zeros(total, dtype=torch.bool)
     covered[: min(int(cu[-1]), total)] = True
-    out = torch.where(covered[:, None, None], got.out, float("nan")).to(q.dtype)
+    out = torch.where(covered[:, None, None], o, float("nan")).to(out_dtype or q.dtype)
     lse = torch.where(torch.isneginf(got.lse), float("inf"), got.lse)
     return out, torch.where(covered[:, None], lse, float("nan"))
+
+
+def _per_query(cu: Tensor, total: int, heads: int, heads_kv: int) -> Any:
+    """``f [b, H_kv] -> [total, H]``: each query position's row and each query head's KV head
+    (positions no row covers take the last row's value; they are NaN in the output anyway)."""
+    row = torch.searchsorted(cu[1:], torch.arange(total), right=True).clamp(max=cu.numel() - 2)
+    head_kv = torch.arange(heads) // (heads // heads_kv)
+    return lambda f: f[row][:, head_kv]
+
+
+def _descale(name: str, t: Tensor | None, q: Tensor, batch_size: int,
+             num_heads_k: int) -> Tensor | None:
+    """FA3's checks of one descale argument: ``CHECK_DEVICE``, ``CHECK_SHAPE(x, batch_size,
+    num_heads_k)`` (sizes only: any strides, stride 0 included, are read as given), then
+    ``data_ptr<float>()``, which refuses any dtype but float32."""
+    if t is None:
+        return None
+    check(t.device == q.device, f"{name} must be on CUDA")
+    check(tuple(t.shape) == (batch_size, num_heads_k),
+          f"{name} must have shape (batch_size, num_heads_k)")
+    dtype_name = {torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float64: "Double"}
+    check(t.dtype == torch.float32,
+          f"expected scalar type Float but found {dtype_name.get(t.dtype, str(t.dtype))}")
+    return t
 
 
 class FA3:
@@ -150,19 +197,25 @@ class FA3:
         out, lse = self.mha_fwd(q, k_cache, v_cache, cu_seqlens_q=cu_seqlens_q,
                                 seqused_k=cache_seqlens, max_seqlen_q=max_seqlen_q,
                                 page_table=page_table, softmax_scale=softmax_scale, causal=causal,
-                                scheduler_metadata=scheduler_metadata, num_splits=num_splits)
+                                scheduler_metadata=scheduler_metadata, num_splits=num_splits,
+                                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         return (out, lse, torch.empty(0), torch.empty(0)) if return_softmax_lse else out
 
     def mha_fwd(self, q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | None,
                 seqused_k: Tensor, max_seqlen_q: int | None, page_table: Tensor,
                 softmax_scale: float, causal: bool, scheduler_metadata: Tensor | None,
-                num_splits: int) -> tuple[Tensor, Tensor]:
+                num_splits: int, q_descale: Tensor | None = None,
+                k_descale: Tensor | None = None, v_descale: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
         """The C++ entry point's checks (paged KV, varlen q), in its order; then the result."""
         q_type = q.dtype
         check(q_type in (torch.float16, torch.bfloat16, torch.float8_e4m3fn),
               "FlashAttention only supports fp16, bf16, and fp8_e4m3 data type")
         check(k.dtype == q_type, "query and key must have the same dtype")
         check(v.dtype == q_type, "query and value must have the same dtype")
+        if self.arch < 90:
+            check(q_type in (torch.float16, torch.bfloat16),
+                  "FlashAttention on Ampere/Ada cards only supports fp16 and bf16 data type")
         for t in (q, k, v):
             check(t.stride(-1) == 1, "Input tensor must have contiguous last dimension")
         check(page_table.dtype == torch.int32, "page_table must have dtype torch.int32")
@@ -186,7 +239,9 @@ class FA3:
         check(seqused_k.dtype == torch.int32, "seqused_k must have dtype int32")
         check(seqused_k.is_contiguous(), "seqused_k must be contiguous")
         check(tuple(seqused_k.shape) == (batch_size,), "seqused_k must have shape (batch_size)")
-        check(head_size % 8 == 0, "head_size should be a multiple of 8")
+        alignment = 16 if q_type == torch.float8_e4m3fn else 8
+        check(head_size % alignment == 0, f"head_size should be a multiple of {alignment}")
+        check(v.shape[-1] % alignment == 0, f"head_size_v should be a multiple of {alignment}")
         causal_eff = effective_causal(causal, max_seqlen_q, head_size, True)
         splits = num_splits if num_splits > 0 else split_heuristic(num_heads_k, seqlen_k)
         if scheduler_metadata is not None:
@@ -202,8 +257,15 @@ class FA3:
                     "fake FA3: scheduler_metadata plans splits "
                     f"{scheduler_metadata[:batch_size].tolist()}, this call's plan is "
                     f"{want.tolist()} (seqlen_k={seqlen_k}); FA3 would run the mismatched plan")
+        descales: tuple[Tensor | None, ...] = (None, None, None)
+        if q_type == torch.float8_e4m3fn:  # FA3 reads the descales only for fp8 inputs
+            descales = tuple(_descale(name, t, q, batch_size, num_heads_k) for name, t in
+                             (("q_descale", q_descale), ("k_descale", k_descale),
+                              ("v_descale", v_descale)))
+        out_type = torch.bfloat16 if q_type == torch.float8_e4m3fn else q_type
         out, lse = _attend(q, k, v, cache_seqlens=seqused_k, cu_seqlens_q=cu_seqlens_q,
-                           page_table=page_table, causal=causal, scale=softmax_scale)
+                           page_table=page_table, causal=causal, scale=softmax_scale,
+                           descales=descales, out_dtype=out_type)  # type: ignore[arg-type]
         return out, lse.t().contiguous()  # varlen: softmax_lse [num_heads, total_q]
 
     # ---- vLLM's flash_attn_varlen_func ----------------------------------------------------------
@@ -238,7 +300,8 @@ class FA3:
         o, lse = self.mha_fwd(q, k, v, cu_seqlens_q=cu_seqlens_q, seqused_k=seqused_k,
                               max_seqlen_q=max_seqlen_q, page_table=block_table,
                               softmax_scale=softmax_scale, causal=causal,
-                              scheduler_metadata=scheduler_metadata, num_splits=num_splits)
+                              scheduler_metadata=scheduler_metadata, num_splits=num_splits,
+                              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
         return (o, lse) if return_softmax_lse else o
 
     def module(self, name: str, varlen: bool = False) -> types.ModuleType:

@@ -15,6 +15,10 @@ Two checks have no exception in FlashInfer and are made loud here: the float wor
 zero at the decode wrapper's first use (its docstring: "Must be initialized to 0 for its first
 use"), and a decode ``q`` with fewer rows than the batch (the kernel would read past it).
 
+fp8 caches: ``plan``'s ``kv_data_type`` must be the cache's dtype (checked at ``run``), and
+``run(q_scale=, k_scale=, v_scale=)`` are Python floats: ``q_scale`` and ``k_scale`` multiply the
+softmax scale on the host, ``v_scale`` multiplies the output after the kernel, in its dtype.
+
 Like a replayed graph, ``run`` computes from the wrapper's *buffers* (the pool's tensors it was
 built on) with the SDPA adapter: a row with no pages has length 0 (FlashInfer's ``get_length``),
 the log-sum-exp is base 2, and output rows past the computed ones are NaN (unwritten memory).
@@ -31,7 +35,8 @@ from torch import Tensor
 from attnpool import Layout, PagedView
 from attnpool.adapters import sdpa
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+           "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def _canon(dtype: str | torch.dtype) -> torch.dtype:
@@ -55,6 +60,32 @@ def _check_dtypes(q: Tensor, k: Tensor, dq: torch.dtype, dkv: torch.dtype) -> No
     if k.dtype != dkv:
         raise ValueError(f"The dtype of k {k.dtype} does not match the kv_data_type {dkv} "
                          "specified in plan function.")
+
+
+def _sm_scale(sm_scale: float, q_scale: object, k_scale: object) -> float:
+    """``run``'s ``sm_scale *= q_scale; sm_scale *= k_scale`` on the host. The scales are typed
+    ``Optional[float]``; the product is the kernel's ``double sm_scale`` argument, which takes a
+    Python number, not a tensor (a tensor scale would turn the product into one)."""
+    for name, s in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if s is None:
+            continue
+        if isinstance(s, bool) or not isinstance(s, (int, float)):
+            raise TypeError(f"fake FlashInfer: {name} must be a Python float (Optional[float]); "
+                            f"got {type(s).__name__}, which would reach the kernel's double "
+                            "sm_scale argument")
+        sm_scale *= s
+    return sm_scale
+
+
+def _scale_out(out: Tensor, v_scale: object) -> Tensor:
+    """``run``'s ``out *= v_scale`` after the kernel, in the output's dtype."""
+    if v_scale is None:
+        return out
+    if isinstance(v_scale, bool) or not isinstance(v_scale, (int, float)):
+        raise TypeError(f"fake FlashInfer: v_scale must be a Python float (Optional[float]), got "
+                        f"{type(v_scale).__name__}")
+    out *= v_scale
+    return out
 
 
 def _compute(q: Tensor, k: Tensor, v: Tensor, qo: Tensor, indptr: Tensor, indices: Tensor,
@@ -148,7 +179,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         self._planned(kw, head_dim)
 
     def run(self, q: Tensor, paged_kv_cache: tuple[Tensor, Tensor], *args: Any,
-            return_lse: bool = False, **kw: Any) -> Any:
+            q_scale: float | None = None, k_scale: float | None = None,
+            v_scale: float | None = None, return_lse: bool = False, **kw: Any) -> Any:
         k, v = paged_kv_cache
         _check_dtypes(q, k, self._q_dtype, self._kv_dtype)
         assert self._paged_kv_last_page_len_buf is not None
@@ -163,10 +195,12 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         if q.size(0) < bs:
             raise RuntimeError(f"fake FlashInfer: q has {q.size(0)} rows for a batch of {bs}; the "
                                "kernel would read past q")
+        sm_scale = _sm_scale(self._sm_scale, q_scale, k_scale)
         assert self._paged_kv_indptr_buf is not None and self._paged_kv_indices_buf is not None
         qo = torch.arange(bs + 1, dtype=torch.int32)
         out, lse = _compute(q, k, v, qo, self._paged_kv_indptr_buf, self._paged_kv_indices_buf,
-                            self._paged_kv_last_page_len_buf, False, self._sm_scale)
+                            self._paged_kv_last_page_len_buf, False, sm_scale)
+        out = _scale_out(out, v_scale)
         return (out, lse) if return_lse else out
 
 
@@ -250,9 +284,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         self._planned(kw, head_dim_qk)
 
     def run(self, q: Tensor, paged_kv_cache: tuple[Tensor, Tensor], *args: Any,
-            return_lse: bool = False, **kw: Any) -> Any:
+            q_scale: float | None = None, k_scale: float | None = None,
+            v_scale: float | None = None, return_lse: bool = False, **kw: Any) -> Any:
         k, v = paged_kv_cache
         _check_dtypes(q, k, self._q_dtype, self._kv_dtype)
+        sm_scale = _sm_scale(self._sm_scale, q_scale, k_scale)
         if q.size(0) != self._qo_indptr_last:
             raise ValueError(
                 f"q.shape[0] ({q.size(0)}) does not match qo_indptr[-1] ({self._qo_indptr_last}). "
@@ -263,5 +299,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         assert self._paged_kv_last_page_len_buf is not None
         out, lse = _compute(q, k, v, self._qo_indptr_buf, self._paged_kv_indptr_buf,
                             self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf,
-                            self._causal, self._sm_scale)
+                            self._causal, sm_scale)
+        out = _scale_out(out, v_scale)
         return (out, lse) if return_lse else out

@@ -19,6 +19,15 @@ adapter. SDPA and FlashInfer compute the rows of ``cu_seqlens_q[:bs+1]`` and ret
 past them (FlashInfer's wrappers get exactly the rows they require); FA3 leaves rows past
 ``cu_seqlens_q[bs]`` as allocated; FA2 takes exactly ``bs * max_seqlen_q`` rows.
 
+fp8 KV caches (:meth:`attnpool.KVCachePool.store_kv_` with scales) are read by every adapter but
+FA2, each the way its kernel takes them (:mod:`attnpool.adapters.fp8` has the table): SDPA
+dequantizes the rows it gathers (``k_scale`` / ``v_scale`` device tensors, per tensor or per KV
+head, e4m3fn and e5m2); FA3 gets e4m3fn caches with the scales as ``k_descale`` / ``v_descale``
+views (per tensor or per head) and ``q`` cast to e4m3fn; FlashInfer gets ``kv_dtype`` at plan and
+per-tensor scales as Python floats at run, read from the device once
+(:func:`attnpool.adapters.fp8.host_scales`); FA2 refuses fp8 caches with a
+:class:`attnpool.LayoutError`.
+
 This package imports only torch: flash-attn and FlashInfer are imported inside the functions that
 call them, so ``import attnpool.adapters`` works (and initialises no CUDA) without them.
 """

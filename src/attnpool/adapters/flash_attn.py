@@ -18,6 +18,13 @@ pool's arena), never a copy, so a graph captured on them reads what the next ``u
 ``cu_seqlens_k_new`` is not passed: KV of new tokens is written into the cache by the engine before
 attention, not by this call.
 
+fp8 KV caches: FA3 reads ``float8_e4m3fn`` caches (no e5m2 kernels) and takes one dtype for q, k
+and v, so ``q`` is cast to e4m3fn and the cache's ``k_scale`` / ``v_scale`` (float32 ``[1]`` or
+``[H_kv]``) go to ``k_descale`` / ``v_descale`` as stride-0 ``[bs, H_kv]`` views, graph-safe without
+a copy (:func:`attnpool.adapters.fp8.fa3_fp8_kwargs`); plan its scheduler with ``qkv_dtype=
+torch.float8_e4m3fn``. FA2 has no fp8 KV: an fp8 cache is refused with a
+:class:`attnpool.LayoutError`. Scales with a model-dtype cache are refused (:class:`InputError`).
+
 Outputs follow the adapters' convention, ``out [total_q, H, D]`` and natural-log ``lse [total_q,
 H]`` (FA3 returns ``lse [H, total_q]``, FA2 ``[bs, H, seqlen_q]``), so tree passes merge with
 :func:`attnpool.adapters.sdpa.merge_by_lse`. A row with no keys gets ``lse = +inf`` from flash-attn
@@ -27,131 +34,30 @@ only the rows of ``cu_seqlens_q[:bs+1]``: rows past ``cu_seqlens_q[bs]`` are lef
 
 from __future__ import annotations
 
-import enum
-import functools
-import importlib
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..errors import InputError, LayoutError
+from ..kv_quant import check_scales, is_fp8
 from ..pool import BufferPool
 from ..views import DraftExtendView, DraftStepView, LocalView, PagedView, VerifyView
+from .flash_attn_load import FA3_MODULES as FA3_MODULES
+from .flash_attn_load import CallStyle as CallStyle
+from .flash_attn_load import FlashAttnVersion as FlashAttnVersion
+from .flash_attn_load import FlashKernel as FlashKernel
+from .flash_attn_load import Kernel as Kernel
+from .flash_attn_load import clear_kernel_cache as clear_kernel_cache
+from .flash_attn_load import load_fa2 as load_fa2
+from .flash_attn_load import load_fa3 as load_fa3
+from .flash_attn_load import pick_kernel
+from .fp8 import FA3_FP8, fa3_fp8_kwargs
 from .sdpa import Attn, cache_as_pages, check_qkv, merge_by_lse
 
 #: FA2's paged KV cache needs ``page_block_size % FA2_PAGE_MULTIPLE == 0``.
 FA2_PAGE_MULTIPLE = 256
-
-Kernel = Callable[..., Any]
-
-
-class FlashAttnVersion(enum.Enum):
-    """Which kernel generation: FA2 (``flash_attn``) or FA3 (see :data:`FA3_MODULES`)."""
-
-    FA2 = "flash_attn"
-    FA3 = "fa3"
-
-
-class CallStyle(enum.Enum):
-    """How a module's FA3 entry point takes a paged batch."""
-
-    #: ``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=, page_table=,
-    #: cu_seqlens_q=, max_seqlen_q=, ...)`` (flash-attention's Hopper build, sgl-kernel)
-    KVCACHE = "flash_attn_with_kvcache"
-    #: ``flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=,
-    #: block_table=, fa_version=3, ...)`` (vLLM's bundled flash-attention)
-    VARLEN = "flash_attn_varlen_func"
-
-
-#: FA3 entry points, tried in this order by :func:`load_fa3`: flash-attention's Hopper build
-#: (a source install), SGLang's sgl-kernel, vLLM's bundled copy. Not listed: the pip package
-#: ``fa3-fwd`` (``fa3_fwd_interface``), built without paged KV outside its TMA path (page sizes
-#: that are multiples of the KV block, many queries per row) and without float16.
-FA3_MODULES: tuple[tuple[str, CallStyle], ...] = (
-    ("flash_attn_interface", CallStyle.KVCACHE),
-    ("sgl_kernel.flash_attn", CallStyle.KVCACHE),
-    ("vllm.vllm_flash_attn", CallStyle.VARLEN),
-)
-
-
-@dataclass(frozen=True, slots=True)
-class FlashKernel:
-    """A loaded flash-attn entry point.
-
-    Attributes:
-        name: the module it came from (``"flash_attn_interface"``, ``"sgl_kernel.flash_attn"``,
-            ``"vllm.vllm_flash_attn"`` or ``"flash_attn"``).
-        version: FA2 or FA3.
-        style: how :attr:`fn` takes a paged batch.
-        fn: the attention entry point (``flash_attn_with_kvcache`` / ``flash_attn_varlen_func``).
-        get_scheduler_metadata: FA3's metadata planner, None where the module has none.
-    """
-
-    name: str
-    version: FlashAttnVersion
-    style: CallStyle
-    fn: Kernel
-    get_scheduler_metadata: Kernel | None
-
-
-@functools.cache
-def _load(candidates: tuple[tuple[str, CallStyle], ...], version: FlashAttnVersion) -> FlashKernel:
-    errors = []
-    for name, style in candidates:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError as e:  # also: a module whose CUDA extension does not load
-            errors.append(f"{name}: {e}")
-            continue
-        fn = getattr(mod, style.value, None)
-        if fn is None:
-            errors.append(f"{name}: has no {style.value}")
-            continue
-        return FlashKernel(name, version, style, fn, getattr(mod, "get_scheduler_metadata", None))
-    raise ImportError(f"no {version.name} module is importable; tried " + "; ".join(errors))
-
-
-def load_fa3(module: str | None = None) -> FlashKernel:
-    """The first importable FA3 entry point of :data:`FA3_MODULES` (or exactly ``module``).
-
-    Imports lazily and remembers the result (:func:`clear_kernel_cache` forgets it).
-
-    Raises:
-        ImportError: none is importable; the message lists every module tried and why.
-        InputError: ``module`` is not one of :data:`FA3_MODULES`.
-    """
-    cands = FA3_MODULES
-    if module is not None:
-        cands = tuple(c for c in FA3_MODULES if c[0] == module)
-        if not cands:
-            raise InputError(f"module must be one of {[c[0] for c in FA3_MODULES]}, got {module!r}")
-    return _load(cands, FlashAttnVersion.FA3)
-
-
-def load_fa2() -> FlashKernel:
-    """FA2's ``flash_attn.flash_attn_with_kvcache`` (ImportError when flash-attn is missing)."""
-    return _load(((FlashAttnVersion.FA2.value, CallStyle.KVCACHE),), FlashAttnVersion.FA2)
-
-
-def clear_kernel_cache() -> None:
-    """Forget loaded kernels (after installing one, or when tests swap modules)."""
-    _load.cache_clear()
-
-
-def _kernel(version: FlashAttnVersion, fn: Kernel | None, kernel: FlashKernel | None
-            ) -> FlashKernel:
-    if kernel is not None:
-        if kernel.version is not version:
-            raise InputError(f"kernel {kernel.name} is {kernel.version.name}, version is "
-                             f"{version.name}")
-        return kernel
-    if fn is not None:  # a bare flash_attn_with_kvcache-style callable
-        return FlashKernel("fn", version, CallStyle.KVCACHE, fn, None)
-    return load_fa3() if version is FlashAttnVersion.FA3 else load_fa2()
 
 
 def _paged(view: PagedView) -> Tensor:
@@ -186,6 +92,9 @@ def fa3_kwargs(
     softmax_scale: float | None = None,
     return_softmax_lse: bool = True,
     scheduler_metadata: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    q_scale: Tensor | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of FA3 ``flash_attn_with_kvcache`` for one paged part.
 
@@ -197,6 +106,11 @@ def fa3_kwargs(
         k_cache, v_cache: ``[num_pages, P, H_kv, D]``.
         scheduler_metadata: what :func:`scheduler_metadata_` returned for this view (omitted
             when None).
+        k_scale, v_scale: an fp8 cache's float32 ``[1]`` or ``[H_kv]`` scales, passed as
+            ``k_descale`` / ``v_descale`` (:func:`~attnpool.adapters.fp8.fa3_fp8_kwargs`);
+            omitted for a raw read.
+        q_scale: the scale ``q`` is divided by when it is cast to fp8 (default 1), passed as
+            ``q_descale``; fp8 caches only.
     """
     table = _paged(view)
     _, _, d = check_qkv(q, k_cache, v_cache)
@@ -216,6 +130,8 @@ def fa3_kwargs(
     }
     if scheduler_metadata is not None:
         kw["scheduler_metadata"] = scheduler_metadata
+    kw.update(fa3_fp8_kwargs(view.bs, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale,
+                         q_scale=q_scale))
     return kw
 
 
@@ -227,12 +143,17 @@ def fa3_varlen_kwargs(
     *,
     softmax_scale: float | None = None,
     scheduler_metadata: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    q_scale: Tensor | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of vLLM's ``flash_attn_varlen_func`` (FA3) for one paged part: the
     same tensors as :func:`fa3_kwargs` under its names (``seqused_k``, ``block_table``), with
-    ``max_seqlen_k`` = :func:`kernel_seqlen_k` and ``fa_version=3``."""
+    ``max_seqlen_k`` = :func:`kernel_seqlen_k` and ``fa_version=3`` (the fp8 arguments keep
+    their names)."""
     kw = fa3_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                    scheduler_metadata=scheduler_metadata)
+                    scheduler_metadata=scheduler_metadata, k_scale=k_scale, v_scale=v_scale,
+                    q_scale=q_scale)
     kw["k"], kw["v"] = kw.pop("k_cache"), kw.pop("v_cache")
     kw["seqused_k"], kw["block_table"] = kw.pop("cache_seqlens"), kw.pop("page_table")
     kw["max_seqlen_k"] = kernel_seqlen_k(view)
@@ -253,13 +174,19 @@ def fa2_kwargs(
 
     FA2 takes ``q [bs, seqlen_q, H, D]``: every row has ``seqlen_q = view.max_seqlen_q`` queries,
     so ``q`` must hold exactly ``bs * max_seqlen_q`` packed rows (it is reshaped, not copied).
-    Views whose rows have varying query counts (draft extend, local verify) are refused.
+    Views whose rows have varying query counts (draft extend, local verify) are refused, and so
+    are fp8 caches: FA2's kernels take float16 / bfloat16 K/V only and have no descale argument.
 
     Raises:
-        LayoutError: page size not a multiple of 256, no page table, or varying queries per row.
+        LayoutError: page size not a multiple of 256, no page table, varying queries per row, or
+            an fp8 cache.
         InputError: ``q`` rows do not match ``bs * max_seqlen_q``.
     """
     table = _paged(view)
+    if is_fp8(k_cache.dtype) or is_fp8(v_cache.dtype):
+        raise LayoutError(f"flash-attn 2 has no fp8 KV cache (float16 / bfloat16 only), got "
+                          f"{k_cache.dtype}; fp8 caches are read by FA3 (float8_e4m3fn), the "
+                          "sdpa adapter and FlashInfer")
     if view.page_size % FA2_PAGE_MULTIPLE:
         raise LayoutError(f"flash-attn 2 paged KV needs page_size a multiple of "
                           f"{FA2_PAGE_MULTIPLE}, got {view.page_size}; use FA3 or the sdpa adapter")
@@ -300,9 +227,11 @@ def scheduler_metadata_(
     """Plan FA3's scheduler for ``view`` into the pool's ``scheduler_metadata`` buffer.
 
     Call it after the view's update and before each replay, outside the graph (FA3 computes the
-    plan on the device from ``cache_seqlens`` and ``cu_seqlens_q``). The planner gets exactly what
-    the kernel will see: the view's ``causal``, ``page_size``, ``max_seqlen_q`` and the KV bound
-    the kernel derives from the page table (:func:`kernel_seqlen_k`).
+    plan on the device from ``cache_seqlens`` and ``cu_seqlens_q``). ``qkv_dtype`` is the dtype
+    the kernel runs in: ``torch.float8_e4m3fn`` over an fp8 cache (q is cast to it). The planner
+    gets exactly what the kernel will see: the view's ``causal``, ``page_size``,
+    ``max_seqlen_q`` and the KV bound the kernel derives from the page table
+    (:func:`kernel_seqlen_k`).
 
     Returns:
         The head of the pool's buffer holding FA3's result, *exactly* as many int32 elements as
@@ -325,7 +254,7 @@ def scheduler_metadata_(
         raise LayoutError("this pool has no scheduler_metadata buffer; build it with "
                           "PoolConfig(fa3_scheduler_metadata=True)")
     if fn is None:
-        fn = _kernel(FlashAttnVersion.FA3, None, kernel).get_scheduler_metadata
+        fn = pick_kernel(FlashAttnVersion.FA3, None, kernel).get_scheduler_metadata
         if fn is None:
             name = (kernel or load_fa3()).name
             raise LayoutError(f"{name} has no get_scheduler_metadata; run without "
@@ -359,6 +288,9 @@ def run(
     scheduler_metadata: Tensor | None = None,
     fn: Kernel | None = None,
     kernel: FlashKernel | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    q_scale: Tensor | None = None,
 ) -> Attn:
     """Call the paged kernel on one part; return ``(out, lse)`` in the adapters' convention
     (``[total_q, H, D]``, ``[total_q, H]``; ``total_q = q.shape[0]``, FA2: ``bs * seqlen_q``).
@@ -367,20 +299,26 @@ def run(
         kernel: the entry point (default :func:`load_fa3` / :func:`load_fa2`); its ``name`` says
             which module ran.
         fn: a bare ``flash_attn_with_kvcache``-style callable instead of ``kernel``.
+        k_scale, v_scale, q_scale: an fp8 cache's scales (FA3 only, see
+            :func:`~attnpool.adapters.fp8.fa3_fp8_kwargs`). FA3 computes in fp8 and returns
+            bfloat16; ``out`` is cast back to ``q``'s dtype (one extra op for a float16 ``q``,
+            none for bfloat16).
     """
-    k = _kernel(version, fn, kernel)
+    k = pick_kernel(version, fn, kernel)
     if version is FlashAttnVersion.FA3:
-        if k.style is CallStyle.VARLEN:
-            kw = fa3_varlen_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                                   scheduler_metadata=scheduler_metadata)
-        else:
-            kw = fa3_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                            scheduler_metadata=scheduler_metadata)
+        build = fa3_varlen_kwargs if k.style is CallStyle.VARLEN else fa3_kwargs
+        kw = build(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
+                   scheduler_metadata=scheduler_metadata, k_scale=k_scale, v_scale=v_scale,
+                   q_scale=q_scale)
         out, lse, *_ = k.fn(**kw)
+        if out.dtype != q.dtype and q.dtype != FA3_FP8:  # fp8 in, bfloat16 out
+            out = out.to(q.dtype)
         return Attn(out, lse.transpose(0, 1))
     if scheduler_metadata is not None:
         raise InputError("scheduler_metadata is an FA3 argument, got one with FA2")
     kw = fa2_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale)
+    check_scales(k_cache.dtype, k_cache.shape[2], k_cache.device,
+                 (("k_scale", k_scale), ("v_scale", v_scale), ("q_scale", q_scale)), False)
     out, lse = k.fn(**kw)[:2]
     bs, sq, h = out.shape[0], out.shape[1], out.shape[2]
     return Attn(out.reshape(bs * sq, h, out.shape[3]), lse.transpose(1, 2).reshape(bs * sq, h))
@@ -397,14 +335,20 @@ def attention(
     scheduler_metadata: Tensor | None = None,
     fn: Kernel | None = None,
     kernel: FlashKernel | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    q_scale: Tensor | None = None,
 ) -> Attn:
     """:func:`run` for a :class:`PagedView`, or both passes of a tree
     :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` merged by log-sum-exp.
 
-    ``scheduler_metadata`` applies to the first pass only (it is planned per part).
+    ``scheduler_metadata`` applies to the first pass only (it is planned per part). ``k_scale``,
+    ``v_scale``, ``q_scale``: an fp8 cache's scales, for every pass
+    (:func:`~attnpool.adapters.fp8.fa3_fp8_kwargs`).
     """
     kw: dict[str, Any] = {"version": version, "softmax_scale": softmax_scale, "fn": fn,
-                          "kernel": kernel}
+                          "kernel": kernel, "k_scale": k_scale, "v_scale": v_scale,
+                          "q_scale": q_scale}
     if isinstance(view, PagedView):
         return run(view, q, k_cache, v_cache, scheduler_metadata=scheduler_metadata, **kw)
     if isinstance(view, (VerifyView, DraftStepView)):

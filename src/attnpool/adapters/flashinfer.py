@@ -36,6 +36,16 @@ The float workspace must be zeroed before its first use (FlashInfer's documented
 Outputs follow the adapters' convention (``out [total_q, H, D]``, natural-log ``lse [total_q,
 H]``): FlashInfer returns a base-2 log-sum-exp, which is multiplied by ``ln 2`` here.
 
+fp8 KV caches (``float8_e4m3fn`` or ``float8_e5m2``, queries in the model dtype): plan with
+``kv_dtype=`` the cache's dtype (the wrapper checks the cache against it at run) and pass the
+cache's scales to :func:`run` as ``k_scale`` / ``v_scale`` *Python floats*, which is what
+FlashInfer's ``run`` takes: it multiplies ``k_scale`` into the softmax scale on the host and the
+output by ``v_scale`` after the kernel, so a captured graph bakes both values. Device scales are
+therefore read to the host once, at model load (:func:`attnpool.adapters.fp8.host_scales`, one
+sync per layer), never in the step loop; changing a scale later means capturing again. FlashInfer
+has no per-head form of these arguments: per-head scales are refused (the SDPA and FA3 adapters
+read them).
+
 Wrapper classes are imported lazily from ``flashinfer``; ``decode_cls`` / ``prefill_cls`` inject
 others (tests use fakes that enforce FlashInfer's checks on CPU).
 """
@@ -51,6 +61,7 @@ from torch import Tensor
 
 from ..errors import InputError, LayoutError
 from ..views import DraftStepView, PagedView, VerifyView
+from .fp8 import float_scales
 from .sdpa import Attn, cache_as_pages, check_qkv, merge_by_lse
 
 
@@ -138,7 +149,10 @@ def plan(
 ) -> int:
     """Plan ``wrapper`` (built by :func:`make_wrapper` on this view's buffers) for the batch the
     view now holds; return the query rows it will compute (``rows`` if given, else
-    :func:`planned_rows`). Host-side and syncing: call after ``update_``, before replay."""
+    :func:`planned_rows`). Host-side and syncing: call after ``update_``, before replay.
+
+    ``kv_dtype``: the cache's dtype when it differs from ``q_dtype`` (an fp8 cache), default
+    ``q_dtype``."""
     indptr, indices, last = _csr(view)
     if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         raise InputError(f"num_qo_heads must be a multiple of num_kv_heads ({num_kv_heads}), "
@@ -159,7 +173,8 @@ def plan(
 
 
 def run(wrapper: Any, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
-        rows: int | None = None) -> Attn:
+        rows: int | None = None, k_scale: float | None = None, v_scale: float | None = None
+        ) -> Attn:
     """Run a planned wrapper: ``(out [q.shape[0], H, D], natural-log lse [q.shape[0], H])``.
 
     The wrapper gets ``q[:rows]``, exactly the rows it computes (see the module docstring); rows
@@ -169,17 +184,22 @@ def run(wrapper: Any, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tens
     Args:
         rows: what :func:`plan` returned for this wrapper (default :func:`planned_rows`, which
             syncs for a prefill part: pass it inside a graph capture).
+        k_scale, v_scale: an fp8 cache's per-tensor scales as Python floats (both or neither;
+            :func:`attnpool.adapters.fp8.host_scales` reads device scales once), passed to the
+            wrapper's ``run``; omitted for a model-dtype cache or a raw fp8 read.
 
     Raises:
-        InputError: ``q`` has fewer than ``rows`` rows.
+        InputError: ``q`` has fewer than ``rows`` rows; scales for a model-dtype cache, only one
+            of them, or one that is not a finite Python float > 0 (a tensor included).
     """
     h, _, _ = check_qkv(q, k_cache, v_cache)
+    sc = float_scales(k_cache, k_scale, v_scale)
     rows = planned_rows(view) if rows is None else rows
     if q.shape[0] < rows:
         raise InputError(f"q must have at least the {rows} query rows the wrapper was planned "
                          f"for, got {q.shape[0]}")
     kv = (cache_as_pages(k_cache, view.page_size), cache_as_pages(v_cache, view.page_size))
-    out, lse = wrapper.run(q[:rows], kv, return_lse=True)
+    out, lse = wrapper.run(q[:rows], kv, return_lse=True, **sc)
     lse = lse * math.log(2.0)
     if rows == q.shape[0]:
         return Attn(out, lse)
@@ -265,27 +285,31 @@ class GraphWrappers:
                                sm_scale=sm_scale, kind=key[2], rows=rows)
         return w
 
-    def run(self, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Attn:
+    def run(self, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
+            k_scale: float | None = None, v_scale: float | None = None) -> Attn:
         """Run the planned wrapper of ``view`` on ``q[:planned rows]`` (safe inside a graph:
-        creates no wrapper and reads nothing from the device on the host)."""
+        creates no wrapper and reads nothing from the device on the host). ``k_scale`` /
+        ``v_scale``: an fp8 cache's scales as floats (see :func:`run`)."""
         w = self._existing(view)
         rows = self._rows.get(self._key(view))
         if rows is None:
             raise LayoutError(f"the wrapper for this part at bs={view.bs} was never planned; "
                               "call plan(view, ...) before run")
-        return run(w, view, q, k_cache, v_cache, rows=rows)
+        return run(w, view, q, k_cache, v_cache, rows=rows, k_scale=k_scale, v_scale=v_scale)
 
-    def attention(self, view: object, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Attn:
+    def attention(self, view: object, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
+                  k_scale: float | None = None, v_scale: float | None = None) -> Attn:
         """:meth:`run` for a :class:`PagedView`, or both passes of a tree
         :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` merged by log-sum-exp
-        (each part planned beforehand)."""
+        (each part planned beforehand); the scales apply to every pass."""
+        sc = {"k_scale": k_scale, "v_scale": v_scale}
         if isinstance(view, PagedView):
-            return self.run(view, q, k_cache, v_cache)
+            return self.run(view, q, k_cache, v_cache, **sc)
         if isinstance(view, (VerifyView, DraftStepView)):
-            a = self.run(view.prefix, q, k_cache, v_cache)
+            a = self.run(view.prefix, q, k_cache, v_cache, **sc)
             if view.expand is None:
                 return a
-            b = self.run(view.expand, q, k_cache, v_cache)
+            b = self.run(view.expand, q, k_cache, v_cache, **sc)
             return merge_by_lse(a.out, a.lse, b.out, b.lse)
         raise InputError(f"attention expects a PagedView, VerifyView or DraftStepView, got "
                          f"{type(view).__name__}")
