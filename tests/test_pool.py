@@ -148,3 +148,14 @@ def test_imports_point_one_way() -> None:
                 assert RANK[target] < RANK[me] or (
                     RANK[target] == RANK[me] and target == me
                 ), f"{path.relative_to(SRC)} imports {target} (rank {RANK[target]} >= {RANK[me]})"
+
+
+def test_phase_by_name_or_enum() -> None:
+    from attnpool import BufferPool, InputError, Phase, PoolConfig
+
+    pool = BufferPool(PoolConfig(max_bs=2, max_context_len=64, page_size=16, device="cpu"))
+    assert pool.phase("decode") is pool.phase(Phase.DECODE) is pool.decode
+    with pytest.raises(InputError, match="one of"):
+        pool.phase("decoder")
+    with pytest.raises(InputError, match="int"):
+        pool.phase(3)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from typing import cast
 from .arena import Arena, ArenaPlan
 from .check import check_view
 from .config import Phase, PoolConfig
-from .errors import MissingPhaseError, PoolError
+from .errors import InputError, MissingPhaseError, PoolError
 from .phases import (
     DecodePhase,
     DraftExtendPhase,
@@ -59,8 +59,18 @@ class BufferPool:
                 self._phases[p] = _OTHERS[p](self.arena)
 
     # ---- phases --------------------------------------------------------------------------------
-    def phase(self, phase: Phase) -> PhaseBase:
-        """The phase object for ``phase``; :class:`MissingPhaseError` if the config lacks it."""
+    def phase(self, phase: Phase | str) -> PhaseBase:
+        """The phase object for ``phase`` (a :class:`Phase` or its value, e.g. ``"decode"``);
+        :class:`MissingPhaseError` if the config lacks it."""
+        if isinstance(phase, str) and not isinstance(phase, Phase):
+            try:
+                phase = Phase(phase)
+            except ValueError:
+                raise InputError(f"phase must be a Phase or one of {[p.value for p in Phase]}, "
+                                 f"got {phase!r}") from None
+        if not isinstance(phase, Phase):
+            raise InputError(f"phase must be a Phase or one of {[p.value for p in Phase]}, got "
+                             f"{type(phase).__name__}")
         try:
             return self._phases[phase]
         except KeyError:
