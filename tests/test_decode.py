@@ -130,8 +130,11 @@ def test_poison_then_update_writes_whole_read_region() -> None:
     rng = random.Random(5)
     for _ in range(5):
         pool.poison_()
-        with pytest.raises(attnpool.ReadRegionError):
-            pool.check(pool.decode._view(12, pool.cfg.max_context_len))
+        stale = pool.decode._view(12, pool.cfg.max_context_len)
+        with pytest.raises(attnpool.StaleViewError, match="poisoned"):
+            pool.check(stale)
+        with pytest.raises(attnpool.ReadRegionError):  # the bytes are poison, too
+            attnpool.check_view(stale)
         b = make_batch(pool.cfg, rng.randint(0, 12), rng)
         pool.check(pool.decode.update_(12, *b.tensors()))
 

@@ -11,9 +11,17 @@ Module layering (imports only point down this list, never up): ``errors``, ``con
 from .arena import ArenaPlan, plan_arena
 from .check import ReadRegionError, check_view
 from .config import Impl, Layout, Phase, PoolConfig
-from .errors import CapacityError, InputError, LayoutError, MissingPhaseError, PoolError
+from .errors import (
+    CapacityError,
+    InputError,
+    LayoutError,
+    MissingPhaseError,
+    PoolError,
+    StaleViewError,
+)
 from .kv import KVCacheConfig, KVCachePool, KVKind, KVLayout
 from .lora import LoRABatchPool, LoRABatchView, LoRAConfig, lora_reference
+from .phases import BoundUpdate
 from .pool import BufferPool
 from .views import (
     DecodeView,
@@ -31,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArenaPlan",
+    "BoundUpdate",
     "BufferPool",
     "CapacityError",
     "DecodeView",
@@ -57,6 +66,7 @@ __all__ = [
     "PoolConfig",
     "PoolError",
     "ReadRegionError",
+    "StaleViewError",
     "VerifyView",
     "__version__",
     "check_view",

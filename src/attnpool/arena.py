@@ -209,17 +209,48 @@ class Arena:
     # ---- overlay bookkeeping -------------------------------------------------------------------
     def valid_rows(self, phase: Phase) -> int:
         """Rows of ``phase`` whose read region is valid now (0: must be (re)written first)."""
-        o = self._own.get(_REGION[phase])
-        return o[2] if o is not None and o[0] is phase else 0
+        rows = -1
+        for r in _REGIONS[phase]:
+            o = self._own.get(r)
+            if o is None or o[0] is not phase:
+                return 0
+            rows = o[2] if rows < 0 else min(rows, o[2])
+        return rows
 
     def mark_written(self, phase: Phase, rows: int) -> None:
         """Record that ``phase`` just wrote its read region for ``rows`` rows.
 
-        Overlaid phases share one region: writing one invalidates every other. Two dict
-        operations, so the per-update bookkeeping costs next to nothing.
+        Overlaid phases share one region: writing one invalidates every other. The encoder
+        phase writes its own region and, for its decoder rows, the decode phase's buffers in the
+        overlay, so it takes both. A dict store per region: the bookkeeping costs next to
+        nothing per update.
         """
         self._gen += 1
-        self._own[_REGION[phase]] = (phase, self._gen, rows)
+        rec = (phase, self._gen, rows)
+        for r in _REGIONS[phase]:
+            self._own[r] = rec
+
+    def holds(self, phase: Phase) -> bool:
+        """True while every region ``phase`` writes holds ``phase``'s last write."""
+        for r in _REGIONS[phase]:
+            o = self._own.get(r)
+            if o is None or o[0] is not phase:
+                return False
+        return True
+
+    def owner(self, phase: Phase) -> Phase | None:
+        """The phase whose write the bytes ``phase``'s views read hold now: ``phase`` itself, or
+        the phase that wrote over one of its regions since, or None when nothing valid is there
+        (never written, or poisoned since)."""
+        for r in _REGIONS[phase]:  # the first region ``phase`` no longer holds, if any
+            o = self._own.get(r)
+            if o is None or o[0] is not phase:
+                return None if o is None else o[0]
+        return phase
+
+    def stamp(self, phase: Phase) -> RegionStamp:
+        """The :class:`attnpool.views.Stamp` of views ``phase`` hands out."""
+        return RegionStamp(self, phase)
 
     def epoch(self, phase: Phase) -> int:
         """A value that changes whenever ``phase``'s bytes may have been written.
@@ -227,11 +258,10 @@ class Arena:
         A phase that reuses what its previous update left (the incremental page table) compares
         the epoch right after that update with the epoch now: equal means no other phase, capture
         state or poison wrote those bytes in between through this arena's calls (each such write
-        takes a new generation; a region owned by another phase reads ``-1``). Writes replayed
-        from an engine's own graph bypass it; see :attr:`recorded`.
+        takes a new generation; bytes another phase owns read ``-1``). Writes replayed from an
+        engine's own graph bypass it; see :attr:`recorded`.
         """
-        o = self._own.get(_REGION[phase])
-        return o[1] if o is not None and o[0] is phase else -1
+        return self._own[_REGIONS[phase][0]][1] if self.holds(phase) else -1
 
     # ---- poison --------------------------------------------------------------------------------
     def poison_(self) -> None:
@@ -256,8 +286,31 @@ class Arena:
                 torch.arange(0, buf.numel() * step, step, out=buf)
 
 
-#: the region each phase's buffers live in: the shared overlay, or the phase's own
-_REGION: dict[Phase, object] = {p: "overlay" if p in OVERLAID_PHASES else p for p in Phase}
+#: the regions each phase's update writes: the shared overlay, or the phase's own; the encoder
+#: also writes the decode phase's buffers (its decoder rows), which live in the overlay
+_REGIONS: dict[Phase, tuple[object, ...]] = {
+    p: ("overlay",) if p in OVERLAID_PHASES else (p, "overlay") if p is Phase.ENCODER else (p,)
+    for p in Phase
+}
+
+
+class RegionStamp:
+    """A view's producer (:class:`attnpool.views.Stamp`): ``phase`` of one arena. Current while
+    every region the phase writes still holds that phase's last write."""
+
+    __slots__ = ("arena", "phase")
+
+    def __init__(self, arena: Arena, phase: Phase) -> None:
+        self.arena, self.phase = arena, phase
+
+    def current(self) -> bool:
+        return self.arena.holds(self.phase)
+
+    def describe(self) -> str:
+        owner = self.arena.owner(self.phase)
+        now = "nothing valid (poisoned or never written)" if owner is None else (
+            f"the {owner.value} phase's last write")
+        return f"a view of the {self.phase.value} phase, but its bytes now hold {now}"
 
 
 def sentinel(dtype: torch.dtype) -> int | float:

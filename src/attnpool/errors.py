@@ -30,3 +30,10 @@ class MissingPhaseError(PoolError, AttributeError):
     It is also an ``AttributeError`` so that ``hasattr(pool, "verify")`` answers ``False`` for a
     pool built without speculative decoding.
     """
+
+
+class StaleViewError(PoolError):
+    """A view whose bytes another phase (or poison) has written since the write that produced it:
+    its metadata now describes another batch. Overlaid phases share arena bytes, so hold a view
+    only until another phase's ``view`` / ``update_`` runs (see :attr:`attnpool.PagedView.is_current`).
+    """

@@ -12,7 +12,7 @@ from typing import cast
 from .arena import Arena, ArenaPlan
 from .check import check_view
 from .config import Phase, PoolConfig
-from .errors import InputError, MissingPhaseError, PoolError
+from .errors import InputError, MissingPhaseError, PoolError, StaleViewError
 from .phases import (
     DecodePhase,
     DraftExtendPhase,
@@ -147,5 +147,17 @@ class BufferPool:
         self.arena.poison_()
 
     def check(self, view: object) -> None:
-        """Raise :class:`attnpool.ReadRegionError` if ``view``'s read region is not valid."""
+        """Raise :class:`attnpool.StaleViewError` if another phase (or poison) wrote ``view``'s
+        bytes since the write that produced it, else :class:`attnpool.ReadRegionError` if its read
+        region is not valid (a device read: a debugging aid, not for the hot path)."""
+        stamp = getattr(view, "stamp", None)
+        if stamp is not None and not stamp.current():
+            raise StaleViewError(f"{type(view).__name__} is stale: {stamp.describe()}; take a "
+                                 "new view (view() / update_()) after another phase has run")
         check_view(view, num_pages=self.cfg.num_pages, page_size=self.cfg.page_size)
+
+    def owner(self, phase: Phase | str) -> Phase | None:
+        """Which phase's write the bytes ``phase``'s views read hold now (None: nothing valid,
+        e.g. after ``poison_``). Overlaid phases share bytes: after ``pool.draft.update_``,
+        ``pool.owner(Phase.DECODE)`` is ``Phase.DRAFT``. Host bookkeeping, no device access."""
+        return self.arena.owner(self.phase(phase).phase)

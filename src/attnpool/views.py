@@ -9,13 +9,41 @@ tensors, not by these ints.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from torch import Tensor
 
 
+class Stamp(Protocol):
+    """Who produced a view: answers whether its bytes are still that producer's.
+
+    Phases of a pool share arena bytes (the overlay), so a view stays meaningful only until
+    another phase writes them. Every view a pool hands out carries its phase's stamp; a view built
+    by hand has none and counts as current.
+    """
+
+    def current(self) -> bool: ...
+
+    def describe(self) -> str: ...
+
+
+class _Stamped:
+    """``is_current`` for every view class (their ``stamp`` field holds the producer)."""
+
+    __slots__ = ()
+    stamp: Stamp | None
+
+    @property
+    def is_current(self) -> bool:
+        """False once another phase (or poison) has written this view's bytes since the write
+        that produced it: attention over it would read another phase's metadata. One lookup,
+        no device access."""
+        return self.stamp is None or self.stamp.current()
+
+
 @dataclass(frozen=True, slots=True)
-class PagedView:
+class PagedView(_Stamped):
     """One batch of paged-attention metadata: the shape every phase part shares.
 
     Row ``i < bs`` reads KV tokens ``0 .. cache_seqlens[i]-1`` through its pages. Rows at or past the
@@ -53,6 +81,7 @@ class PagedView:
     max_seqlen_k: int
     page_size: int
     causal: bool
+    stamp: Stamp | None = field(default=None, kw_only=True, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +94,7 @@ class DecodeView(PagedView):
 
 
 @dataclass(frozen=True, slots=True)
-class VerifyView:
+class VerifyView(_Stamped):
     """Target verify of ``N`` draft tokens per request.
 
     Chain (``topk == 1``): ``prefix`` is the single causal pass, ``cache_seqlens = seq_lens + N``,
@@ -85,10 +114,11 @@ class VerifyView:
     bs: int
     prefix: PagedView
     expand: PagedView | None
+    stamp: Stamp | None = field(default=None, kw_only=True, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
-class DraftStepView:
+class DraftStepView(_Stamped):
     """Metadata of draft decode step ``d`` (1-based) of one speculative round.
 
     Chain (``topk == 1``): ``prefix`` is a decode view with ``cache_seqlens = seq_lens + d`` over
@@ -102,10 +132,11 @@ class DraftStepView:
     step: int
     prefix: PagedView
     expand: PagedView | None
+    stamp: Stamp | None = field(default=None, kw_only=True, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
-class DraftView:
+class DraftView(_Stamped):
     """All ``S`` draft steps of a round: they are captured in one graph, so they coexist.
 
     Attributes:
@@ -115,6 +146,7 @@ class DraftView:
 
     bs: int
     steps: tuple[DraftStepView, ...]
+    stamp: Stamp | None = field(default=None, kw_only=True, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +200,7 @@ class ExtendView(PagedView):
 
 
 @dataclass(frozen=True, slots=True)
-class EncoderView:
+class EncoderView(_Stamped):
     """Encoder-decoder attention for one decode step.
 
     Attributes:
@@ -182,6 +214,7 @@ class EncoderView:
     bs: int
     cross: PagedView
     decoder: DecodeView
+    stamp: Stamp | None = field(default=None, kw_only=True, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -147,7 +147,7 @@ class StepContext:
 def as_decode(view: PagedView) -> DecodeView:
     """A one-query-per-row part (a chain draft step) seen as a :class:`DecodeView`: the same
     tensors, so the SDPA adapter takes its decode path (row ``i`` is query ``i``)."""
-    return DecodeView(*(getattr(view, f.name) for f in fields(view)))
+    return DecodeView(**{f.name: getattr(view, f.name) for f in fields(view)})
 
 
 def attnpool_attention(

@@ -14,7 +14,7 @@ from ..config import INT_DTYPES, Impl, Phase, resolve_impl
 from ..errors import InputError, PoolError
 from ..update import reference as ref
 from ..update.reference import PagedBuffers
-from ..views import PagedView
+from ..views import PagedView, Stamp
 from ._checks import check_bs, check_req_to_token, check_tensor
 from .bound import BoundUpdate
 
@@ -53,6 +53,8 @@ class PhaseBase:
         self.fused = self.impl is Impl.TRITON
         self._dev = arena.storage.device
         self._arange = arena.buffer(None, "arange")
+        #: the producer every view of this phase carries (``view.is_current``, stale checks)
+        self._stamp = arena.stamp(self.phase)
         #: the arena's address range, for the aliasing check of inputs (computed once)
         self._span = (arena.storage.data_ptr(), arena.storage.data_ptr() + arena.storage.numel())
         #: assembled fused launches per (part, batch shape, call site): see :meth:`_fused`
@@ -284,6 +286,7 @@ def part_view(
     max_k: int,
     page_size: int,
     causal: bool,
+    stamp: Stamp,
     cls: type[V] = PagedView,  # type: ignore[assignment]
     **extra: Any,
 ) -> V:
@@ -301,5 +304,6 @@ def part_view(
         max_seqlen_k=max_k,
         page_size=page_size,
         causal=causal,
+        stamp=stamp,
         **extra,
     )

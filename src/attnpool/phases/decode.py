@@ -11,7 +11,7 @@ from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
 from ..update import reference as ref
-from ..views import DecodeView
+from ..views import DecodeView, Stamp
 from ._checks import check_bs, host_lens
 from .base import PhaseBase, part_view
 
@@ -149,6 +149,8 @@ class DecodePhase(PhaseBase):
     def _view(self, bs: int, max_seqlen_k: int) -> DecodeView:
         return self._memo((bs, max_seqlen_k), lambda: self._make_view(bs, max_seqlen_k))
 
-    def _make_view(self, bs: int, max_seqlen_k: int) -> DecodeView:
+    def _make_view(self, bs: int, max_seqlen_k: int, stamp: Stamp | None = None) -> DecodeView:
+        """``stamp``: the producer when another phase wrote these buffers (the encoder)."""
         return part_view(self._b, bs, self._arange, max_q=1, max_k=max_seqlen_k,
-                         page_size=self.cfg.page_size, causal=True, cls=DecodeView)
+                         page_size=self.cfg.page_size, causal=True, cls=DecodeView,
+                         stamp=self._stamp if stamp is None else stamp)

@@ -194,22 +194,22 @@ class DraftPhase(PhaseBase):
         if self.tree:
             max_k = self._max_k(host, 0, n, bs, c)
             prefix: PagedView = part_view(self._prefix, bs, self._cu_k_prefix_q, max_q=cfg.topk,
-                               max_k=max_k, page_size=cfg.page_size, causal=False)
+                               max_k=max_k, page_size=cfg.page_size, causal=False, stamp=self._stamp)
             w = draft_expand_width(cfg)
             pad_len = min(cfg.pad_seq_len, w)
             for d, b in enumerate(self._e_steps):
                 e: PagedView = part_view(b, bs * cfg.topk, self._arange, max_q=1,
                                          max_k=max(min(w, cfg.page_size + d), pad_len),
                                          page_size=1,
-                                         causal=False)
-                out.append(DraftStepView(d + 1, prefix, e))
+                                         causal=False, stamp=self._stamp)
+                out.append(DraftStepView(d + 1, prefix, e, stamp=self._stamp))
         else:
             for d, b in enumerate(self._chain):
                 v: PagedView = part_view(b, bs, self._arange, max_q=1,
                               max_k=self._max_k(host, d + 1, n, bs, c),
-                              page_size=cfg.page_size, causal=True)
-                out.append(DraftStepView(d + 1, v, None))
-        return DraftView(bs=bs, steps=tuple(out))
+                              page_size=cfg.page_size, causal=True, stamp=self._stamp)
+                out.append(DraftStepView(d + 1, v, None, stamp=self._stamp))
+        return DraftView(bs=bs, steps=tuple(out), stamp=self._stamp)
 
 
 def _no_table(b: PagedBuffers) -> PagedBuffers:

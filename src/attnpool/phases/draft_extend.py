@@ -118,4 +118,5 @@ class DraftExtendPhase(PhaseBase):
 
     def _make_view(self, bs: int, max_k: int) -> DraftExtendView:
         return part_view(self._b, bs, self._cu_q, max_q=self.cfg.num_draft_tokens, max_k=max_k,
-                         page_size=self.cfg.page_size, causal=True, cls=DraftExtendView)
+                         page_size=self.cfg.page_size, causal=True, cls=DraftExtendView,
+                         stamp=self._stamp)

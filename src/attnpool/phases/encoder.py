@@ -40,9 +40,11 @@ class EncoderPhase(PhaseBase):
         self._pad = min(self.cfg.pad_seq_len, self.cfg.max_encoder_len)
 
     def view(self, bs: int) -> EncoderView:
+        """Both parts' ``bs``-row view for capture (the decoder part's capture state is written
+        into the decode phase's buffers under this phase's ownership)."""
         check_bs(self.cfg, bs)
         self._ready(bs)
-        return EncoderView(bs, self._view(bs, self.cfg.max_encoder_len), self._decode.view(bs))
+        return self._both(bs, self.cfg.max_encoder_len, self.cfg.max_context_len)
 
     def update_(
         self,
@@ -99,10 +101,16 @@ class EncoderPhase(PhaseBase):
         # One write of the overlay: the encoder now owns it, decoder rows included (decode's own
         # view of those buffers is not valid until decode writes them again).
         self.arena.mark_written(self.phase, bs)
-        dec_k = self._max_k(host, 0, n, bs, cfg.max_context_len)
-        max_k = self._max_k(enc_host, 0, n, bs, cfg.max_encoder_len)
+        return self._both(bs, self._max_k(enc_host, 0, n, bs, cfg.max_encoder_len),
+                          self._max_k(host, 0, n, bs, cfg.max_context_len))
+
+    def _both(self, bs: int, max_k: int, dec_k: int) -> EncoderView:
+        """The view of both parts; the decoder part carries this phase's stamp (its bytes are
+        this phase's write, not a decode update's)."""
+        dec = self._decode
         return self._memo(("enc", bs, max_k, dec_k), lambda: EncoderView(
-            bs, self._view(bs, max_k), dec._view(bs, dec_k)))
+            bs, self._view(bs, max_k), dec._make_view(bs, dec_k, self._stamp),
+            stamp=self._stamp))
 
     def _write(self, bs: int, enc: Tensor, pages: Tensor) -> None:
         self._write_part(self._b, bs, enc, pages, pad_len=self._pad,
@@ -110,10 +118,11 @@ class EncoderPhase(PhaseBase):
 
     def _write_capture_state(self) -> None:
         self._write(self.cfg.max_bs, self._arange[:0], self._empty_pages())
+        self._decode._write_capture_state()  # the decoder rows (decode's buffers)
 
     def _view(self, bs: int, max_k: int) -> PagedView:
         return self._memo((bs, max_k), lambda: self._make_view(bs, max_k))
 
     def _make_view(self, bs: int, max_k: int) -> PagedView:
         return part_view(self._b, bs, self._arange, max_q=1, max_k=max_k,
-                         page_size=self.cfg.page_size, causal=False)
+                         page_size=self.cfg.page_size, causal=False, stamp=self._stamp)

@@ -171,4 +171,4 @@ class ExtendPhase(PhaseBase):
     def _make_view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
         return part_view(self._b, bs, self._cu_q, max_q=max_q, max_k=max_k,
                          page_size=self.cfg.page_size, causal=True, cls=ExtendView,
-                         positions=self._pos)
+                         positions=self._pos, stamp=self._stamp)

@@ -135,4 +135,4 @@ class LocalPhase(PhaseBase):
         max_k = min(self.chunk, self.cfg.max_context_len)
         return part_view(self._b, bs * per, self._cu_q, max_q=q, max_k=max_k,
                          page_size=self.cfg.page_size, causal=True, cls=LocalView,
-                         rows_per_request=per)
+                         rows_per_request=per, stamp=self._stamp)

@@ -136,9 +136,9 @@ class VerifyPhase(PhaseBase):
     def _make_view(self, bs: int, max_k: int) -> VerifyView:
         cfg, nd = self.cfg, self.cfg.num_draft_tokens
         prefix: PagedView = part_view(self._p, bs, self._cu_q, max_q=nd, max_k=max_k,
-                           page_size=cfg.page_size, causal=not self.tree)
+                           page_size=cfg.page_size, causal=not self.tree, stamp=self._stamp)
         expand: PagedView | None = None
         if self._e is not None:
             expand = part_view(self._e, bs * nd, self._arange, max_q=1, max_k=nd, page_size=1,
-                               causal=False)
-        return VerifyView(bs=bs, prefix=prefix, expand=expand)
+                               causal=False, stamp=self._stamp)
+        return VerifyView(bs=bs, prefix=prefix, expand=expand, stamp=self._stamp)
