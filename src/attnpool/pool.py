@@ -40,9 +40,14 @@ class BufferPool:
         cfg: sizes and options (:class:`PoolConfig`).
         poison: fill the arena with sentinels (int max / NaN) so :meth:`check` catches any element
             a kernel may read that no update wrote. For tests and debugging.
+        validate: debug mode: every update reads its device inputs back (one host read, a sync
+            on CUDA) and rejects, before any write, what the fast path cannot see: lengths out
+            of range, ``req_pool_indices`` outside ``req_to_token``, host copies that disagree
+            with the device values, a tree mask without its diagonal. Off by default (see
+            :mod:`attnpool.phases._validate`).
     """
 
-    def __init__(self, cfg: PoolConfig, poison: bool = False) -> None:
+    def __init__(self, cfg: PoolConfig, poison: bool = False, validate: bool = False) -> None:
         if not isinstance(cfg, PoolConfig):
             raise PoolError(f"BufferPool expects a PoolConfig, got {type(cfg).__name__}")
         self.cfg = cfg
@@ -57,6 +62,8 @@ class BufferPool:
                 self._phases[p] = EncoderPhase(self.arena, decode)
             else:
                 self._phases[p] = _OTHERS[p](self.arena)
+        for ph in self._phases.values():
+            ph.validate = bool(validate)
 
     # ---- phases --------------------------------------------------------------------------------
     def phase(self, phase: Phase | str) -> PhaseBase:

@@ -16,6 +16,7 @@ from ..update import reference as ref
 from ..update.reference import PagedBuffers
 from ..views import PagedView, Stamp
 from ._checks import check_bs, check_req_to_token, check_tensor
+from ._validate import Values, validate
 from .bound import BoundUpdate
 
 #: cached fused launches per phase before the cache is dropped (a bound on its memory)
@@ -53,6 +54,8 @@ class PhaseBase:
         self.fused = self.impl is Impl.TRITON
         self._dev = arena.storage.device
         self._arange = arena.buffer(None, "arange")
+        #: debug validation of device values (``BufferPool(validate=True)``, see ._validate)
+        self.validate = False
         #: the producer every view of this phase carries (``view.is_current``, stale checks)
         self._stamp = arena.stamp(self.phase)
         #: the arena's address range, for the aliasing check of inputs (computed once)
@@ -149,6 +152,12 @@ class PhaseBase:
             self._rec = None
         return BoundUpdate(self.arena, self.phase, bs, view, rec,
                            lambda: self.update_(bs, **inputs))  # type: ignore[attr-defined]
+
+    def _values(self, v: Values) -> None:
+        """Validate ``v`` when this pool validates (one host read; skipped during a capture,
+        where a host read is illegal). Called after the metadata checks, before any write."""
+        if self.validate and not capturing(self._dev):
+            validate(v)
 
     def _tt(self) -> ModuleType:
         """The fused wrappers, imported on first use (importing attnpool never imports triton)."""

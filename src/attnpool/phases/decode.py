@@ -13,6 +13,7 @@ from ..errors import InputError
 from ..update import reference as ref
 from ..views import DecodeView, Stamp
 from ._checks import check_bs, host_lens
+from ._validate import Values
 from .base import PhaseBase, part_view
 
 #: the fused launch's inputs, in the order :meth:`DecodePhase.update_` passes them
@@ -102,6 +103,10 @@ class DecodePhase(PhaseBase):
             ids = list(request_ids)
             if len(ids) != n:
                 raise InputError(f"request_ids must have n={n} values, got {len(ids)}")
+        self._values(Values(n, num_real, table.shape[0],
+                            [("seq_lens", seq_lens, 1, cfg.max_context_len),
+                             ("req_pool_indices", rpi, 0, 0)],
+                            [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
         if self.fused:
             flags = self._keep_flags(ids, bs)
             keep = None if flags is None else self._keep[:bs]

@@ -15,6 +15,7 @@ from ..update import reference as ref
 from ..update.reference import PagedBuffers
 from ..views import DraftStepView, DraftView, PagedView
 from ._checks import check_bs, host_lens
+from ._validate import Values
 from .base import PhaseBase, part_view
 
 #: the fused launches' inputs, in the order :meth:`DraftPhase.update_` passes them
@@ -111,6 +112,10 @@ class DraftPhase(PhaseBase):
             if out_cache_loc is not None:
                 raise InputError("out_cache_loc is only for topk > 1; chain drafts read "
                                  f"req_to_token, got one with topk={cfg.topk}")
+            self._values(Values(n, num_real, table.shape[0],
+                                [("seq_lens", seq_lens, 1, cfg.max_context_len - steps),
+                                 ("req_pool_indices", rpi, 0, 0)],
+                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
             if self.fused:
                 # --- writes start here ---
                 self._run((bs, table.shape, table.stride(0), num_real is None),
@@ -128,6 +133,10 @@ class DraftPhase(PhaseBase):
             if tuple(loc.shape[1:]) != (steps, cfg.topk):
                 raise InputError(f"out_cache_loc must be [n, {steps}, {cfg.topk}], "
                                  f"got {tuple(loc.shape)}")
+            self._values(Values(n, num_real, table.shape[0],
+                                [("seq_lens", seq_lens, 1, cfg.max_context_len - steps),
+                                 ("req_pool_indices", rpi, 0, 0)],
+                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
             if self.fused:
                 # --- writes start here (both launches' inputs were checked above) ---
                 self._run((bs, table.shape, table.stride(0), num_real is None, loc.stride()),

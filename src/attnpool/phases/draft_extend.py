@@ -13,6 +13,7 @@ from ..errors import CapacityError
 from ..update import reference as ref
 from ..views import DraftExtendView
 from ._checks import check_bs, host_lens
+from ._validate import Values
 from .base import PhaseBase, part_view
 
 #: the fused launch's inputs, in the order :meth:`DraftExtendPhase.update_` passes them
@@ -80,6 +81,13 @@ class DraftExtendPhase(PhaseBase):
                 if a > s:
                     raise CapacityError(f"accept_lens_cpu[{i}] must be <= seq_lens_cpu[{i}]={s}, "
                                         f"got {a}")
+        self._values(Values(n, num_real, table.shape[0],
+                            [("seq_lens", seq_lens, 1, cfg.max_context_len),
+                             ("accept_lens", acc, 1, cfg.num_draft_tokens),
+                             ("req_pool_indices", rpi, 0, 0)],
+                            [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
+                             ("accept_lens_cpu", accept_lens_cpu, "accept_lens")],
+                            at_most=[("accept_lens", "seq_lens")]))
         if self.fused:
             # --- writes start here ---
             self._run((bs, table.shape, table.stride(0), num_real is None),

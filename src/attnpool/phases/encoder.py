@@ -11,6 +11,7 @@ from ..config import Phase
 from ..update import reference as ref
 from ..views import EncoderView, PagedView
 from ._checks import check_bs, host_lens
+from ._validate import Values
 from .base import PhaseBase, part_view
 from .decode import DecodePhase
 
@@ -79,6 +80,13 @@ class EncoderPhase(PhaseBase):
                       [a + b for a, b in zip(enc_host, host, strict=True)], n, 2,
                       cfg.max_context_len)
         dec = self._decode
+        self._values(Values(n, num_real, table.shape[0],
+                            [("seq_lens", seq_lens, 1, cfg.max_context_len),
+                             ("encoder_lens", enc, 1, cfg.max_encoder_len),
+                             ("req_pool_indices", rpi, 0, 0)],
+                            [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
+                             ("encoder_lens_cpu", encoder_lens_cpu, "encoder_lens")],
+                            sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len)))
         if self.fused:
             # --- writes start here (both launches' inputs were checked above) ---
             self._run((bs, table.shape, table.stride(0), num_real is None),

@@ -13,6 +13,7 @@ from ..errors import CapacityError
 from ..update import reference as ref
 from ..views import ExtendView
 from ._checks import check_bs, host_lens
+from ._validate import Values
 from .base import PhaseBase, part_view
 
 #: the fused launch's inputs, in the order :meth:`ExtendPhase.update_` passes them
@@ -95,6 +96,14 @@ class ExtendPhase(PhaseBase):
         ehost = host_lens("extend_lens_cpu", extend_lens_cpu, n, 1, cfg.max_context_len)
         total = self._check_host(host, ehost)
         slots = None if out_slots is None else self._out_slots(out_slots, total)
+        self._values(Values(n, num_real, table.shape[0],
+                            [("seq_lens", seq_lens, 1, cfg.max_context_len),
+                             ("extend_lens", ext, 1, cfg.max_context_len),
+                             ("req_pool_indices", rpi, 0, 0)],
+                            [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
+                             ("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
+                            at_most=[("extend_lens", "seq_lens")],
+                            sum_at_most=("extend_lens", t_max)))
         if self.fused:
             # --- writes start here ---
             self._run((bs, table.shape, table.stride(0), num_real is None,

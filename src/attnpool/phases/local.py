@@ -14,6 +14,7 @@ from ..specs import local_rows_per_request
 from ..update import reference as ref
 from ..views import LocalView
 from ._checks import check_bs, host_lens
+from ._validate import Values
 from .base import PhaseBase, part_view
 
 #: the fused launch's inputs, in the order :meth:`LocalPhase.update_` passes them
@@ -89,6 +90,10 @@ class LocalPhase(PhaseBase):
         rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
         table = self._req_to_token(req_to_token)
         host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - extra)
+        self._values(Values(n, num_real, table.shape[0],
+                            [("seq_lens", seq_lens, 1, cfg.max_context_len - extra),
+                             ("req_pool_indices", rpi, 0, 0)],
+                            [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
         if self.fused:
             # --- writes start here ---
             self._run((bs, extra, q, per, table.shape, table.stride(0), num_real is None),

@@ -14,6 +14,7 @@ from ..errors import InputError
 from ..update import reference as ref
 from ..views import PagedView, VerifyView
 from ._checks import check_bs, host_lens
+from ._validate import Values
 from .base import PhaseBase, part_view
 
 #: the fused launches' inputs, in the order :meth:`VerifyPhase.update_` passes them
@@ -80,6 +81,10 @@ class VerifyPhase(PhaseBase):
                 raise InputError(f"tree_mask must be [n, {nd}, {nd}], got {tuple(mask.shape)}")
         elif tree_mask is not None:
             raise InputError(f"tree_mask is only for topk > 1, got one with topk={cfg.topk}")
+        self._values(Values(n, num_real, table.shape[0],
+                            [("seq_lens", seq_lens, 1, cfg.max_context_len - nd),
+                             ("req_pool_indices", rpi, 0, 0)],
+                            [("seq_lens_cpu", seq_lens_cpu, "seq_lens")], tree_mask=mask))
         add = 0 if self.tree else nd
         if self.fused:
             # --- writes start here (both launches' inputs were checked above) ---
