@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import OVERLAID_PHASES, Phase, PoolConfig
+from .config import OVERLAID_PHASES, PHASE_FACTS, Phase, PoolConfig
 from .errors import LayoutError
 from .specs import BufferSpec, Pad, Region, Shape, specs_for
 
@@ -289,8 +289,8 @@ class Arena:
 #: the regions each phase's update writes: the shared overlay, or the phase's own; the encoder
 #: also writes the decode phase's buffers (its decoder rows), which live in the overlay
 _REGIONS: dict[Phase, tuple[object, ...]] = {
-    p: ("overlay",) if p in OVERLAID_PHASES else (p, "overlay") if p is Phase.ENCODER else (p,)
-    for p in Phase
+    p: ("overlay",) if f.overlaid else (p, "overlay") if f.writes_decode else (p,)
+    for p, f in PHASE_FACTS.items()
 }
 
 

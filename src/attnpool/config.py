@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeGuard
 
@@ -32,12 +33,53 @@ class Phase(enum.Enum):
 #: Index dtypes accepted for lengths, request rows and token tables.
 INT_DTYPES: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
 
-#: Phases that never run in the same forward: their buffers overlay the same arena bytes. A prefill
-#: (extend) forward never carries decode, verify or draft rows of the same pool (an engine that mixes
-#: them runs the decode rows as one-token extends), so extend overlays them too.
-OVERLAID_PHASES: frozenset[Phase] = frozenset(
-    {Phase.DECODE, Phase.VERIFY, Phase.DRAFT, Phase.DRAFT_EXTEND, Phase.EXTEND}
-)
+@dataclass(frozen=True, slots=True)
+class PhaseFacts:
+    """What the library knows about a phase, in one place (:data:`PHASE_FACTS`).
+
+    Attributes:
+        enabled: whether a config has the phase (its sizes are set).
+        needs: the config setting that enables it, for error messages.
+        overlaid: its buffers overlay the other overlaid phases' bytes (they never run in the
+            same forward); else they are its own.
+        writes_decode: its update also writes the decode phase's buffers (the encoder's decoder
+            rows), so it owns the overlay too after an update.
+        rows: query rows one request contributes to a forward (at most; extend: the batch's
+            token budget ``max_extend_tokens``).
+    """
+
+    enabled: Callable[[PoolConfig], bool]
+    needs: str
+    overlaid: bool
+    writes_decode: bool
+    rows: Callable[[PoolConfig], int]
+
+
+def _one(cfg: PoolConfig) -> int:
+    return 1
+
+
+#: Every phase's facts; adding a phase adds a row here (and its module under ``phases/``). A
+#: prefill (extend) forward never carries decode, verify or draft rows of the same pool (an engine
+#: that mixes them runs the decode rows as one-token extends), so extend is overlaid too.
+PHASE_FACTS: dict[Phase, PhaseFacts] = {
+    Phase.DECODE: PhaseFacts(lambda c: True, "always on", True, False, _one),
+    Phase.VERIFY: PhaseFacts(lambda c: c.num_draft_tokens > 0, "num_draft_tokens > 0", True,
+                             False, lambda c: c.num_draft_tokens),
+    Phase.DRAFT: PhaseFacts(lambda c: c.spec_steps > 0, "spec_steps > 0", True, False,
+                            lambda c: c.topk),
+    Phase.DRAFT_EXTEND: PhaseFacts(lambda c: c.num_draft_tokens > 0, "num_draft_tokens > 0",
+                                   True, False, lambda c: c.num_draft_tokens),
+    Phase.ENCODER: PhaseFacts(lambda c: c.max_encoder_len > 0, "max_encoder_len > 0", False,
+                              True, _one),
+    Phase.LOCAL: PhaseFacts(lambda c: c.attention_chunk_size is not None,
+                            "attention_chunk_size set", False, False, _one),
+    Phase.EXTEND: PhaseFacts(lambda c: c.max_extend_tokens > 0, "max_extend_tokens > 0", True,
+                             False, lambda c: c.max_extend_tokens),
+}
+
+#: Phases that never run in the same forward: their buffers overlay the same arena bytes.
+OVERLAID_PHASES: frozenset[Phase] = frozenset(p for p, f in PHASE_FACTS.items() if f.overlaid)
 
 
 class Layout(enum.Flag):
@@ -220,16 +262,8 @@ class PoolConfig:
         need(self.spec_steps == 0 or self.topk > 1 or bool(self.layout & Layout.FLASH_ATTN),
              "spec_steps > 0 with topk == 1 needs Layout.FLASH_ATTN in layout", self.layout)
         object.__setattr__(self, "_device", resolve_device(self.device))
-        on = {
-            Phase.DECODE: True,
-            Phase.VERIFY: self.num_draft_tokens > 0,
-            Phase.DRAFT: self.spec_steps > 0,
-            Phase.DRAFT_EXTEND: self.num_draft_tokens > 0,
-            Phase.ENCODER: self.max_encoder_len > 0,
-            Phase.LOCAL: self.attention_chunk_size is not None,
-            Phase.EXTEND: self.max_extend_tokens > 0,
-        }
-        object.__setattr__(self, "_phases", tuple(p for p in Phase if on[p]))
+        object.__setattr__(self, "_phases",
+                           tuple(p for p in Phase if PHASE_FACTS[p].enabled(self)))
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config import Phase
+from .config import PHASE_FACTS, Phase
 from .errors import CapacityError, InputError
 from .pool import BufferPool
 
@@ -39,13 +39,7 @@ def rows_per_request(pool: BufferPool, phase: Phase) -> int:
     For ``Phase.EXTEND`` a request's count varies (``extend_lens[i]``, up to ``max_extend_tokens``
     for the whole batch): see :func:`query_rows` for the rows of a whole forward.
     """
-    cfg = pool.cfg
-    return {
-        Phase.VERIFY: cfg.num_draft_tokens,
-        Phase.DRAFT_EXTEND: cfg.num_draft_tokens,
-        Phase.DRAFT: cfg.topk,
-        Phase.EXTEND: cfg.max_extend_tokens,
-    }.get(phase, 1)
+    return PHASE_FACTS[phase].rows(pool.cfg)
 
 
 def query_rows(pool: BufferPool, phase: Phase, bs: int) -> int:

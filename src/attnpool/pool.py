@@ -11,7 +11,7 @@ from typing import cast
 
 from .arena import Arena, ArenaPlan
 from .check import check_view
-from .config import Phase, PoolConfig
+from .config import PHASE_FACTS, Phase, PoolConfig
 from .errors import InputError, MissingPhaseError, PoolError, StaleViewError
 from .phases import (
     DecodePhase,
@@ -81,14 +81,7 @@ class BufferPool:
         try:
             return self._phases[phase]
         except KeyError:
-            hint = {
-                Phase.VERIFY: "num_draft_tokens > 0",
-                Phase.DRAFT: "spec_steps > 0",
-                Phase.DRAFT_EXTEND: "num_draft_tokens > 0",
-                Phase.ENCODER: "max_encoder_len > 0",
-                Phase.LOCAL: "attention_chunk_size set",
-                Phase.EXTEND: "max_extend_tokens > 0",
-            }.get(phase, "a newer attnpool")
+            hint = PHASE_FACTS[phase].needs
             raise MissingPhaseError(
                 f"this pool has no {phase.value} phase (needs {hint}); "
                 f"enabled: {[p.value for p in self._phases]}"
