@@ -270,6 +270,17 @@ class PhaseBase:
                    pad_page=cfg.pad_page if pad_id is None else pad_id,
                    pad_pages=-(-pad // p), arange=self._arange)
 
+    def _gather(self, b: PagedBuffers, rpi: Tensor, table: Tensor, host: list[int] | None,
+                token_offset: Tensor | None = None) -> Tensor:
+        """The real rows' page block of part ``b`` (a page-level part of width ``max_pages``),
+        divided straight into its page table when it has one (``token_offset``: see
+        :func:`attnpool.update.reference.gather_pages`)."""
+        cfg = self.cfg
+        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+        pt = b.page_table
+        out = None if pt is None or cfg.page_size == 1 else pt[: rpi.shape[0], :width]
+        return ref.gather_pages(table, rpi, cfg.page_size, width, token_offset, out)
+
     def _max_k(self, host: list[int] | None, add: int, n: int, bs: int, bound: int) -> int:
         """Host bound of ``cache_seqlens``: tight from host lengths, else the static ``bound``."""
         if host is None:

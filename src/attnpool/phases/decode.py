@@ -10,8 +10,8 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
-from ..update import reference as ref
-from ..views import DecodeView, Stamp
+from ..update.reference import PagedBuffers
+from ..views import DecodeView
 from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
@@ -119,7 +119,7 @@ class DecodePhase(PhaseBase):
                       (n, seq_lens, rpi, table, num_real, keep))
             return self._done(bs, n, host, ids)
         # --- writes start here: everything above is validation (the gather cannot raise) ---
-        pages = self._gather(rpi, table, host)
+        pages = self._gather(self._b, rpi, table, host)
         self._write_part(self._b, bs, seq_lens, pages)
         return self._done(bs, n, host, ids)
 
@@ -138,15 +138,12 @@ class DecodePhase(PhaseBase):
         self._last = None if ids is None else (ids, self.arena.epoch(self.phase))
         return self._view(bs, self._max_k(host, 0, n, bs, self.cfg.max_context_len))
 
-    # ---- internals (also used by the encoder phase for the decoder part) ----------------------
-    def _gather(self, rpi: Tensor, table: Tensor, host: list[int] | None,
-                token_offset: Tensor | None = None) -> Tensor:
-        """The real rows' page block, divided straight into the page table when it has one."""
-        cfg = self.cfg
-        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
-        pt = self._b.page_table
-        out = None if pt is None or cfg.page_size == 1 else pt[: rpi.shape[0], :width]
-        return ref.gather_pages(table, rpi, cfg.page_size, width, token_offset, out)
+    # ---- internals ----------------------------------------------------------------------------
+    @property
+    def buffers(self) -> PagedBuffers:
+        """The decode part's full-size buffers: the encoder phase writes its decoder rows there
+        (through its own update, under its own ownership of the bytes)."""
+        return self._b
 
     def _write_capture_state(self) -> None:
         self._write_part(self._b, self.cfg.max_bs, self._arange[:0], self._empty_pages())
@@ -154,8 +151,7 @@ class DecodePhase(PhaseBase):
     def _view(self, bs: int, max_seqlen_k: int) -> DecodeView:
         return self._memo((bs, max_seqlen_k), lambda: self._make_view(bs, max_seqlen_k))
 
-    def _make_view(self, bs: int, max_seqlen_k: int, stamp: Stamp | None = None) -> DecodeView:
-        """``stamp``: the producer when another phase wrote these buffers (the encoder)."""
+    def _make_view(self, bs: int, max_seqlen_k: int) -> DecodeView:
         return part_view(self._b, bs, self._arange, max_q=1, max_k=max_seqlen_k,
                          page_size=self.cfg.page_size, causal=True, cls=DecodeView,
-                         stamp=self._stamp if stamp is None else stamp)
+                         stamp=self._stamp)

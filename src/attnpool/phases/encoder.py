@@ -9,7 +9,7 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..update import reference as ref
-from ..views import EncoderView, PagedView
+from ..views import DecodeView, EncoderView, PagedView
 from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
@@ -37,7 +37,8 @@ class EncoderPhase(PhaseBase):
     def __init__(self, arena: Arena, decode: DecodePhase) -> None:
         super().__init__(arena)
         self._b = self._paged("cross_")
-        self._decode = decode
+        #: the decode phase's buffers, where this phase writes its decoder rows
+        self._dec = decode.buffers
         self._pad = min(self.cfg.pad_seq_len, self.cfg.max_encoder_len)
 
     def view(self, bs: int) -> EncoderView:
@@ -79,7 +80,7 @@ class EncoderPhase(PhaseBase):
             host_lens("encoder_lens_cpu + seq_lens_cpu",
                       [a + b for a, b in zip(enc_host, host, strict=True)], n, 2,
                       cfg.max_context_len)
-        dec = self._decode
+        dec = self._dec
         self._values(Values(n, num_real, table.shape[0],
                             [("seq_lens", seq_lens, 1, cfg.max_context_len),
                              ("encoder_lens", enc, 1, cfg.max_encoder_len),
@@ -94,7 +95,7 @@ class EncoderPhase(PhaseBase):
                           self._paged_launch(self._b, bs, enc, rpi, table, pad_len=self._pad,
                                              max_len=cfg.max_encoder_len, num_real=num_real
                                              ).take(_NAMES, seq_lens="encoder_lens"),
-                          dec._paged_launch(dec._b, bs, seq_lens, rpi, table, token_offset=enc,
+                          self._paged_launch(dec, bs, seq_lens, rpi, table, token_offset=enc,
                                             num_real=num_real
                                             ).take(_NAMES, token_offset="encoder_lens")),
                       (n, seq_lens, rpi, table, num_real, enc))
@@ -103,9 +104,9 @@ class EncoderPhase(PhaseBase):
             width = self._width(enc_host, 0, cfg.page_size, cap)
             pages = ref.gather_pages(table, rpi, cfg.page_size, width)
             # --- writes start here (the decoder gather writes its page table) ---
-            dec_pages = dec._gather(rpi, table, host, token_offset=enc)
+            dec_pages = self._gather(dec, rpi, table, host, token_offset=enc)
             self._write(bs, enc, pages)
-            dec._write_part(dec._b, bs, seq_lens, dec_pages)
+            self._write_part(dec, bs, seq_lens, dec_pages)
         # One write of the overlay: the encoder now owns it, decoder rows included (decode's own
         # view of those buffers is not valid until decode writes them again).
         self.arena.mark_written(self.phase, bs)
@@ -115,9 +116,11 @@ class EncoderPhase(PhaseBase):
     def _both(self, bs: int, max_k: int, dec_k: int) -> EncoderView:
         """The view of both parts; the decoder part carries this phase's stamp (its bytes are
         this phase's write, not a decode update's)."""
-        dec = self._decode
         return self._memo(("enc", bs, max_k, dec_k), lambda: EncoderView(
-            bs, self._view(bs, max_k), dec._make_view(bs, dec_k, self._stamp),
+            bs, self._view(bs, max_k),
+            part_view(self._dec, bs, self._arange, max_q=1, max_k=dec_k,
+                      page_size=self.cfg.page_size, causal=True, cls=DecodeView,
+                      stamp=self._stamp),
             stamp=self._stamp))
 
     def _write(self, bs: int, enc: Tensor, pages: Tensor) -> None:
@@ -126,7 +129,7 @@ class EncoderPhase(PhaseBase):
 
     def _write_capture_state(self) -> None:
         self._write(self.cfg.max_bs, self._arange[:0], self._empty_pages())
-        self._decode._write_capture_state()  # the decoder rows (decode's buffers)
+        self._write_part(self._dec, self.cfg.max_bs, self._arange[:0], self._empty_pages())
 
     def _view(self, bs: int, max_k: int) -> PagedView:
         return self._memo((bs, max_k), lambda: self._make_view(bs, max_k))
