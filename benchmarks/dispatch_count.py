@@ -200,21 +200,29 @@ def update_counts(device: torch.device | None = None) -> list[tuple[str, str, Co
 
 #: Per-phase cases: (name, config overrides, update_ call of the phase).
 PHASES: tuple[tuple[str, dict[str, Any], Callable[..., object]], ...] = (
-    ("decode", {}, lambda pool, bs, x: pool.decode.update_(bs, x.seq, x.rpi, x.table)),
+    ("decode", {}, lambda pool, bs, x: pool.decode.update_(bs, seq_lens=x.seq, req_pool_indices=x.rpi,
+                                                           req_to_token=x.table)),
     ("verify chain N=4", {"num_draft_tokens": 4},
-     lambda pool, bs, x: pool.verify.update_(bs, x.seq, x.rpi, x.table)),
+     lambda pool, bs, x: pool.verify.update_(bs, seq_lens=x.seq, req_pool_indices=x.rpi,
+                                             req_to_token=x.table)),
     ("verify tree N=4", {"num_draft_tokens": 4, "topk": 2},
-     lambda pool, bs, x: pool.verify.update_(bs, x.seq, x.rpi, x.table, tree_mask=x.mask)),
+     lambda pool, bs, x: pool.verify.update_(bs, seq_lens=x.seq, req_pool_indices=x.rpi,
+                                             req_to_token=x.table, tree_mask=x.mask)),
     ("draft chain S=3", {"spec_steps": 3},
-     lambda pool, bs, x: pool.draft.update_(bs, x.seq, x.rpi, x.table)),
+     lambda pool, bs, x: pool.draft.update_(bs, seq_lens=x.seq, req_pool_indices=x.rpi,
+                                            req_to_token=x.table)),
     ("draft tree S=3 K=2", {"spec_steps": 3, "topk": 2},
-     lambda pool, bs, x: pool.draft.update_(bs, x.seq, x.rpi, x.table, out_cache_loc=x.loc)),
+     lambda pool, bs, x: pool.draft.update_(bs, seq_lens=x.seq, req_pool_indices=x.rpi,
+                                            req_to_token=x.table, out_cache_loc=x.loc)),
     ("draft extend N=4", {"num_draft_tokens": 4},
-     lambda pool, bs, x: pool.draft_extend.update_(bs, x.seq, x.acc, x.rpi, x.table)),
+     lambda pool, bs, x: pool.draft_extend.update_(bs, seq_lens=x.seq, accept_lens=x.acc,
+                                                   req_pool_indices=x.rpi, req_to_token=x.table)),
     ("encoder + decoder", {"max_encoder_len": 1024},
-     lambda pool, bs, x: pool.encoder.update_(bs, x.seq, x.enc, x.rpi, x.table)),
+     lambda pool, bs, x: pool.encoder.update_(bs, seq_lens=x.seq, encoder_lens=x.enc,
+                                              req_pool_indices=x.rpi, req_to_token=x.table)),
     ("local (decode)", {"attention_chunk_size": 1024},
-     lambda pool, bs, x: pool.local.update_(bs, x.seq, x.rpi, x.table)),
+     lambda pool, bs, x: pool.local.update_(bs, seq_lens=x.seq, req_pool_indices=x.rpi,
+                                            req_to_token=x.table)),
 )
 
 

@@ -22,6 +22,12 @@ class Batch:
                 torch.tensor(self.slots, dtype=dtype, device=device),
                 self.req_to_token.to(device))
 
+    def inputs(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.int64
+               ) -> dict[str, torch.Tensor]:
+        """:meth:`tensors` as the keywords every phase's ``update_`` takes."""
+        seq, rpi, table = self.tensors(device, dtype)
+        return {"seq_lens": seq, "req_pool_indices": rpi, "req_to_token": table}
+
 
 def make_table(cfg: PoolConfig, num_slots: int, rng: random.Random,
                dtype: torch.dtype = torch.int32) -> torch.Tensor:

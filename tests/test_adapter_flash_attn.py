@@ -75,7 +75,7 @@ def install(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, Any], No
 def test_fa3_kwargs_alias_the_pool_and_have_kernel_dtypes() -> None:
     pool = _pool()
     b = make_batch(pool.cfg, 3, random.Random(0))
-    view = pool.decode.update_(4, *b.tensors(), seq_lens_cpu=b.seq_lens)
+    view = pool.decode.update_(4, **b.inputs(), seq_lens_cpu=b.seq_lens)
     k, v = _cache(pool)
     q = torch.randn(4, 4, D)
     kw = fa.fa3_kwargs(view, q, k, v)
@@ -99,7 +99,7 @@ def test_fa3_kwargs_alias_the_pool_and_have_kernel_dtypes() -> None:
 def test_fa3_kwargs_of_a_token_slot_part_view_the_cache_without_copy() -> None:
     pool = _pool(num_draft_tokens=4, topk=2)
     b = make_batch(pool.cfg, 2, random.Random(1), extra=4)
-    view = pool.verify.update_(2, *b.tensors(), tree_mask=_tree_mask(2, 4))
+    view = pool.verify.update_(2, **b.inputs(), tree_mask=_tree_mask(2, 4))
     assert view.expand is not None
     k, v = _cache(pool)
     kw = fa.fa3_kwargs(view.expand, torch.randn(8, 4, D), k, v, softmax_scale=0.5)
@@ -128,7 +128,7 @@ def test_fa3_call_path_matches_sdpa(install: Callable[[str, Any], None], module:
     pool = _pool(num_draft_tokens=4, topk=topk)
     b = make_batch(pool.cfg, 3, random.Random(2), extra=4)
     mask = _tree_mask(3, 4) if topk > 1 else None
-    view = pool.verify.update_(5, *b.tensors(), tree_mask=mask)
+    view = pool.verify.update_(5, **b.inputs(), tree_mask=mask)
     k, v = _cache(pool, dtype=BF16)
     q = torch.randn(20, 4, D).to(BF16)
     got = fa.attention(view, q, k, v, kernel=kernel)
@@ -181,11 +181,11 @@ def test_scheduler_metadata_has_the_length_fa3_checks(bs: int, part: str, topk: 
     n = max(1, bs - 1)
     b = make_batch(pool.cfg, n, rng, extra=4)
     if part == "decode":
-        view: PagedView = pool.decode.update_(bs, *b.tensors())
+        view: PagedView = pool.decode.update_(bs, **b.inputs())
         q = torch.randn(bs, 4, d).to(BF16)
     else:
         mask = _tree_mask(n, 4) if topk > 1 else None
-        view = pool.verify.update_(bs, *b.tensors(), tree_mask=mask).prefix
+        view = pool.verify.update_(bs, **b.inputs(), tree_mask=mask).prefix
         q = torch.randn(bs * 4, 4, d).to(BF16)
     k, v = _cache(pool, d=d, dtype=BF16)
     md = fa.scheduler_metadata_(pool, view, num_heads_q=4, num_heads_kv=2, head_dim=d,
@@ -199,7 +199,7 @@ def test_scheduler_metadata_has_the_length_fa3_checks(bs: int, part: str, topk: 
     rows = int(view.cu_seqlens_q[view.bs])
     assert_close(got.out, want.out, rows)
     b2 = make_batch(pool.cfg, n, rng, extra=4)  # next step: same part, same bs, same slice
-    view2 = pool.decode.update_(bs, *b2.tensors()) if part == "decode" else view
+    view2 = pool.decode.update_(bs, **b2.inputs()) if part == "decode" else view
     md2 = fa.scheduler_metadata_(pool, view2, num_heads_q=4, num_heads_kv=2, head_dim=d,
                                  qkv_dtype=BF16, kernel=kernel)
     assert (md2.data_ptr(), md2.numel()) == (md.data_ptr(), md.numel())
@@ -215,7 +215,7 @@ def test_scheduler_plans_for_the_kernels_kv_bound(arch: int) -> None:
     pool = _pool(c=2048, fa3_scheduler_metadata=True)
     table = make_table(pool.cfg, 4, random.Random(0))
     b = Batch([384, 40], [0, 3], table)
-    view = pool.decode.update_(2, *b.tensors(), seq_lens_cpu=b.seq_lens)
+    view = pool.decode.update_(2, **b.inputs(), seq_lens_cpu=b.seq_lens)
     assert view.max_seqlen_k == 384 and fa.kernel_seqlen_k(view) == 2048
     md = fa.scheduler_metadata_(pool, view, num_heads_q=4, num_heads_kv=2, head_dim=D,
                                 qkv_dtype=BF16, kernel=kernel)
@@ -267,7 +267,7 @@ def test_fa3_draft_tree_with_empty_prefix_rows_matches_sdpa() -> None:
     table = make_table(pool.cfg, 6, random.Random(3))
     b = Batch([5, 30, 11], [0, 2, 4], table)
     loc = torch.randint(16, 12 * 16, (3, 2, 2), generator=torch.Generator().manual_seed(4))
-    view = pool.draft.update_(4, *b.tensors(), out_cache_loc=loc)
+    view = pool.draft.update_(4, **b.inputs(), out_cache_loc=loc)
     k, v = _cache(pool, dtype=BF16)
     q = torch.randn(8, 4, D).to(BF16)
     for step in view.steps:
@@ -285,7 +285,7 @@ def test_fa2_kwargs_and_call_path(install: Callable[[str, Any], None]) -> None:
     assert kernel.name == "flash_attn"
     pool = _pool(page=256, c=1024, num_draft_tokens=3)
     b = make_batch(pool.cfg, 2, random.Random(3), extra=3)
-    view = pool.verify.update_(3, *b.tensors())
+    view = pool.verify.update_(3, **b.inputs())
     k, v = _cache(pool, dtype=BF16)
     q = torch.randn(9, 4, D).to(BF16)
     kw = fa.fa2_kwargs(view.prefix, q, k, v)
@@ -343,8 +343,9 @@ def _gpu_case(page: int, c: int, **kw: Any) -> tuple[BufferPool, Any, torch.Tens
             for _ in range(2))
     if cfg.num_draft_tokens:
         mask = _tree_mask(3, cfg.num_draft_tokens).cuda() if cfg.topk > 1 else None
-        return pool, pool.verify.update_(4, seq, rpi, table, tree_mask=mask), k, v
-    return pool, pool.decode.update_(4, seq, rpi, table), k, v
+        return pool, pool.verify.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                                         tree_mask=mask), k, v
+    return pool, pool.decode.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table), k, v
 
 
 def _assert_bf16_close(got: sdpa.Attn, want: sdpa.Attn, rows: int) -> None:

@@ -95,7 +95,7 @@ def test_capture_then_update_plan_run_matches_sdpa(page: int) -> None:
         n = rng.randint(1, 4)
         bs = 2 if n <= 2 else 4
         b = make_batch(pool.cfg, n, rng)
-        view = pool.decode.update_(bs, *b.tensors())
+        view = pool.decode.update_(bs, **b.inputs())
         wr = _plan(w, view)
         assert wr._page_size == page and wr._q_dtype is BF16
         assert wr._sm_scale == pytest.approx(1 / math.sqrt(D))
@@ -125,7 +125,7 @@ def test_verify_parts_get_their_own_wrappers(topk: int) -> None:
         w.run(part, torch.zeros(3 * ND, H, D, dtype=BF16), *_cache(pool))
     b = make_batch(pool.cfg, 2, random.Random(topk), extra=ND)
     mask = torch.ones(2, ND, ND, dtype=torch.bool).tril() if topk > 1 else None
-    view = pool.verify.update_(3, *b.tensors(), tree_mask=mask)
+    view = pool.verify.update_(3, **b.inputs(), tree_mask=mask)
     k, v = _cache(pool)
     q = torch.randn(3 * ND, H, D).to(BF16)
     outs = []
@@ -169,7 +169,8 @@ def test_draft_extend_capture_fixes_the_most_rows() -> None:
         acc = [ND if step % 2 else rng.randint(1, ND) for _ in range(n)]
         seq = [s + a for s, a in zip(b.seq_lens, acc, strict=True)]
         _, rpi, table = b.tensors()
-        view = pool.draft_extend.update_(bs, torch.tensor(seq), torch.tensor(acc), rpi, table)
+        view = pool.draft_extend.update_(bs, seq_lens=torch.tensor(seq), accept_lens=torch.tensor(acc),
+                                         req_pool_indices=rpi, req_to_token=table)
         assert int(view.cu_seqlens_q[bs]) <= bs * ND
         _plan(w, view)
         q = torch.randn(bs * ND, H, D).to(BF16)  # the graph's query buffer, real queries first
@@ -191,7 +192,7 @@ def test_local_verify_rows_are_constant_per_captured_size() -> None:
         n = rng.randint(1, 4)
         bs = 2 if n <= 2 else 4
         b = make_batch(pool.cfg, n, rng, extra=ND)
-        view = pool.local.update_(bs, *b.tensors(), for_phase=Phase.VERIFY)
+        view = pool.local.update_(bs, **b.inputs(), for_phase=Phase.VERIFY)
         assert int(view.cu_seqlens_q[view.bs]) == bs * ND
         _plan(w, view)
         q = torch.randn(bs * ND, H, D).to(BF16)
@@ -204,9 +205,11 @@ def test_a_plan_with_more_rows_than_the_first_is_refused() -> None:
     k, v = _cache(pool)
     b = make_batch(pool.cfg, 2, random.Random(3), extra=ND)
     seq, rpi, table = b.tensors()
-    small = pool.draft_extend.update_(2, seq + ND, torch.tensor([1, 1]), rpi, table)
+    small = pool.draft_extend.update_(2, seq_lens=seq + ND, accept_lens=torch.tensor([1, 1]),
+                                      req_pool_indices=rpi, req_to_token=table)
     _capture(w, small, 2, k, v)  # first plan on 2 rows, not the capture view's 8
-    big = pool.draft_extend.update_(2, seq + ND, torch.tensor([3, 2]), rpi, table)
+    big = pool.draft_extend.update_(2, seq_lens=seq + ND, accept_lens=torch.tensor([3, 2]),
+                                    req_pool_indices=rpi, req_to_token=table)
     with pytest.raises(LayoutError, match="5 query rows, more than the 2 of the wrapper's first"):
         _plan(w, big)
     wr = w.wrapper(big)
@@ -223,7 +226,7 @@ def test_q_may_be_the_whole_padded_buffer(bs: int) -> None:
     k, v = _cache(pool)
     w.wrapper(pool.decode.view(bs))
     b = make_batch(pool.cfg, bs, random.Random(bs))
-    view = pool.decode.update_(bs, *b.tensors())
+    view = pool.decode.update_(bs, **b.inputs())
     _plan(w, view)
     q = torch.randn(pool.cfg.max_bs, H, D).to(BF16)
     got = w.run(view, q, k, v)
@@ -293,14 +296,14 @@ def test_real_wrappers_match_sdpa(topk: int) -> None:
     seq, rpi, table = b.tensors("cuda")
     # bf16 inputs, fp32 accumulation in both: a few bf16 ulps (2^-8 relative)
     tol: dict[str, Any] = {"atol": 2e-2, "rtol": 2e-2}
-    dec = pool.decode.update_(4, seq, rpi, table)
+    dec = pool.decode.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table)
     q = torch.randn(4, 4, 64, device="cuda", dtype=torch.bfloat16)
     w.plan(dec, **heads)
     got, want = w.run(dec, q, k, v), sdpa.paged_attention(dec, q, k, v)
     torch.testing.assert_close(got.out[:3].float(), want.out[:3].float(), **tol)
     torch.testing.assert_close(got.lse[:3], want.lse[:3], **tol)
     mask = torch.ones(3, ND, ND, dtype=torch.bool, device="cuda").tril() if topk > 1 else None
-    ver = pool.verify.update_(4, seq, rpi, table, tree_mask=mask)
+    ver = pool.verify.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table, tree_mask=mask)
     q = torch.randn(4 * ND, 4, 64, device="cuda", dtype=torch.bfloat16)
     outs = []
     for part in (ver.prefix, ver.expand):

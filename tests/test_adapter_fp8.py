@@ -80,11 +80,11 @@ def _view(pool: BufferPool, part: str, seed: int = 1) -> tuple[object, int]:
     dev = pool.cfg.torch_device
     if part == "decode":
         b = make_batch(pool.cfg, 3, rng)
-        return pool.decode.update_(4, *b.tensors(dev)), 3
+        return pool.decode.update_(4, **b.inputs(dev)), 3
     topk = 2 if part == "tree" else 1
     b = make_batch(pool.cfg, 3, rng, extra=ND)
     mask = torch.ones(3, ND, ND, dtype=torch.bool, device=dev).tril() if topk > 1 else None
-    return pool.verify.update_(5, *b.tensors(dev), tree_mask=mask), 3 * ND
+    return pool.verify.update_(5, **b.inputs(dev), tree_mask=mask), 3 * ND
 
 
 def _rows(view: object) -> int:

@@ -123,7 +123,7 @@ def test_decode(page: int, heads: tuple[int, int], n: int, pad: int, host: bool,
     pool = _pool(page, pad_seq_len)
     n, bs = _sizes(n, pad)
     b = make_batch(pool.cfg, n, random.Random(seed))
-    view = pool.decode.update_(bs, *b.tensors(), seq_lens_cpu=b.seq_lens if host else None)
+    view = pool.decode.update_(bs, **b.inputs(), seq_lens_cpu=b.seq_lens if host else None)
     pool.check(view)
     k, v = _kv(b.req_to_token, page, heads[1], seed)
     q = _q(bs, heads[0], seed)
@@ -139,7 +139,7 @@ def test_verify(page: int, heads: tuple[int, int], n: int, pad: int, host: bool,
     rng = random.Random(seed)
     b = make_batch(pool.cfg, n, rng, extra=ND)
     mask = _tree_mask(n, ND, rng) if topk > 1 else None
-    view = pool.verify.update_(bs, *b.tensors(), seq_lens_cpu=b.seq_lens if host else None,
+    view = pool.verify.update_(bs, **b.inputs(), seq_lens_cpu=b.seq_lens if host else None,
                                tree_mask=mask)
     pool.check(view)
     keys = []
@@ -169,7 +169,7 @@ def test_draft_steps(page: int, heads: tuple[int, int], n: int, pad: int, host: 
     if topk > 1:
         loc = torch.tensor([rng.randrange(page, tokens) for _ in range(n * STEPS * topk)],
                            dtype=torch.int64).view(n, STEPS, topk)
-    view = pool.draft.update_(bs, *b.tensors(), seq_lens_cpu=b.seq_lens if host else None,
+    view = pool.draft.update_(bs, **b.inputs(), seq_lens_cpu=b.seq_lens if host else None,
                               out_cache_loc=loc)
     pool.check(view)
     q = _q(bs * topk, heads[0], seed)
@@ -193,7 +193,8 @@ def test_draft_extend(page: int, heads: tuple[int, int], n: int, pad: int, host:
     b = make_batch(pool.cfg, n, rng)
     acc = [rng.randint(1, min(ND, s)) for s in b.seq_lens]
     seq, rpi, table = b.tensors()
-    view = pool.draft_extend.update_(bs, seq, torch.tensor(acc), rpi, table,
+    view = pool.draft_extend.update_(bs, seq_lens=seq, accept_lens=torch.tensor(acc),
+                                     req_pool_indices=rpi, req_to_token=table,
                                      seq_lens_cpu=b.seq_lens if host else None,
                                      accept_lens_cpu=acc if host else None)
     pool.check(view)
@@ -235,7 +236,8 @@ def test_encoder(page: int, heads: tuple[int, int], n: int, pad: int, host: bool
     lens = [rng.randint(1, C - e) for e in enc]
     b = Batch(lens, chosen, table)
     seq, rpi, tab = b.tensors()
-    view = pool.encoder.update_(bs, seq, torch.tensor(enc), rpi, tab,
+    view = pool.encoder.update_(bs, seq_lens=seq, encoder_lens=torch.tensor(enc), req_pool_indices=rpi,
+                                req_to_token=tab,
                                 seq_lens_cpu=lens if host else None,
                                 encoder_lens_cpu=enc if host else None)
     pool.check(view)
@@ -255,7 +257,7 @@ def test_local(page: int, heads: tuple[int, int], n: int, pad: int, host: bool, 
     n, bs = _sizes(n, pad)
     rng = random.Random(seed)
     b = make_batch(pool.cfg, n, rng, extra=ND)
-    view = pool.local.update_(bs, *b.tensors(), for_phase=Phase.VERIFY if verify else Phase.DECODE,
+    view = pool.local.update_(bs, **b.inputs(), for_phase=Phase.VERIFY if verify else Phase.DECODE,
                               seq_lens_cpu=b.seq_lens if host else None)
     pool.check(view)
     keys = []
@@ -280,7 +282,7 @@ def test_q_with_only_the_real_rows() -> None:
     """Queries past q's end (padded rows' positions) are skipped; real rows are unchanged."""
     pool = _pool(16)
     b = make_batch(pool.cfg, 3, random.Random(4))
-    view = pool.decode.update_(6, *b.tensors())
+    view = pool.decode.update_(6, **b.inputs())
     k, v = _kv(b.req_to_token, 16, 2, 4)
     q = _q(6, 4, 4)
     full = paged_attention(view, q, k, v)

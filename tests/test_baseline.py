@@ -64,7 +64,8 @@ def test_classic_replay_equals_attnpool_on_real_rows(page: int, n: int, pad: int
     seq, rpi, table = b.tensors()
     host = torch.tensor(b.seq_lens, dtype=torch.int64)
     phase = pool.verify if verify else pool.decode
-    got = phase.update_(bs, seq, rpi, table, seq_lens_cpu=host)
+    got = phase.update_(bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                        seq_lens_cpu=host)
     want = classic.replay(bs, seq, rpi, table, host)
     _assert_real_rows_equal(want, got, b.seq_lens, nd, page)
     assert want.max_seqlen_q == max(1, nd)
@@ -79,7 +80,8 @@ def test_classic_replay_shrinking_batches_still_equal() -> None:
         b = make_batch(cfg, n, rng)
         seq, rpi, table = b.tensors(dtype=torch.int32)
         host = torch.tensor(b.seq_lens, dtype=torch.int32)
-        got = pool.decode.update_(bs, seq, rpi, table, seq_lens_cpu=host)
+        got = pool.decode.update_(bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                                  seq_lens_cpu=host)
         want = classic.replay(bs, seq, rpi, table, host)
         _assert_real_rows_equal(want, got, b.seq_lens, 0, 16)
 

@@ -43,7 +43,8 @@ def test_decode_matches_loop_reference(page: int, layout: Layout, n: int, pad: i
     rng = random.Random(seed)
     b = make_batch(pool.cfg, n, rng)
     seq, rpi, table = b.tensors(dtype=dtype)
-    view = pool.decode.update_(bs, seq, rpi, table, seq_lens_cpu=b.seq_lens if host else None)
+    view = pool.decode.update_(bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                               seq_lens_cpu=b.seq_lens if host else None)
     pool.check(view)
     assert_paged_equal(view, decode_rows(b.seq_lens, b.slots, table, bs, page))
     assert view.max_seqlen_q == 1
@@ -61,7 +62,7 @@ def test_consecutive_updates_shrinking_batch(page: int, layout: Layout) -> None:
     rng = random.Random(page)
     for n, bs in [(12, 12), (3, 8), (0, 4), (7, 7), (1, 12)]:
         b = make_batch(pool.cfg, n, rng)
-        view = pool.decode.update_(bs, *b.tensors())
+        view = pool.decode.update_(bs, **b.inputs())
         pool.check(view)
         assert_paged_equal(view, decode_rows(b.seq_lens, b.slots, b.req_to_token, bs, page))
 
@@ -80,7 +81,7 @@ def test_view_after_smaller_update_is_repadded() -> None:
     """view(12) after update_(bs=4) must not expose rows the 4-row update left inconsistent."""
     pool = _pool(1, Layout.BOTH)
     b = make_batch(pool.cfg, 4, random.Random(1))
-    pool.decode.update_(4, *b.tensors())
+    pool.decode.update_(4, **b.inputs())
     pool.check(pool.decode.view(12))
 
 
@@ -88,7 +89,7 @@ def test_view_allocates_nothing_and_pointers_are_stable() -> None:
     pool = _pool(16, Layout.BOTH)
     v1 = pool.decode.view(8)
     b = make_batch(pool.cfg, 5, random.Random(2))
-    v2 = pool.decode.update_(8, *b.tensors())
+    v2 = pool.decode.update_(8, **b.inputs())
     storage = pool.arena.storage.untyped_storage().data_ptr()
     for name in ("cache_seqlens", "cu_seqlens_q", "cu_seqlens_k", "page_table", "kv_indptr",
                  "kv_indices", "kv_last_page_len"):
@@ -101,7 +102,7 @@ def test_view_never_aliases_inputs() -> None:
     pool = _pool(1, Layout.FLASH_ATTN)
     b = make_batch(pool.cfg, 4, random.Random(3))
     seq, rpi, table = b.tensors(dtype=torch.int32)
-    view = pool.decode.update_(4, seq, rpi, table)
+    view = pool.decode.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table)
     seq.fill_(99)
     assert view.cache_seqlens.tolist() == b.seq_lens
 
@@ -119,9 +120,9 @@ def test_views_are_frozen_and_slotted() -> None:
 def test_cu_seqlens_k_head_is_rewritten() -> None:
     pool = _pool(1, Layout.FLASH_ATTN)
     b = make_batch(pool.cfg, 3, random.Random(4))
-    view = pool.decode.update_(3, *b.tensors())
+    view = pool.decode.update_(3, **b.inputs())
     view.cu_seqlens_k[0] = 12345  # something else scribbled on it
-    view = pool.decode.update_(3, *b.tensors())
+    view = pool.decode.update_(3, **b.inputs())
     assert int(view.cu_seqlens_k[0]) == 0
 
 
@@ -136,13 +137,14 @@ def test_poison_then_update_writes_whole_read_region() -> None:
         with pytest.raises(attnpool.ReadRegionError):  # the bytes are poison, too
             attnpool.check_view(stale)
         b = make_batch(pool.cfg, rng.randint(0, 12), rng)
-        pool.check(pool.decode.update_(12, *b.tensors()))
+        pool.check(pool.decode.update_(12, **b.inputs()))
 
 
 def test_checker_catches_out_of_range_page() -> None:
     cfg = PoolConfig(max_bs=4, max_context_len=64, page_size=16, device="cpu", num_pages=10)
     pool = BufferPool(cfg, poison=True)
     table = torch.full((2, 64), 16 * 20, dtype=torch.int32)  # page 20 >= num_pages
-    view = pool.decode.update_(2, torch.tensor([5, 5]), torch.tensor([0, 1]), table)
+    view = pool.decode.update_(2, seq_lens=torch.tensor([5, 5]), req_pool_indices=torch.tensor([0, 1]),
+                               req_to_token=table)
     with pytest.raises(attnpool.ReadRegionError, match="page id"):
         pool.check(view)

@@ -49,7 +49,7 @@ def _setup(impl: Impl = Impl.REFERENCE) -> tuple[BufferPool, list[torch.Tensor]]
                      layout=Layout.BOTH, impl=impl)
     pool = BufferPool(cfg, poison=True)
     b = make_batch(cfg, 4, random.Random(0))
-    pool.decode.update_(6, *b.tensors())
+    pool.decode.update_(6, **b.inputs())
     return pool, list(b.tensors())
 
 
@@ -58,9 +58,10 @@ def _bad_calls() -> list[tuple[str, type[PoolError], Callable[..., object]]]:
              cpu: object = None) -> Callable[[BufferPool, list[torch.Tensor]], object]:
         def f(pool: BufferPool, t: list[torch.Tensor]) -> object:
             return pool.decode.update_(
-                bs, t[0] if seq is None else seq(t) if callable(seq) else seq,
-                t[1] if rpi is None else rpi(t) if callable(rpi) else rpi,
-                t[2] if table is None else table(t) if callable(table) else table,
+                bs,
+                seq_lens=t[0] if seq is None else seq(t) if callable(seq) else seq,
+                req_pool_indices=t[1] if rpi is None else rpi(t) if callable(rpi) else rpi,
+                req_to_token=t[2] if table is None else table(t) if callable(table) else table,
                 seq_lens_cpu=cpu,
             )
         return f
@@ -105,10 +106,12 @@ def test_out_of_range_request_index_gives_bounded_metadata(impl: Impl) -> None:
     pages, a valid read region, no raw IndexError and no stray write."""
     pool, t = _setup(impl)
     rows = t[2].shape[0]
-    view = pool.decode.update_(6, t[0], t[1] + 10_000, t[2])
+    view = pool.decode.update_(6, seq_lens=t[0], req_pool_indices=t[1] + 10_000,
+                               req_to_token=t[2])
     pool.check(view)
     got = view.page_table.clone()  # (the next update refills the same buffers)
-    clamped = pool.decode.update_(6, t[0], torch.full_like(t[1], rows - 1), t[2])
+    clamped = pool.decode.update_(6, seq_lens=t[0], req_to_token=t[2],
+                                  req_pool_indices=torch.full_like(t[1], rows - 1))
     pages = -(-int(t[0].max()) // pool.cfg.page_size)
     assert torch.equal(got[:4, :pages], clamped.page_table[:4, :pages])
 

@@ -141,7 +141,7 @@ def test_capture_state_valid_for_every_bs(layout: Layout) -> None:
         assert view.positions.tolist() == [0] * T
         assert (view.max_seqlen_q, view.max_seqlen_k) == (T, C)
     # after another overlaid phase wrote the shared bytes, view() pads again
-    pool.decode.update_(MAX_BS, *make_batch(pool.cfg, 2, random.Random(0)).tensors())
+    pool.decode.update_(MAX_BS, **make_batch(pool.cfg, 2, random.Random(0)).inputs())
     view = pool.extend.view(MAX_BS)
     pool.check(view)
     assert view.cu_seqlens_q.tolist() == [0] + [T] * MAX_BS
@@ -182,7 +182,8 @@ def test_overlay_and_report() -> None:
         pool.check(view)
         assert_extend_equal(view, None, extend_rows(seq, ext, slots, kw["req_to_token"], 5, 16,
                                                     T, 0, 1, 2))
-        dec = pool.decode.update_(5, kw["seq_lens"], kw["req_pool_indices"], kw["req_to_token"])
+        dec = pool.decode.update_(5, seq_lens=kw["seq_lens"], req_pool_indices=kw["req_pool_indices"],
+                                  req_to_token=kw["req_to_token"])
         pool.check(dec)
 
 

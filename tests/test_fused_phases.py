@@ -97,16 +97,17 @@ def padded(t: Tensor, bs: int, fill: int) -> Tensor:
 
 
 def run(ref: BufferPool, tt: BufferPool, phase: str, bs: int, capturable: bool,
-        tensors: list[Tensor], rows: list[bool], **kw: object) -> None:
-    """The same update on both pools; ``rows[i]``: ``tensors[i]`` has one row per request."""
-    real = getattr(ref, phase).update_(bs, *tensors, **kw)
+        tensors: dict[str, Tensor], **kw: object) -> None:
+    """The same update on both pools; every tensor but ``req_to_token`` has a row per request."""
+    real = getattr(ref, phase).update_(bs, **tensors, **kw)
     if capturable:
-        n = tensors[0].shape[0]
-        tensors = [padded(t, bs, 10**6) if r else t for t, r in zip(tensors, rows, strict=True)]
+        n = tensors["seq_lens"].shape[0]
+        tensors = {k: t if k == "req_to_token" else padded(t, bs, 10**6)
+                   for k, t in tensors.items()}
         kw = {k: (padded(v, bs, True) if k == "tree_mask" else padded(v, bs, -5)
                   if isinstance(v, Tensor) else v) for k, v in kw.items() if "cpu" not in k}
         kw["num_real"] = torch.tensor([n], dtype=torch.int32)
-    fused = getattr(tt, phase).update_(bs, *tensors, **kw)
+    fused = getattr(tt, phase).update_(bs, **tensors, **kw)
     tt.check(fused)
     ref.check(real)
     assert_same(real, fused, host_ints=not capturable)
@@ -122,8 +123,7 @@ def test_decode(page: int, layout: Layout, n: int, pad: int, seed: int, capturab
     ref, tt = pools(page, layout)
     n, bs = sizes(n, pad)
     b = make_batch(ref.cfg, n, random.Random(seed))
-    run(ref, tt, "decode", bs, capturable, list(b.tensors()), [True, True, False],
-        **host(b, capturable))
+    run(ref, tt, "decode", bs, capturable, b.inputs(), **host(b, capturable))
 
 
 @SETTINGS
@@ -139,7 +139,7 @@ def test_verify(page: int, layout: Layout, n: int, pad: int, seed: int, capturab
     if topk > 1:
         mask = torch.rand(n, nd, nd, generator=torch.Generator().manual_seed(seed)) < 0.5
         kw["tree_mask"] = mask | torch.eye(nd, dtype=torch.bool)
-    run(ref, tt, "verify", bs, capturable, list(b.tensors()), [True, True, False], **kw)
+    run(ref, tt, "verify", bs, capturable, b.inputs(), **kw)
 
 
 @SETTINGS
@@ -154,7 +154,7 @@ def test_draft(page: int, layout: Layout, n: int, pad: int, seed: int, capturabl
     if topk > 1:
         gen = torch.Generator().manual_seed(seed)
         kw["out_cache_loc"] = torch.randint(1, 10_000, (n, steps, topk), generator=gen)
-    run(ref, tt, "draft", bs, capturable, list(b.tensors()), [True, True, False], **kw)
+    run(ref, tt, "draft", bs, capturable, b.inputs(), **kw)
 
 
 @SETTINGS
@@ -167,9 +167,8 @@ def test_draft_extend(page: int, layout: Layout, n: int, pad: int, seed: int,
     rng = random.Random(seed)
     b = make_batch(ref.cfg, n, rng)
     acc = torch.tensor([rng.randint(1, min(nd, s)) for s in b.seq_lens], dtype=torch.int32)
-    seq, rpi, table = b.tensors()
-    run(ref, tt, "draft_extend", bs, capturable, [seq, acc, rpi, table],
-        [True, True, True, False], **host(b, capturable))
+    run(ref, tt, "draft_extend", bs, capturable, {**b.inputs(), "accept_lens": acc},
+        **host(b, capturable))
 
 
 @SETTINGS
@@ -183,8 +182,7 @@ def test_encoder(page: int, layout: Layout, n: int, pad: int, seed: int, captura
     b = make_batch(ref.cfg, n, rng, extra=max_enc)
     enc = torch.tensor([rng.choice([1, max_enc, rng.randint(1, max_enc)]) for _ in range(n)],
                        dtype=torch.int64)
-    seq, rpi, table = b.tensors()
-    run(ref, tt, "encoder", bs, capturable, [seq, enc, rpi, table], [True, True, True, False],
+    run(ref, tt, "encoder", bs, capturable, {**b.inputs(), "encoder_lens": enc},
         **host(b, capturable))
 
 
@@ -197,7 +195,7 @@ def test_local(page: int, layout: Layout, n: int, pad: int, seed: int, capturabl
     ref, tt = pools(page, layout, num_draft_tokens=nd, attention_chunk_size=chunk - chunk % page)
     n, bs = sizes(n, pad)
     b = make_batch(ref.cfg, n, random.Random(seed), extra=nd)
-    run(ref, tt, "local", bs, capturable, list(b.tensors()), [True, True, False],
+    run(ref, tt, "local", bs, capturable, b.inputs(),
         for_phase=Phase.VERIFY if verify else Phase.DECODE, **host(b, capturable))
 
 
@@ -249,21 +247,17 @@ def test_launches_per_phase(phase: str) -> None:
         kw["topk"] = 2  # the tree: prefix + expand
     _, tt = pools(16, Layout.FLASH_ATTN, **kw)
     b = make_batch(tt.cfg, 3, random.Random(0), extra=68)
-    seq, rpi, table = b.tensors()
     three = torch.ones(3, dtype=torch.int64)
-    args: dict[str, tuple[object, ...]] = {
-        "decode": (seq, rpi, table), "draft": (seq, rpi, table),
-        "verify": (seq, rpi, table, None, torch.ones(3, 4, 4, dtype=torch.bool)),
-        "draft_extend": (seq, three, rpi, table), "encoder": (seq, three, rpi, table),
-        "local": (seq, rpi, table),
+    extra: dict[str, dict[str, object]] = {
+        "verify": {"tree_mask": torch.ones(3, 4, 4, dtype=torch.bool)},
+        "draft_extend": {"accept_lens": three}, "encoder": {"encoder_lens": three},
+        # KV slots written by the same launch
+        "extend": {"extend_lens": three, "out_slots": torch.empty(32, dtype=torch.int64)},
     }
-    kwargs: dict[str, object] = {}
-    if phase == "extend":  # keyword-only inputs, KV slots written by the same launch
-        kwargs = {"seq_lens": seq, "extend_lens": three, "req_pool_indices": rpi,
-                  "req_to_token": table, "out_slots": torch.empty(32, dtype=torch.int64)}
+    kwargs = {**b.inputs(), **extra.get(phase, {})}
     fn = getattr(tt, phase).update_
-    fn(4, *args.get(phase, ()), **kwargs)  # compile first, as an engine does before capture
-    c = count(lambda: fn(4, *args.get(phase, ()), **kwargs))
+    fn(4, **kwargs)  # compile first, as an engine does before capture
+    c = count(lambda: fn(4, **kwargs))
     assert c.launches == LAUNCHES[phase], c.kernels
     computing = {k: v for k, v in c.ops.items() if not k.startswith(VIEW_OPS)}
     assert computing == {}, computing
@@ -280,23 +274,25 @@ def test_incremental_decode_writes_only_new_pages_and_equals_reference() -> None
     seq, rpi, table = b.tensors()
     ids = ["a", "b", "c", "d"]
     for p in (ref, tt):
-        p.decode.update_(5, seq, rpi, table, request_ids=ids)
+        p.decode.update_(5, seq_lens=seq, req_pool_indices=rpi, req_to_token=table, request_ids=ids)
     pt = tt.arena.buffer(Phase.DECODE, "page_table")
     pt[0, 0] = 999_999  # an old page of request "a": the next update must not rewrite it
     seq2 = seq + torch.tensor([1, 17, 0, 33])
     ids2 = ["a", "b", "x", "d"]  # row 2 is a new request
     rpi2 = rpi.clone()
     rpi2[2] = (int(rpi[2]) + 1) % table.shape[0]
-    real = ref.decode.update_(5, seq2, rpi2, table, request_ids=ids2)
-    inc = tt.decode.update_(5, seq2, rpi2, table, request_ids=ids2)
+    real = ref.decode.update_(5, seq_lens=seq2, req_pool_indices=rpi2, req_to_token=table,
+                              request_ids=ids2)
+    inc = tt.decode.update_(5, seq_lens=seq2, req_pool_indices=rpi2, req_to_token=table,
+                            request_ids=ids2)
     assert int(pt[0, 0]) == 999_999  # kept row: old page untouched
     pt[0, 0] = real.page_table[0, 0]
     assert_same(real, inc)
     # another overlaid phase wrote the bytes in between: the next update is a full one
-    tt.decode.update_(5, seq2, rpi2, table, request_ids=ids2)
+    tt.decode.update_(5, seq_lens=seq2, req_pool_indices=rpi2, req_to_token=table, request_ids=ids2)
     pt[0, 0] = 999_999
     tt.arena.mark_written(Phase.VERIFY, 1)
-    tt.decode.update_(5, seq2, rpi2, table, request_ids=ids2)
+    tt.decode.update_(5, seq_lens=seq2, req_pool_indices=rpi2, req_to_token=table, request_ids=ids2)
     assert torch.equal(pt[0, :1], real.page_table[0, :1])
 
 
@@ -305,8 +301,9 @@ def test_incremental_launch_and_copy_counts() -> None:
     _, tt = pools(16, Layout.FLASH_ATTN)
     b = make_batch(tt.cfg, 3, random.Random(1), extra=8)
     seq, rpi, table = b.tensors()
-    tt.decode.update_(4, seq, rpi, table, request_ids=[1, 2, 3])
-    c = count(lambda: tt.decode.update_(4, seq + 1, rpi, table, request_ids=[1, 2, 3]))
+    tt.decode.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table, request_ids=[1, 2, 3])
+    c = count(lambda: tt.decode.update_(4, seq_lens=seq + 1, req_pool_indices=rpi, req_to_token=table,
+                                        request_ids=[1, 2, 3]))
     assert c.launches == 1
     assert c.ops.get("aten.copy_.default") == 1
 
@@ -320,13 +317,17 @@ def test_impl_resolution_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     b = make_batch(ref.cfg, 2, random.Random(0))
     seq, rpi, table = b.tensors()
     with pytest.raises(InputError, match="fused path"):
-        ref.decode.update_(2, seq, rpi, table, num_real=torch.tensor([2]))
+        ref.decode.update_(2, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                           num_real=torch.tensor([2]))
     with pytest.raises(InputError, match="padded to bs=3"):
-        tt.decode.update_(3, seq, rpi, table, num_real=torch.tensor([2]))
+        tt.decode.update_(3, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                          num_real=torch.tensor([2]))
     with pytest.raises(InputError, match="host copy"):
-        tt.decode.update_(2, seq, rpi, table, seq_lens_cpu=b.seq_lens, num_real=torch.tensor([2]))
+        tt.decode.update_(2, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                          seq_lens_cpu=b.seq_lens, num_real=torch.tensor([2]))
     with pytest.raises(InputError, match="contiguous"):
-        tt.decode.update_(2, torch.stack([seq, seq], 1)[:, 0], rpi, table)
+        tt.decode.update_(2, seq_lens=torch.stack([seq, seq], 1)[:, 0], req_pool_indices=rpi,
+                          req_to_token=table)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(LayoutError, match="TRITON_INTERPRET"):
         BufferPool(PoolConfig(max_bs=2, max_context_len=64, device="cpu", impl=Impl.TRITON))
@@ -339,13 +340,15 @@ def test_incremental_off_after_a_capturable_update() -> None:
     b = make_batch(tt.cfg, 3, random.Random(2), extra=40)
     seq, rpi, table = b.tensors()
     ids = [7, 8, 9]
-    tt.decode.update_(3, seq, rpi, table, request_ids=ids)
-    tt.decode.update_(3, seq, rpi, table, num_real=torch.tensor([3]))
-    tt.decode.update_(3, seq, rpi, table, request_ids=ids)
+    tt.decode.update_(3, seq_lens=seq, req_pool_indices=rpi, req_to_token=table, request_ids=ids)
+    tt.decode.update_(3, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                      num_real=torch.tensor([3]))
+    tt.decode.update_(3, seq_lens=seq, req_pool_indices=rpi, req_to_token=table, request_ids=ids)
     pt = tt.arena.buffer(Phase.DECODE, "page_table")
     good = int(pt[0, 0])
     pt[0, 0] = 999_999
-    tt.decode.update_(3, seq + 1, rpi, table, request_ids=ids)
+    tt.decode.update_(3, seq_lens=seq + 1, req_pool_indices=rpi, req_to_token=table, request_ids=ids)
     assert int(pt[0, 0]) == good  # rewritten: no row was trusted to keep its pages
     with pytest.raises(InputError, match="host values"):
-        tt.decode.update_(3, seq, rpi, table, request_ids=torch.tensor(ids))
+        tt.decode.update_(3, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                          request_ids=torch.tensor(ids))

@@ -272,10 +272,12 @@ def test_far_out_of_range_lengths_on_flashinfer_layout(impl: Impl, value: int) -
     pool = BufferPool(cfg, poison=True)
     table = torch.zeros(2, 64, dtype=torch.int32)
     seq, rpi = torch.tensor([value, 8]), torch.tensor([0, 1])
-    pool.check(pool.decode.update_(4, seq, rpi, table))
-    pool.check(pool.verify.update_(4, seq, rpi, table))
-    pool.check(pool.draft_extend.update_(4, seq, torch.tensor([value, 1]), rpi, table))
-    pool.check(pool.encoder.update_(4, seq, torch.tensor([value, 3]), rpi, table))
+    pool.check(pool.decode.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table))
+    pool.check(pool.verify.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table))
+    pool.check(pool.draft_extend.update_(4, seq_lens=seq, accept_lens=torch.tensor([value, 1]),
+                                         req_pool_indices=rpi, req_to_token=table))
+    pool.check(pool.encoder.update_(4, seq_lens=seq, encoder_lens=torch.tensor([value, 3]),
+                                    req_pool_indices=rpi, req_to_token=table))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -284,8 +286,9 @@ def test_accept_lens_past_seq_lens_refused(impl: Impl) -> None:
                                  impl=impl), poison=True)
     before = image(pool.arena.storage)
     with pytest.raises(CapacityError, match=r"accept_lens_cpu\[0\] must be <= seq_lens_cpu"):
-        pool.draft_extend.update_(2, torch.tensor([1]), torch.tensor([3]), torch.tensor([0]),
-                                  torch.zeros(1, 64, dtype=torch.int32), seq_lens_cpu=[1],
+        pool.draft_extend.update_(2, seq_lens=torch.tensor([1]), accept_lens=torch.tensor([3]),
+                                  req_pool_indices=torch.tensor([0]),
+                                  req_to_token=torch.zeros(1, 64, dtype=torch.int32), seq_lens_cpu=[1],
                                   accept_lens_cpu=[3])
     assert same_bytes(before, pool.arena.storage)
 
@@ -297,8 +300,8 @@ def test_host_copies_must_hold_ints(impl: Impl, host: object) -> None:
     pool = BufferPool(PoolConfig(max_bs=2, max_context_len=64, device="cpu", impl=impl))
     before = image(pool.arena.storage)
     with pytest.raises(PoolError, match="seq_lens_cpu must hold"):
-        pool.decode.update_(2, torch.tensor([30, 2]), torch.tensor([0, 1]),
-                            torch.zeros(2, 64, dtype=torch.int32), seq_lens_cpu=host)
+        pool.decode.update_(2, seq_lens=torch.tensor([30, 2]), req_pool_indices=torch.tensor([0, 1]),
+                            req_to_token=torch.zeros(2, 64, dtype=torch.int32), seq_lens_cpu=host)
     assert same_bytes(before, pool.arena.storage)
 
 
@@ -309,10 +312,12 @@ def test_inputs_aliasing_the_arena_refused(impl: Impl) -> None:
     pool = BufferPool(PoolConfig(max_bs=4, max_context_len=64, num_draft_tokens=2, device="cpu",
                                  impl=impl))
     table = torch.zeros(4, 64, dtype=torch.int32)
-    dec = pool.decode.update_(4, torch.tensor([5, 6, 7, 8]), torch.arange(4), table)
+    dec = pool.decode.update_(4, seq_lens=torch.tensor([5, 6, 7, 8]), req_pool_indices=torch.arange(4),
+                              req_to_token=table)
     before = image(pool.arena.storage)
     with pytest.raises(PoolError, match="must not alias the pool's own buffers"):
-        pool.verify.update_(4, dec.cache_seqlens, torch.arange(4), table)
+        pool.verify.update_(4, seq_lens=dec.cache_seqlens, req_pool_indices=torch.arange(4),
+                            req_to_token=table)
     assert same_bytes(before, pool.arena.storage)
 
 

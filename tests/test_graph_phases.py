@@ -367,7 +367,8 @@ def test_update_recorded_inside_the_graph_cuda() -> None:
     q = torch.zeros(bs, H, d, device=dev)
 
     def step() -> Tensor:
-        view = pool.decode.update_(bs, seq, rpi, table, num_real=num_real)
+        view = pool.decode.update_(bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                                   num_real=num_real)
         return sdpa.attention(view, q, k, v).out
 
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -388,6 +389,6 @@ def test_update_recorded_inside_the_graph_cuda() -> None:
         q.zero_()
         q[:n] = x
         graph.replay()
-        view = ref.decode.update_(bs, s, r, table)
+        view = ref.decode.update_(bs, seq_lens=s, req_pool_indices=r, req_to_token=table)
         want = sdpa.attention(view, q, k, v).out[:n]
         torch.testing.assert_close(out[:n], want, rtol=1e-5, atol=1e-5, msg=str(i))

@@ -43,7 +43,7 @@ def test_eager_runner_on_cpu_matches_direct() -> None:
         seq, rpi, tab = b.tensors()
         x = torch.randn(n, 4)
         out = runner.run(x, seq_lens=seq, req_pool_indices=rpi, req_to_token=tab)
-        view = BufferPool(cfg).decode.update_(n, seq, rpi, tab)
+        view = BufferPool(cfg).decode.update_(n, seq_lens=seq, req_pool_indices=rpi, req_to_token=tab)
         assert torch.equal(out, _meta_forward(view, x))
 
 
@@ -84,7 +84,8 @@ def replays_match_eager(dev: torch.device, steps: int, memory: Callable[[], int]
         seq, rpi, tab = b.tensors(dev)
         x = torch.randn(n, 8, device=dev)
         out = runner.run(x, seq_lens=seq, req_pool_indices=rpi, req_to_token=tab)
-        want = _meta_forward(ref_pool.decode.update_(n, seq, rpi, tab), x)
+        want = _meta_forward(ref_pool.decode.update_(n, seq_lens=seq, req_pool_indices=rpi,
+                                                     req_to_token=tab), x)
         assert torch.equal(out, want), step
         del seq, rpi, tab, x, out, want
     if dev.type == "cuda":

@@ -81,12 +81,12 @@ def test_single_pass_views_match_dense(page: int, heads: tuple[int, int], seed: 
     b = make_batch(pool.cfg, n, rng)
     t = b.req_to_token
     k, v = _kv(t, page, h_kv, seed)
-    view = pool.decode.update_(bs, *b.tensors(), seq_lens_cpu=b.seq_lens)
+    view = pool.decode.update_(bs, **b.inputs(), seq_lens_cpu=b.seq_lens)
     q = torch.randn(bs, h, D)
     _check(view, q, k, v, [_rows(t, b.slots[i], 0, b.seq_lens[i]) for i in range(n)], both)
     # chain verify: N causal queries over seq_len + N
     b = make_batch(pool.cfg, n, rng, extra=ND, table=t)
-    view_v = pool.verify.update_(bs, *b.tensors(), seq_lens_cpu=b.seq_lens)
+    view_v = pool.verify.update_(bs, **b.inputs(), seq_lens_cpu=b.seq_lens)
     q = torch.randn(bs * ND, h, D)
     keys = [_rows(t, b.slots[i], 0, b.seq_lens[i] + j + 1) for i in range(n) for j in range(ND)]
     _check(view_v, q, k, v, keys, both)
@@ -117,7 +117,7 @@ def test_one_plan_serves_every_layer() -> None:
     rng = random.Random(7)
     pool = _pool(16)
     b = make_batch(pool.cfg, 4, rng)
-    view = pool.decode.update_(5, *b.tensors(), seq_lens_cpu=b.seq_lens)
+    view = pool.decode.update_(5, **b.inputs(), seq_lens_cpu=b.seq_lens)
     q = torch.randn(4, 4, D)  # only the real rows' queries
     pl = plan(view, num_q=4, num_heads=4, num_kv_heads=2, dtype=torch.float32)
     for layer in range(2):
@@ -138,7 +138,7 @@ def test_decode_layer_op_count() -> None:
     rng = random.Random(3)
     pool = _pool(16)
     b = make_batch(pool.cfg, 5, rng)
-    view = pool.decode.update_(5, *b.tensors(), seq_lens_cpu=b.seq_lens)
+    view = pool.decode.update_(5, **b.inputs(), seq_lens_cpu=b.seq_lens)
     k, v = _kv(b.req_to_token, 16, 2, 0)
     q = torch.randn(5, 8, D)
     pl = plan(view, num_q=5, num_heads=8, num_kv_heads=2, dtype=torch.float32)

@@ -71,7 +71,8 @@ def test_verify(page: int, layout: Layout, n: int, pad: int, host: bool, seed: i
     b = make_batch(pool.cfg, n, rng, extra=nd)
     seq, rpi, table = b.tensors()
     mask = _tree_mask(n, nd, rng) if topk > 1 else None
-    view = pool.verify.update_(bs, seq, rpi, table, seq_lens_cpu=b.seq_lens if host else None,
+    view = pool.verify.update_(bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                               seq_lens_cpu=b.seq_lens if host else None,
                                tree_mask=mask)
     pool.check(view)
     if topk == 1:
@@ -104,7 +105,8 @@ def test_draft(page: int, layout: Layout, n: int, pad: int, host: bool, seed: in
         loc = torch.tensor([[[rng.randrange(1, 10_000) for _ in range(topk)]
                              for _ in range(steps)] for _ in range(n)], dtype=torch.int64)
         loc = loc.view(n, steps, topk)
-    view = pool.draft.update_(bs, seq, rpi, table, seq_lens_cpu=b.seq_lens if host else None,
+    view = pool.draft.update_(bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                              seq_lens_cpu=b.seq_lens if host else None,
                               out_cache_loc=loc)
     pool.check(view)
     assert len(view.steps) == steps
@@ -134,7 +136,8 @@ def test_draft_extend(page: int, layout: Layout, n: int, pad: int, host: bool, s
     b = make_batch(pool.cfg, n, rng)
     acc = [rng.randint(1, min(nd, s)) for s in b.seq_lens]
     seq, rpi, table = b.tensors()
-    view = pool.draft_extend.update_(bs, seq, torch.tensor(acc, dtype=torch.int32), rpi, table,
+    view = pool.draft_extend.update_(bs, seq_lens=seq, accept_lens=torch.tensor(acc, dtype=torch.int32),
+                                     req_pool_indices=rpi, req_to_token=table,
                                      seq_lens_cpu=b.seq_lens if host else None,
                                      accept_lens_cpu=acc if host else None)
     pool.check(view)
@@ -155,7 +158,8 @@ def test_encoder(page: int, layout: Layout, n: int, pad: int, host: bool, seed: 
     b = make_batch(pool.cfg, n, rng, extra=max_enc)
     enc = [rng.choice([1, max_enc, rng.randint(1, max_enc)]) for _ in range(n)]  # mixed lengths
     seq, rpi, table = b.tensors()
-    view = pool.encoder.update_(bs, seq, torch.tensor(enc, dtype=torch.int64), rpi, table,
+    view = pool.encoder.update_(bs, seq_lens=seq, encoder_lens=torch.tensor(enc, dtype=torch.int64),
+                                req_pool_indices=rpi, req_to_token=table,
                                 seq_lens_cpu=b.seq_lens if host else None,
                                 encoder_lens_cpu=enc if host else None)
     pool.check(view)
@@ -179,7 +183,8 @@ def test_local(page: int, layout: Layout, n: int, pad: int, host: bool, seed: in
     b = make_batch(pool.cfg, n, rng, extra=nd)
     seq, rpi, table = b.tensors()
     phase = Phase.VERIFY if verify else Phase.DECODE
-    view = pool.local.update_(bs, seq, rpi, table, for_phase=phase,
+    view = pool.local.update_(bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                              for_phase=phase,
                               seq_lens_cpu=b.seq_lens if host else None)
     pool.check(view)
     q = nd if verify else 1
@@ -196,7 +201,7 @@ def test_local_decode_matches_design_formula() -> None:
     """seqused_k = (L-1) % A + 1 and the block table starts at page ((L-1)//A)*A/P."""
     pool = _pool(16, Layout.FLASH_ATTN, attention_chunk_size=64)
     b = make_batch(pool.cfg, 5, random.Random(7))
-    view = pool.local.update_(5, *b.tensors())
+    view = pool.local.update_(5, **b.inputs())
     for i, length in enumerate(b.seq_lens):
         assert int(view.cache_seqlens[i]) == (length - 1) % 64 + 1
         first = ((length - 1) // 64) * 64 // 16
@@ -225,24 +230,29 @@ def test_overlay_phases_stay_correct_when_next_updated() -> None:
         rng.shuffle(order)
         for name in order:
             if name == "decode":
-                view: object = pool.decode.update_(6, seq, rpi, table)
+                view: object = pool.decode.update_(6, seq_lens=seq, req_pool_indices=rpi,
+                                                   req_to_token=table)
             elif name == "verify":
-                view = pool.verify.update_(6, seq, rpi, table, tree_mask=mask)
+                view = pool.verify.update_(6, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                                           tree_mask=mask)
             elif name == "draft":
-                view = pool.draft.update_(6, seq, rpi, table, out_cache_loc=loc)
+                view = pool.draft.update_(6, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                                          out_cache_loc=loc)
             elif name == "extend":
                 view = pool.extend.update_(6, seq_lens=seq, extend_lens=seq.clamp(max=4),
                                            req_pool_indices=rpi, req_to_token=table)
             else:
-                view = pool.draft_extend.update_(6, seq, ones, rpi, table)
+                view = pool.draft_extend.update_(6, seq_lens=seq, accept_lens=ones, req_pool_indices=rpi,
+                                                 req_to_token=table)
             pool.check(view)
         # the decode view read after another phase wrote is stale; the next update fixes it
-        dec = pool.decode.update_(6, seq, rpi, table)
+        dec = pool.decode.update_(6, seq_lens=seq, req_pool_indices=rpi, req_to_token=table)
         pool.check(dec)
         assert_paged_equal(dec, decode_rows(b.seq_lens, b.slots, table, 6, 16))
         # parts used in the same forward never overlap: encoder cross + decoder, local + verify
-        ev = pool.encoder.update_(6, seq, enc, rpi, table)
-        lv = pool.local.update_(6, seq, rpi, table)
+        ev = pool.encoder.update_(6, seq_lens=seq, encoder_lens=enc, req_pool_indices=rpi,
+                                  req_to_token=table)
+        lv = pool.local.update_(6, seq_lens=seq, req_pool_indices=rpi, req_to_token=table)
         pool.check(ev)
         pool.check(lv)
         assert round_ >= 0
@@ -257,7 +267,7 @@ def test_capture_views_valid_before_update(phase: str) -> None:
     pool = BufferPool(cfg, poison=True)
     for bs in (1, 6):
         pool.check(getattr(pool, phase).view(bs))
-    pool.decode.update_(6, *make_batch(cfg, 3, random.Random(1), extra=64).tensors())
+    pool.decode.update_(6, **make_batch(cfg, 3, random.Random(1), extra=64).inputs())
     pool.check(getattr(pool, phase).view(6))  # re-padded after another phase wrote
 
 
@@ -271,7 +281,9 @@ def test_eagle_config_edge_capacity() -> None:
     b.seq_lens = [128 - 8] * 4
     seq, rpi, table = b.tensors()
     mask = torch.ones(4, 8, 8, dtype=torch.bool).tril()
-    pool.check(pool.verify.update_(4, seq, rpi, table, seq_lens_cpu=b.seq_lens, tree_mask=mask))
+    pool.check(pool.verify.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
+                                   seq_lens_cpu=b.seq_lens, tree_mask=mask))
     seq4 = seq - 4
-    pool.check(pool.draft.update_(4, seq4, rpi, table, seq_lens_cpu=[124] * 4,
+    pool.check(pool.draft.update_(4, seq_lens=seq4, req_pool_indices=rpi, req_to_token=table,
+                                  seq_lens_cpu=[124] * 4,
                                   out_cache_loc=torch.randint(0, 500, (4, 4, 4))))

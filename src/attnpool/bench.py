@@ -216,8 +216,9 @@ def _attnpool(impl: Impl, host: bool) -> Callable[[UpdateCase, UpdateInputs, tor
         pool = BufferPool(case.config(dev, impl))
         phase = pool.verify if case.phase == "verify" else pool.decode
         lens = x.seq_lens_cpu if host else None
-        return lambda: phase.update_(case.bs, x.seq_lens, x.req_pool_indices, x.req_to_token,
-                                     seq_lens_cpu=lens)
+        return lambda: phase.update_(case.bs, seq_lens=x.seq_lens,
+                                     req_pool_indices=x.req_pool_indices,
+                                     req_to_token=x.req_to_token, seq_lens_cpu=lens)
     return prepare
 
 

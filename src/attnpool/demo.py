@@ -187,9 +187,11 @@ def _run(device: str, steps: int, seed: int) -> int:
         t0 = time.perf_counter()
         view: object
         if verify:
-            view = pool.verify.update_(bs, seq_lens, rpi, table, seq_lens_cpu=lens)
+            view = pool.verify.update_(bs, seq_lens=seq_lens, req_pool_indices=rpi,
+                                       req_to_token=table, seq_lens_cpu=lens)
         else:
-            view = pool.decode.update_(bs, seq_lens, rpi, table, seq_lens_cpu=lens)
+            view = pool.decode.update_(bs, seq_lens=seq_lens, req_pool_indices=rpi,
+                                       req_to_token=table, seq_lens_cpu=lens)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         update_s += time.perf_counter() - t0

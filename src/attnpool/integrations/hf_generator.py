@@ -333,8 +333,8 @@ class PagedGenerator:
             self.stats.metadata_calls += 1
         else:
             self.target.kv.update_slots_(blk[4])
-            view = self.pool.decode.update_(n, blk[0], blk[1], self.req_to_token,
-                                            seq_lens_cpu=seq)
+            view = self.pool.decode.update_(n, seq_lens=blk[0], req_pool_indices=blk[1],
+                                            req_to_token=self.req_to_token, seq_lens_cpu=seq)
             ctx = self.target.context(view, n)
             self._metadata(t0)
             toks = self.target.forward(ctx, blk[2], blk[3]).argmax(-1)

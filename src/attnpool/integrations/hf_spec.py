@@ -49,7 +49,8 @@ def _draft_steps(gen: PagedGenerator, running: list[Request], rows: list[int]) -
     if not steps:
         gen._metadata(t0)
         return props
-    dview = gen.pool.draft.update_(n, blk[0], blk[1], gen.req_to_token, seq_lens_cpu=base)
+    dview = gen.pool.draft.update_(n, seq_lens=blk[0], req_pool_indices=blk[1],
+                                   req_to_token=gen.req_to_token, seq_lens_cpu=base)
     for s in range(steps):
         if s:
             t0 = time.perf_counter()
@@ -73,7 +74,8 @@ def _verify(gen: PagedGenerator, running: list[Request], rows: list[int],
     blk = gen.host_block([kvl, rows, [r.tokens[-1] for r in running]])
     tok = gen.host_block([flat_slots, flat_pos])
     ids = torch.stack([blk[2], *props], dim=1).view(-1)  # [n * (N + 1)]: request-major
-    view = gen.pool.verify.update_(n, blk[0], blk[1], gen.req_to_token, seq_lens_cpu=kvl)
+    view = gen.pool.verify.update_(n, seq_lens=blk[0], req_pool_indices=blk[1],
+                                   req_to_token=gen.req_to_token, seq_lens_cpu=kvl)
     gen.target.kv.update_slots_(tok[0])
     ctx = gen.target.context(view, n * nq)
     gen._metadata(t0)
@@ -102,7 +104,8 @@ def _draft_extend(gen: PagedGenerator, live: list[Request], new: list[list[int]]
         [t for ts in new for t in ts],
         [s + j for s, a in zip(start, acc, strict=True) for j in range(a)],
         [x for r, s, a in zip(live, start, acc, strict=True) for x in gen.slots(r, s, a)]])
-    view = gen.pool.draft_extend.update_(len(live), blk[0], blk[1], blk[2], gen.req_to_token,
+    view = gen.pool.draft_extend.update_(len(live), seq_lens=blk[0], accept_lens=blk[1],
+                                         req_pool_indices=blk[2], req_to_token=gen.req_to_token,
                                          seq_lens_cpu=seq, accept_lens_cpu=acc)
     draft.kv.update_slots_(flat[2])
     ctx = draft.context(view, total)

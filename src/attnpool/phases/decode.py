@@ -58,15 +58,18 @@ class DecodePhase(PhaseBase):
     def update_(
         self,
         bs: int,
+        *,
         seq_lens: Tensor,
         req_pool_indices: Tensor,
         req_to_token: Tensor,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
-        *,
         request_ids: Sequence[Hashable] | None = None,
         num_real: Tensor | None = None,
     ) -> DecodeView:
         """Refill the ``bs``-row view in place from ``n = len(seq_lens)`` real requests.
+
+        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
+        in the position another phase gives to ``req_pool_indices``.
 
         Args:
             bs: the captured batch size to replay (``n <= bs <= max_bs``).

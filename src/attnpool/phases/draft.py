@@ -81,15 +81,18 @@ class DraftPhase(PhaseBase):
     def update_(
         self,
         bs: int,
+        *,
         seq_lens: Tensor,
+        out_cache_loc: Tensor | None = None,
         req_pool_indices: Tensor,
         req_to_token: Tensor,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
-        out_cache_loc: Tensor | None = None,
-        *,
         num_real: Tensor | None = None,
     ) -> DraftView:
         """Refill every step for ``n = len(seq_lens)`` requests.
+
+        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
+        in the position another phase gives to ``req_pool_indices``.
 
         Fused path: a chain round is one launch (all steps' lengths, cumsums and the shared
         table); a tree round is two (the prefix pass, then every step's expand rows).

@@ -50,16 +50,19 @@ class DraftExtendPhase(PhaseBase):
     def update_(
         self,
         bs: int,
+        *,
         seq_lens: Tensor,
         accept_lens: Tensor,
         req_pool_indices: Tensor,
         req_to_token: Tensor,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         accept_lens_cpu: Tensor | Sequence[int] | None = None,
-        *,
         num_real: Tensor | None = None,
     ) -> DraftExtendView:
         """Refill for ``n`` requests (fused path: one launch, ``cu_seqlens_q`` included).
+
+        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
+        in the position another phase gives to ``req_pool_indices``.
 
         Args:
             seq_lens: ``[n]`` KV lengths including the accepted tokens, in ``[1, C]``.

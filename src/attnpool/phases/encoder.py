@@ -51,16 +51,19 @@ class EncoderPhase(PhaseBase):
     def update_(
         self,
         bs: int,
+        *,
         seq_lens: Tensor,
         encoder_lens: Tensor,
         req_pool_indices: Tensor,
         req_to_token: Tensor,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         encoder_lens_cpu: Tensor | Sequence[int] | None = None,
-        *,
         num_real: Tensor | None = None,
     ) -> EncoderView:
         """Refill both parts for ``n`` requests (fused path: one launch per part).
+
+        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
+        in the position another phase gives to ``req_pool_indices``.
 
         Args:
             seq_lens: ``[n]`` decoder lengths (decoder tokens only), each ``>= 1`` and with

@@ -65,6 +65,9 @@ class ExtendPhase(PhaseBase):
     ) -> ExtendView:
         """Refill the ``bs``-row view in place for ``n = len(seq_lens)`` requests.
 
+        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
+        in the position another phase gives to ``req_pool_indices``.
+
         Args:
             bs: the captured batch size (``n <= bs <= max_bs``).
             seq_lens: ``[n]`` int, total KV length of each request *including* its new tokens,

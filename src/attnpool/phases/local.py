@@ -66,15 +66,18 @@ class LocalPhase(PhaseBase):
     def update_(
         self,
         bs: int,
+        *,
         seq_lens: Tensor,
         req_pool_indices: Tensor,
         req_to_token: Tensor,
-        for_phase: Phase = Phase.DECODE,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
-        *,
+        for_phase: Phase = Phase.DECODE,
         num_real: Tensor | None = None,
     ) -> LocalView:
         """Refill for ``n`` requests (fused path: one launch, ``cu_seqlens_q`` included).
+
+        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
+        in the position another phase gives to ``req_pool_indices``.
 
         Args:
             seq_lens: ``[n]`` as the matching phase takes them: decode lengths (including the

@@ -49,15 +49,18 @@ class VerifyPhase(PhaseBase):
     def update_(
         self,
         bs: int,
+        *,
         seq_lens: Tensor,
+        tree_mask: Tensor | None = None,
         req_pool_indices: Tensor,
         req_to_token: Tensor,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
-        tree_mask: Tensor | None = None,
-        *,
         num_real: Tensor | None = None,
     ) -> VerifyView:
         """Refill for ``n = len(seq_lens)`` requests, each verifying N draft tokens.
+
+        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
+        in the position another phase gives to ``req_pool_indices``.
 
         Args:
             seq_lens: ``[n]`` committed lengths (drafts excluded), each in ``[1, C - N]``; the
