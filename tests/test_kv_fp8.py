@@ -301,3 +301,19 @@ def test_sdpa_over_fp8_equals_attention_over_dequantized(cache: torch.dtype, per
     assert not torch.allclose(raw.out, got.out)
     with pytest.raises(PoolError, match="v_scale is required"):
         attention(view, q, kv.k_cache(0), kv.v_cache(0), k_scale=ks)
+
+
+def test_config_report_plans_the_fp8_cache_at_half_without_allocating() -> None:
+    def cfg(dtype: torch.dtype) -> KVCacheConfig:
+        return KVCacheConfig(num_layers=32, num_kv_heads=8, head_dim=128, num_pages=4096,
+                             page_size=16, dtype=dtype, device="cpu", max_tokens=8192)
+
+    half, fp8 = cfg(torch.float16), cfg(torch.float8_e4m3fn)
+    assert fp8.bytes_per_token * 2 == half.bytes_per_token == 32 * 2 * 8 * 128 * 2
+    assert fp8.cache_nbytes * 2 == half.cache_nbytes
+    assert "total:           4.00 GiB" in fp8.report() and "8.00 GiB" in half.report()
+    small = KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, num_pages=8, page_size=4,
+                          dtype=torch.float8_e5m2, device="cpu", max_tokens=16)
+    pool = KVCachePool(small)
+    assert pool.nbytes == small.nbytes == pool.storage.numel()
+    assert pool.report() == small.report()

@@ -25,8 +25,6 @@ device tensor, with no host sync, so a CUDA graph captured on ``slot_view(bs)`` 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -34,24 +32,11 @@ from .arena import sentinel
 from .check import ReadRegionError
 from .config import Impl, is_int, resolve_impl
 from .errors import CapacityError, InputError, LayoutError, PoolError
-from .kv_config import KVCacheConfig, KVKind, KVLayout
+from .kv_config import PAD_PAGE, KVCacheConfig, KVKind, KVLayout, align
 from .kv_quant import MODEL_DTYPES, check_scales, dequantize, is_fp8, store_reference_
 
 __all__ = ["KVCacheConfig", "KVCachePool", "KVKind", "KVLayout", "store_reference_"]
 
-ALIGN = 256
-PAD_PAGE = 0
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def _fmt(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >> shift:
-            return f"{n / (1 << shift):.2f} {unit}"
-    return f"{n} B"
 
 
 class KVCachePool:
@@ -69,9 +54,9 @@ class KVCachePool:
         self.cfg = cfg
         self.poisoned = poison
         shape = (cfg.num_layers, cfg.parts, cfg.num_pages + 1, *cfg.page_shape())
-        cache_nbytes = math.prod(shape) * cfg.dtype.itemsize
-        off = _align(cache_nbytes)
-        self.nbytes = off + cfg.max_tokens * 8
+        cache_nbytes = cfg.cache_nbytes
+        off = align(cache_nbytes)
+        self.nbytes = cfg.nbytes
         # The one allocation. torch.empty: no memset (see the module docstring).
         self.storage = torch.empty(self.nbytes, dtype=torch.uint8, device=cfg.torch_device)
         self._cache = self.storage[:cache_nbytes].view(cfg.dtype).view(shape)
@@ -317,20 +302,9 @@ class KVCachePool:
                                       "never written (poison)")
 
     def report(self) -> str:
-        """Shape, bytes per token and per page, and the single allocation's size."""
-        c = self.cfg
-        what = (f"K, V x {c.num_kv_heads} heads x {c.head_dim}" if c.kind is KVKind.MHA else
-                f"latent {c.kv_lora_rank} + rope {c.rope_dim}")
-        return "\n".join([
-            f"kv cache: {c.kind.name} {c.layout.name} {str(c.dtype).removeprefix('torch.')}, "
-            f"{c.num_layers} layers x {c.num_pages} pages x {c.page_size} tokens ({what})",
-            f"bytes per token: {c.bytes_per_token} ({_fmt(c.bytes_per_token)})",
-            f"bytes per page:  {c.bytes_per_page} ({_fmt(c.bytes_per_page)})",
-            f"usable pages:    {c.num_pages - 1} (page {PAD_PAGE} is the pad page; plus one "
-            "hidden scratch page per layer part)",
-            f"slot_mapping:    [{c.max_tokens}] int64",
-            f"total:           {_fmt(self.nbytes)} (one allocation)",
-        ])
+        """Shape, bytes per token and per page, and the single allocation's size (the config's
+        plan, :meth:`KVCacheConfig.report`)."""
+        return self.cfg.report()
 
     def check_pool_config(self, pool_cfg: object) -> None:
         """Cross-check a :class:`attnpool.PoolConfig` whose metadata addresses this cache, once at

@@ -26,6 +26,23 @@ class KVKind(enum.Enum):
     MLA = "mla"
 
 
+#: byte alignment of the slot mapping after the pages
+ALIGN = 256
+#: page 0 of every layer part: padded rows read it, so it is zeroed once and never handed out
+PAD_PAGE = 0
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >> shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"
+
+
 def _int(name: str, v: object, lo: int) -> None:
     if not is_int(v) or v < lo:
         raise PoolError(f"KVCacheConfig: {name} must be an int >= {lo}, got {v!r}")
@@ -111,6 +128,35 @@ class KVCacheConfig:
     @property
     def bytes_per_page(self) -> int:
         return self.bytes_per_token * self.page_size
+
+    @property
+    def cache_nbytes(self) -> int:
+        """Bytes of every layer part's pages, one hidden scratch page each included."""
+        return (self.num_layers * self.parts * (self.num_pages + 1) * self.page_size
+                * self.num_kv_heads * self.row_dim * self.dtype.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the :class:`attnpool.KVCachePool` this config allocates (one allocation:
+        the pages, aligned, then the ``[max_tokens]`` int64 slot mapping). Arithmetic only."""
+        return align(self.cache_nbytes) + self.max_tokens * 8
+
+    def report(self) -> str:
+        """The cache's plan (shape, bytes per token and page, total), computed without allocating:
+        an fp8 cache shows half the bytes of a float16 one."""
+        what = (f"K, V x {self.num_kv_heads} heads x {self.head_dim}" if self.kind is KVKind.MHA
+                else f"latent {self.kv_lora_rank} + rope {self.rope_dim}")
+        return "\n".join([
+            f"kv cache: {self.kind.name} {self.layout.name} "
+            f"{str(self.dtype).removeprefix('torch.')}, {self.num_layers} layers x "
+            f"{self.num_pages} pages x {self.page_size} tokens ({what})",
+            f"bytes per token: {self.bytes_per_token} ({fmt_bytes(self.bytes_per_token)})",
+            f"bytes per page:  {self.bytes_per_page} ({fmt_bytes(self.bytes_per_page)})",
+            f"usable pages:    {self.num_pages - 1} (page {PAD_PAGE} is the pad page; plus one "
+            "hidden scratch page per layer part)",
+            f"slot_mapping:    [{self.max_tokens}] int64",
+            f"total:           {fmt_bytes(self.nbytes)} (one allocation)",
+        ])
 
     def page_shape(self) -> tuple[int, int, int]:
         h, p, d = self.num_kv_heads, self.page_size, self.row_dim
