@@ -225,9 +225,18 @@ class Arena:
         overlay, so it takes both. A dict store per region: the bookkeeping costs next to
         nothing per update.
         """
+        self.mark(_REGIONS[phase], phase, rows)
+
+    def regions(self, phase: Phase) -> tuple[object, ...]:
+        """The regions ``phase``'s updates write (for :meth:`mark`)."""
+        return _REGIONS[phase]
+
+    def mark(self, regions: tuple[object, ...], phase: Phase, rows: int) -> None:
+        """:meth:`mark_written` with ``phase``'s :meth:`regions` looked up once by the caller
+        (the per-update path)."""
         self._gen += 1
         rec = (phase, self._gen, rows)
-        for r in _REGIONS[phase]:
+        for r in regions:
             self._own[r] = rec
 
     def holds(self, phase: Phase) -> bool:

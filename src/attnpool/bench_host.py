@@ -83,7 +83,11 @@ def inputs(cfg: PoolConfig, phase: str, bs: int, seed: int = 0) -> dict[str, Any
 
 
 class _NoLaunch:
-    """Stands in for a jit kernel: ``kernel[grid](*args, **kw)`` does nothing."""
+    """Stands in for a jit kernel: ``kernel[grid](*args, **kw)`` does nothing. It keeps the
+    kernel's parameter names, so launches are assembled exactly as for the real kernel."""
+
+    def __init__(self, kernel: object) -> None:
+        self.arg_names = getattr(kernel, "arg_names", None)
 
     def __getitem__(self, grid: object) -> Callable[..., None]:
         return _noop
@@ -106,7 +110,7 @@ def stubbed_launches(device: torch.device) -> Iterator[None]:
         for mod in (triton_kernels, triton_draft_kernels):
             for name in [n for n in dir(mod) if n.endswith("_kernel")]:
                 saved.append((mod, name, getattr(mod, name)))
-                setattr(mod, name, _NoLaunch())
+                setattr(mod, name, _NoLaunch(getattr(mod, name)))
         yield
     finally:
         for owner, attr, kernel in saved:

@@ -56,6 +56,8 @@ class PhaseBase:
         self._arange = arena.buffer(None, "arange")
         #: debug validation of device values (``BufferPool(validate=True)``, see ._validate)
         self.validate = False
+        #: the arena regions this phase's updates write (see Arena.mark)
+        self._regions = arena.regions(self.phase)
         #: the producer every view of this phase carries (``view.is_current``, stale checks)
         self._stamp = arena.stamp(self.phase)
         #: the arena's address range, for the aliasing check of inputs (computed once)
@@ -152,6 +154,10 @@ class PhaseBase:
             self._rec = None
         return BoundUpdate(self.arena, self.phase, bs, view, rec,
                            lambda: self.update_(bs, **inputs))  # type: ignore[attr-defined]
+
+    def _mark(self, rows: int) -> None:
+        """Record this phase's write of ``rows`` rows (the overlay bookkeeping of every update)."""
+        self.arena.mark(self._regions, self.phase, rows)
 
     def _values(self, v: Values) -> None:
         """Validate ``v`` when this pool validates (one host read; skipped during a capture,

@@ -106,10 +106,11 @@ class DecodePhase(PhaseBase):
             ids = list(request_ids)
             if len(ids) != n:
                 raise InputError(f"request_ids must have n={n} values, got {len(ids)}")
-        self._values(Values(n, num_real, table.shape[0],
-                            [("seq_lens", seq_lens, 1, cfg.max_context_len),
-                             ("req_pool_indices", rpi, 0, 0)],
-                            [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
+        if self.validate:  # (the values are only gathered when they are read)
+            self._values(Values(n, num_real, table.shape[0],
+                                [("seq_lens", seq_lens, 1, cfg.max_context_len),
+                                 ("req_pool_indices", rpi, 0, 0)],
+                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
         if self.fused:
             flags = self._keep_flags(ids, bs)
             keep = None if flags is None else self._keep[:bs]
@@ -137,7 +138,7 @@ class DecodePhase(PhaseBase):
 
     def _done(self, bs: int, n: int, host: list[int] | None, ids: list[Hashable] | None
               ) -> DecodeView:
-        self.arena.mark_written(self.phase, bs)
+        self._mark(bs)
         self._last = None if ids is None else (ids, self.arena.epoch(self.phase))
         return self._view(bs, self._max_k(host, 0, n, bs, self.cfg.max_context_len))
 

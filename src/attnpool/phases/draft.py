@@ -115,10 +115,11 @@ class DraftPhase(PhaseBase):
             if out_cache_loc is not None:
                 raise InputError("out_cache_loc is only for topk > 1; chain drafts read "
                                  f"req_to_token, got one with topk={cfg.topk}")
-            self._values(Values(n, num_real, table.shape[0],
-                                [("seq_lens", seq_lens, 1, cfg.max_context_len - steps),
-                                 ("req_pool_indices", rpi, 0, 0)],
-                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
+            if self.validate:  # (the values are only gathered when they are read)
+                self._values(Values(n, num_real, table.shape[0],
+                                    [("seq_lens", seq_lens, 1, cfg.max_context_len - steps),
+                                     ("req_pool_indices", rpi, 0, 0)],
+                                    [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
             if self.fused:
                 # --- writes start here ---
                 self._run((bs, table.shape, table.stride(0), num_real is None),
@@ -136,10 +137,11 @@ class DraftPhase(PhaseBase):
             if tuple(loc.shape[1:]) != (steps, cfg.topk):
                 raise InputError(f"out_cache_loc must be [n, {steps}, {cfg.topk}], "
                                  f"got {tuple(loc.shape)}")
-            self._values(Values(n, num_real, table.shape[0],
-                                [("seq_lens", seq_lens, 1, cfg.max_context_len - steps),
-                                 ("req_pool_indices", rpi, 0, 0)],
-                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
+            if self.validate:  # (the values are only gathered when they are read)
+                self._values(Values(n, num_real, table.shape[0],
+                                    [("seq_lens", seq_lens, 1, cfg.max_context_len - steps),
+                                     ("req_pool_indices", rpi, 0, 0)],
+                                    [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
             if self.fused:
                 # --- writes start here (both launches' inputs were checked above) ---
                 self._run((bs, table.shape, table.stride(0), num_real is None, loc.stride()),
@@ -151,7 +153,7 @@ class DraftPhase(PhaseBase):
                 full, part, slots = ref.draft_expand(seq_lens, rpi, table, loc, cfg.page_size)
                 # --- writes start here ---
                 self._write_tree(bs, full, pages, part, slots)
-        self.arena.mark_written(self.phase, bs)
+        self._mark(bs)
         return self._view(bs, host, n)
 
     def _tree_launches(self, bs: int, seq_lens: Tensor, rpi: Tensor, table: Tensor, loc: Tensor,

@@ -84,13 +84,14 @@ class DraftExtendPhase(PhaseBase):
                 if a > s:
                     raise CapacityError(f"accept_lens_cpu[{i}] must be <= seq_lens_cpu[{i}]={s}, "
                                         f"got {a}")
-        self._values(Values(n, num_real, table.shape[0],
-                            [("seq_lens", seq_lens, 1, cfg.max_context_len),
-                             ("accept_lens", acc, 1, cfg.num_draft_tokens),
-                             ("req_pool_indices", rpi, 0, 0)],
-                            [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
-                             ("accept_lens_cpu", accept_lens_cpu, "accept_lens")],
-                            at_most=[("accept_lens", "seq_lens")]))
+        if self.validate:  # (the values are only gathered when they are read)
+            self._values(Values(n, num_real, table.shape[0],
+                                [("seq_lens", seq_lens, 1, cfg.max_context_len),
+                                 ("accept_lens", acc, 1, cfg.num_draft_tokens),
+                                 ("req_pool_indices", rpi, 0, 0)],
+                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
+                                 ("accept_lens_cpu", accept_lens_cpu, "accept_lens")],
+                                at_most=[("accept_lens", "seq_lens")]))
         if self.fused:
             # --- writes start here ---
             self._run((bs, table.shape, table.stride(0), num_real is None),
@@ -103,7 +104,7 @@ class DraftExtendPhase(PhaseBase):
             pages = ref.gather_pages(table, rpi, cfg.page_size, width)
             # --- writes start here ---
             self._write(bs, seq_lens, acc, pages)
-        self.arena.mark_written(self.phase, bs)
+        self._mark(bs)
         return self._view(bs, self._max_k(host, 0, n, bs, cfg.max_context_len))
 
     def _write(self, bs: int, seq_lens: Tensor, acc: Tensor, pages: Tensor, pad_q: int = 1

@@ -84,13 +84,14 @@ class EncoderPhase(PhaseBase):
                       [a + b for a, b in zip(enc_host, host, strict=True)], n, 2,
                       cfg.max_context_len)
         dec = self._dec
-        self._values(Values(n, num_real, table.shape[0],
-                            [("seq_lens", seq_lens, 1, cfg.max_context_len),
-                             ("encoder_lens", enc, 1, cfg.max_encoder_len),
-                             ("req_pool_indices", rpi, 0, 0)],
-                            [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
-                             ("encoder_lens_cpu", encoder_lens_cpu, "encoder_lens")],
-                            sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len)))
+        if self.validate:  # (the values are only gathered when they are read)
+            self._values(Values(n, num_real, table.shape[0],
+                                [("seq_lens", seq_lens, 1, cfg.max_context_len),
+                                 ("encoder_lens", enc, 1, cfg.max_encoder_len),
+                                 ("req_pool_indices", rpi, 0, 0)],
+                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
+                                 ("encoder_lens_cpu", encoder_lens_cpu, "encoder_lens")],
+                                sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len)))
         if self.fused:
             # --- writes start here (both launches' inputs were checked above) ---
             self._run((bs, table.shape, table.stride(0), num_real is None),
@@ -112,7 +113,7 @@ class EncoderPhase(PhaseBase):
             self._write_part(dec, bs, seq_lens, dec_pages)
         # One write of the overlay: the encoder now owns it, decoder rows included (decode's own
         # view of those buffers is not valid until decode writes them again).
-        self.arena.mark_written(self.phase, bs)
+        self._mark(bs)
         return self._both(bs, self._max_k(enc_host, 0, n, bs, cfg.max_encoder_len),
                           self._max_k(host, 0, n, bs, cfg.max_context_len))
 

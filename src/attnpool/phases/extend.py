@@ -99,14 +99,15 @@ class ExtendPhase(PhaseBase):
         ehost = host_lens("extend_lens_cpu", extend_lens_cpu, n, 1, cfg.max_context_len)
         total = self._check_host(host, ehost)
         slots = None if out_slots is None else self._out_slots(out_slots, total)
-        self._values(Values(n, num_real, table.shape[0],
-                            [("seq_lens", seq_lens, 1, cfg.max_context_len),
-                             ("extend_lens", ext, 1, cfg.max_context_len),
-                             ("req_pool_indices", rpi, 0, 0)],
-                            [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
-                             ("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
-                            at_most=[("extend_lens", "seq_lens")],
-                            sum_at_most=("extend_lens", t_max)))
+        if self.validate:  # (the values are only gathered when they are read)
+            self._values(Values(n, num_real, table.shape[0],
+                                [("seq_lens", seq_lens, 1, cfg.max_context_len),
+                                 ("extend_lens", ext, 1, cfg.max_context_len),
+                                 ("req_pool_indices", rpi, 0, 0)],
+                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
+                                 ("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
+                                at_most=[("extend_lens", "seq_lens")],
+                                sum_at_most=("extend_lens", t_max)))
         if self.fused:
             # --- writes start here ---
             self._run((bs, table.shape, table.stride(0), num_real is None,
@@ -125,7 +126,7 @@ class ExtendPhase(PhaseBase):
             self._write(bs, seq_lens, ext, pages, pos)
             if slots is not None:
                 slots.copy_(slot_vals[: slots.shape[0]])
-        self.arena.mark_written(self.phase, bs)
+        self._mark(bs)
         max_q = t_max
         if ehost is not None:
             max_q = max(max(ehost, default=0), t_max - sum(ehost) if n < bs else 0)

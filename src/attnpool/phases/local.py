@@ -93,10 +93,11 @@ class LocalPhase(PhaseBase):
         rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
         table = self._req_to_token(req_to_token)
         host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - extra)
-        self._values(Values(n, num_real, table.shape[0],
-                            [("seq_lens", seq_lens, 1, cfg.max_context_len - extra),
-                             ("req_pool_indices", rpi, 0, 0)],
-                            [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
+        if self.validate:  # (the values are only gathered when they are read)
+            self._values(Values(n, num_real, table.shape[0],
+                                [("seq_lens", seq_lens, 1, cfg.max_context_len - extra),
+                                 ("req_pool_indices", rpi, 0, 0)],
+                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
         if self.fused:
             # --- writes start here ---
             self._run((bs, extra, q, per, table.shape, table.stride(0), num_real is None),
@@ -115,7 +116,7 @@ class LocalPhase(PhaseBase):
             pages = torch.where(valid[:, None], pages, cfg.pad_page)
             # --- writes start here ---
             self._write(bs, q, per, q_lens, kv_lens, pages)
-        self.arena.mark_written(self.phase, bs)
+        self._mark(bs)
         self._state = for_phase
         return self._view(bs, for_phase)
 

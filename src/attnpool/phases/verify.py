@@ -84,10 +84,11 @@ class VerifyPhase(PhaseBase):
                 raise InputError(f"tree_mask must be [n, {nd}, {nd}], got {tuple(mask.shape)}")
         elif tree_mask is not None:
             raise InputError(f"tree_mask is only for topk > 1, got one with topk={cfg.topk}")
-        self._values(Values(n, num_real, table.shape[0],
-                            [("seq_lens", seq_lens, 1, cfg.max_context_len - nd),
-                             ("req_pool_indices", rpi, 0, 0)],
-                            [("seq_lens_cpu", seq_lens_cpu, "seq_lens")], tree_mask=mask))
+        if self.validate:  # (the values are only gathered when they are read)
+            self._values(Values(n, num_real, table.shape[0],
+                                [("seq_lens", seq_lens, 1, cfg.max_context_len - nd),
+                                 ("req_pool_indices", rpi, 0, 0)],
+                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens")], tree_mask=mask))
         add = 0 if self.tree else nd
         if self.fused:
             # --- writes start here (both launches' inputs were checked above) ---
@@ -103,7 +104,7 @@ class VerifyPhase(PhaseBase):
             self._write_part(self._p, bs, seq_lens, pages, add=add)
             if expand is not None:
                 self._write_expand(bs, *expand)
-        self.arena.mark_written(self.phase, bs)
+        self._mark(bs)
         return self._view(bs, self._max_k(host, add, n, bs, cfg.max_context_len))
 
     def _launches_for(self, bs: int, seq_lens: Tensor, rpi: Tensor, table: Tensor,

@@ -135,7 +135,16 @@ class Launch:
     def __init__(self, kernel: Any, grid: tuple[int, ...], args: tuple[object, ...],
                  kw: dict[str, Any], dyn: dict[str, int]) -> None:
         self.fn: Callable[..., object] = kernel[grid]
-        self.args, self.kw, self.dyn = args, kw, dyn
+        # Constexprs go positionally, in the kernel's parameter order: expanding a dozen
+        # keywords at every launch costs about as much as the rest of the replay. Only launch
+        # options (num_warps) stay keywords.
+        names = getattr(kernel, "arg_names", None) or ()
+        pos, rest = list(args), dict(kw)
+        for name in names[len(pos):]:
+            if name not in rest:
+                break
+            pos.append(rest.pop(name))
+        self.args, self.kw, self.dyn = tuple(pos), rest, dyn
         self.map: tuple[tuple[int, int], ...] = ()
 
     def take(self, names: tuple[str, ...], **alias: str) -> Launch:
