@@ -92,3 +92,25 @@ def test_bench_help_names_the_options() -> None:
                          capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert all(o in out.stdout for o in ("--quick", "--json", "--plot"))
+
+
+def test_host_cost_table_covers_every_part_and_restores_the_kernels() -> None:
+    import importlib.util
+
+    import torch
+
+    from attnpool import bench_host
+
+    triton = importlib.util.find_spec("triton") is not None
+    rows = bench_host.run(torch.device("cpu"), triton, batch_sizes=(1,))
+    assert [r.part for r in rows] == [p[0] for p in bench_host.PARTS]
+    for r in rows:
+        assert r.cost["reference"] is not None and r.cost["reference"] > 0
+        assert (r.cost["classic"] is not None) == (r.part in ("decode", "verify chain"))
+        assert (r.cost["fused eager"] is not None) == triton
+    table = bench_host.table(rows)
+    assert table.count("\n") == len(rows) + 1 and "reference / classic" in table
+    if triton:
+        from attnpool.update import triton_kernels
+
+        assert not isinstance(triton_kernels.paged_kernel, bench_host._NoLaunch)
