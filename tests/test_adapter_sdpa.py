@@ -3,7 +3,8 @@
 Every test builds a poison-mode pool, refills a phase from a random batch (padded rows, GQA, page
 sizes 1 and 16), runs :mod:`attnpool.adapters.sdpa` over the view in each layout it has, and
 compares the real queries with :func:`dense.dense_attention`, which is given each query's KV token
-slots straight from ``req_to_token`` and the phase's definition (DESIGN §4), never from the view.
+slots straight from ``req_to_token`` and the phase's definition (docs/design.md, Phases), never
+from the view.
 
 Tolerance: the adapter computes in float32 and the oracle in float64. Rows attend to at most
 C + N = 132 keys with D = 8 and unit-normal K/V, so softmax weights and outputs are O(1) and the

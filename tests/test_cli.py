@@ -186,3 +186,29 @@ def test_demo_kernel_name_follows_the_resolved_backend() -> None:
         "PyTorch SDPA (attnpool.adapters.sdpa) reading the pool's FLASH_ATTN layout")
     assert kernel_name(Backend.FA3, Layout.FLASH_ATTN).startswith("flash-attn 3")
     assert "SDPA" in kernel_name(Backend.FA2, Layout.FLASH_ATTN)  # its prefill parts
+
+
+def test_readme_and_docs_point_only_inside_the_repository() -> None:
+    """Every file the README and docs/design.md name (links, `path.py`, `dir/`) exists here, and
+    no text cites a design document the repository lacks."""
+    for doc in ("README.md", "docs/design.md", "BENCHMARKS.md"):
+        text = (ROOT / doc).read_text()
+        base = (ROOT / doc).parent
+        links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+        paths = re.findall(r"`((?:[\w.-]+/)*[\w.-]+\.(?:md|py|toml|in)|[\w.-]+/(?:[\w.-]+/)*)`", text)
+        for ref in [x for x in links if "://" not in x] + paths:
+            assert (base / ref).exists() or (ROOT / ref).exists(), f"{doc} names {ref}"
+        assert "DESIGN" not in text and "§" not in text, doc
+    # the design doc's sections that code comments cite ("docs/design.md, Padding")
+    heads = set(re.findall(r"^#{2,3} (.+)$", (ROOT / "docs" / "design.md").read_text(), re.M))
+    cited: set[str] = set()
+    for path in [*ROOT.joinpath("src").rglob("*.py"), *ROOT.joinpath("tests").glob("*.py"),
+                 ROOT / "BENCHMARKS.md"]:
+        for m in re.finditer(r"docs/design\.md(?:'s)?, ([A-Z][\w ]*?)(?: and ([A-Z][\w ]*?))?[).:\]]",
+                             path.read_text()):
+            cited.update(g for g in m.groups() if g)
+    assert cited and cited <= heads, cited - heads
+    slugs = {re.sub(r"[^\w -]", "", h.lower()).replace(" ", "-") for h in heads}
+    linking = (ROOT / "docs" / "design.md").read_text() + (ROOT / "BENCHMARKS.md").read_text()
+    anchors = set(re.findall(r"\]\((?:docs/design\.md)?#([\w-]+)\)", linking))
+    assert anchors and anchors <= slugs, anchors - slugs

@@ -101,11 +101,10 @@ def test_tests_collect_from_the_unpacked_sdist(sdist: pathlib.Path) -> None:
     out = subprocess.run(args, cwd=sdist, capture_output=True, text=True, timeout=600,
                          check=False, env=_env(PYTHONPATH=str(sdist / "src")))
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    here = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          check=False, env=_env(PYTHONPATH=str(ROOT / "src")))
-    count = [ln for ln in out.stdout.splitlines() if " collected" in ln or "tests collected" in ln]
-    assert count and count[-1].split(" in ")[0] == [
-        ln for ln in here.stdout.splitlines() if "collected" in ln][-1].split(" in ")[0]
+    assert "error" not in out.stdout.splitlines()[-1], out.stdout[-3000:]
+    # every test module of this tree collected tests there
+    modules = {ln.split("::")[0] for ln in out.stdout.splitlines() if "::" in ln}
+    assert modules == {p.relative_to(ROOT).as_posix() for p in ROOT.glob("tests/test_*.py")}
 
 
 def test_triton_is_its_own_extra() -> None:
@@ -119,8 +118,9 @@ def test_triton_is_its_own_extra() -> None:
 def test_fused_path_tests_skip_cleanly_without_triton() -> None:
     """The triton-marked tests, run with triton made uninstalled: collected, every one skipped
     with the reason, none failing or erroring (collection included)."""
-    paths = ["tests/test_triton_update.py", "tests/test_opcount.py", "tests/test_fused_phases.py",
-             "tests/test_kv_fp8.py", "tests/test_errors.py"]
+    # modules marked whole (one imports attnpool.update.triton at the top) and one marking
+    # single parameters
+    paths = ["tests/test_triton_update.py", "tests/test_opcount.py", "tests/test_kv_fp8.py"]
     env = _env(PYTHONPATH=os.pathsep.join([str(HIDE_TRITON), str(ROOT / "src")]))
     probe = subprocess.run([sys.executable, "-c", "import importlib.util as u, attnpool; "
                             "c = attnpool.PoolConfig(device='cpu', impl=attnpool.Impl.AUTO); "
