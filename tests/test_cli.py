@@ -81,8 +81,19 @@ BAD_ARGS = [
 
 
 @pytest.mark.parametrize(("args", "words"), BAD_ARGS, ids=[" ".join(a) or "none" for a, _ in BAD_ARGS])
-def test_bad_argument_is_one_line_and_exit_2(args: tuple[str, ...], words: tuple[str, ...]) -> None:
-    _one_line_error(_run(*args), *words)
+def test_bad_argument_is_one_line_and_exit_2(args: tuple[str, ...], words: tuple[str, ...],
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    # in-process: cli.main is what `python -m attnpool` exits with (checked by subprocess below)
+    from attnpool import cli
+
+    code = cli.main(list(args))
+    out = capsys.readouterr()
+    _one_line_error(subprocess.CompletedProcess(args, code, out.out, out.err), *words)
+
+
+@pytest.mark.parametrize("args", [("demo", "--steps", "-3"), ("plan", "--context", str(2**31))])
+def test_bad_argument_exit_code_from_python_m(args: tuple[str, ...]) -> None:
+    _one_line_error(_run(*args), args[1])
 
 
 def test_demo_cuda_without_a_gpu_is_one_line() -> None:
@@ -91,15 +102,30 @@ def test_demo_cuda_without_a_gpu_is_one_line() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: --device cuda is valid here")
     _one_line_error(_run("demo", "--device", "cuda", "--steps", "2"), "--device cuda", "CUDA")
-    _one_line_error(_run("bench", "--quick", "--device", "cuda:0"), "--device cuda:0")
+    from attnpool import cli
+
+    assert cli.main(["bench", "--quick", "--device", "cuda:0"]) == 2
 
 
-def test_bench_unwritable_output_fails_before_the_run(tmp_path: pathlib.Path) -> None:
+def test_bench_unwritable_output_fails_before_the_run(tmp_path: pathlib.Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
     # paths no user (root included) can write: a missing folder, a folder, a file's child
     (tmp_path / "file").write_text("")
+    from attnpool import bench, cli
+
+    def no_run(*args: object, **kwargs: object) -> int:
+        raise AssertionError("the benchmark ran before its output path was checked")
+
     for path in (tmp_path / "missing" / "r.json", tmp_path, tmp_path / "file" / "r.json"):
-        out = _run("bench", "--quick", "--device", "cpu", "--json", str(path), timeout=60)
-        _one_line_error(out, "--json", str(path), "cannot write")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(bench, "run_cli", no_run)
+            code = cli.main(["bench", "--quick", "--device", "cpu", "--json", str(path)])
+        out = capsys.readouterr()
+        _one_line_error(subprocess.CompletedProcess([], code, out.out, out.err), "--json",
+                        str(path), "cannot write")
+        assert "cannot write" in out.err
+    out = _run("bench", "--quick", "--json", str(tmp_path / "missing" / "r.json"), timeout=60)
+    _one_line_error(out, "--json", "cannot write")  # and from a shell, before any timing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing left behind
 
 
@@ -127,10 +153,13 @@ def test_help_is_fast_to_start_and_lists_every_command() -> None:
         assert re.search(rf"^\s+{cmd}\s+\S", out.stdout, re.M), (cmd, out.stdout)
 
 
-def test_plan_help_shows_defaults() -> None:
-    out = _run("plan", "--help")
-    assert out.returncode == 0, out.stderr
-    text = " ".join(out.stdout.split())
+def test_plan_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from attnpool import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
     for want in ("(default: 160)", "(default: 131072)", "(default: flash_attn)", "2**31 - 1"):
         assert want in text, want
 
@@ -152,13 +181,6 @@ def test_demo_runs_on_cpu() -> None:
     assert "steps/s" in out.stdout
     # the kernel that really ran, by its name: never a library this machine may not have
     assert "attention: PyTorch SDPA (attnpool.adapters.sdpa) reading the pool's " in out.stdout
-
-
-def test_toy_demo_names_sdpa_and_the_layout_it_reads() -> None:
-    out = _run("demo", "--toy", "--device", "cpu", "--steps", "6", timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "no flash-attn or FlashInfer kernel runs here" in out.stdout
-    assert "SDPA reading FLASH_ATTN" in out.stdout and "SDPA reading FLASHINFER" in out.stdout
 
 
 def test_readme_quickstart_runs() -> None:
