@@ -1,7 +1,9 @@
-"""Test setup: Triton kernels run in interpret mode when there is no GPU."""
+"""Test setup: Triton kernels run in interpret mode when there is no GPU; tests of them (the
+``triton`` marker) skip when triton is not installed (it is the optional extra ``triton``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -11,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 HAS_CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -20,6 +23,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "fuzz" in item.keywords:
                 item.add_marker(long)
+    if not HAS_TRITON:
+        no_triton = pytest.mark.skip(reason="triton is not installed (pip install 'attnpool[triton]')")
+        for item in items:
+            if item.get_closest_marker("triton") is not None:
+                item.add_marker(no_triton)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

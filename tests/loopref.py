@@ -1,6 +1,6 @@
 """A deliberately plain, per-row loop reference of what each view's read region must hold.
 
-It shares no code with attnpool: every value is computed from DESIGN.md's definitions with Python
+It shares no code with attnpool: every value is computed from docs/design.md's definitions with Python
 ints, so a bug in the vectorised paths cannot hide in it.
 """
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,8 +92,10 @@ def launch_counter(state: LaunchState) -> Iterator[None]:
 
 
 def count(fn: Callable[[], object]) -> Counts:
-    """Run ``fn`` once under both counters."""
+    """Run ``fn`` once under both counters (without triton installed nothing can launch a Triton
+    kernel: only aten ops are counted, and ``launches`` stays 0)."""
     state = LaunchState()
-    with launch_counter(state), OpCounter(state):
+    has_triton = importlib.util.find_spec("triton") is not None
+    with launch_counter(state) if has_triton else contextlib.nullcontext(), OpCounter(state):
         fn()
     return state.counts

@@ -3,7 +3,8 @@
 Every test builds a poison-mode pool, refills a phase from a random batch (padded rows, GQA, page
 sizes 1 and 16), runs :mod:`attnpool.adapters.sdpa` over the view in each layout it has, and
 compares the real queries with :func:`dense.dense_attention`, which is given each query's KV token
-slots straight from ``req_to_token`` and the phase's definition (DESIGN §4), never from the view.
+slots straight from ``req_to_token`` and the phase's definition (docs/design.md, Phases), never
+from the view.
 
 Tolerance: the adapter computes in float32 and the oracle in float64. Rows attend to at most
 C + N = 132 keys with D = 8 and unit-normal K/V, so softmax weights and outputs are O(1) and the
@@ -353,3 +354,25 @@ def test_errors_name_expected_and_actual() -> None:
         attention(object(), _q(2, 4, 0), k, k)
     with pytest.raises(InputError, match="merge_by_lse"):
         merge_by_lse(torch.zeros(2, 2, D), torch.zeros(2, 2), torch.zeros(3, 2, D), torch.zeros(3, 2))
+
+
+def test_hnd_cache_is_named_as_the_likely_mix_up() -> None:
+    """An HND cache ``[pages, H_kv, P, D]`` read as NHD puts the page size where the KV heads
+    go: the error says so instead of calling the page size a head count."""
+    from attnpool import KVCacheConfig, KVCachePool, KVLayout
+
+    cfg = PoolConfig(max_bs=2, max_context_len=64, page_size=16, device="cpu")
+    view = BufferPool(cfg).decode.view(2)
+    kv = KVCachePool(KVCacheConfig(num_pages=8, page_size=16, max_tokens=4, num_kv_heads=2,
+                                   head_dim=D, dtype=torch.float32, layout=KVLayout.HND,
+                                   device="cpu"))
+    k, v = kv.k_cache(0), kv.v_cache(0)
+    assert tuple(k.shape) == (8, 2, 16, D)
+    for fn in (paged_attention, attention):
+        with pytest.raises(InputError, match=r"looks HND \[num_pages, H_kv=2, page_size=16, D\]"
+                           r".*expects NHD \[num_pages, page_size, H_kv, D\]"):
+            fn(view, _q(2, 4, 0), k, v)
+    # a plain head-count mismatch on an NHD cache gets no layout hint
+    with pytest.raises(InputError, match="multiple of KV heads") as e:
+        paged_attention(view, _q(2, 3, 0), torch.randn(8, 16, 2, D), torch.randn(8, 16, 2, D))
+    assert "HND" not in str(e.value)

@@ -62,7 +62,8 @@ def parts(view: object) -> list[PagedView]:
 
 
 def read_region(v: PagedView) -> list[Tensor]:
-    """The elements a kernel reads (DESIGN §1): lengths, cumsums, each row's live page ids."""
+    """The elements a kernel reads (docs/design.md, The contract): lengths, cumsums, each row's
+    live page ids."""
     bs, p = v.bs, v.page_size
     lens = v.cache_seqlens[:bs]
     out = [lens, v.cu_seqlens_q[: bs + 1], v.cu_seqlens_k[: bs + 1]]

@@ -25,8 +25,12 @@ def test_demo_runs_the_transformers_model(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_toy_demo_still_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--toy", "--device", "cpu", "--steps", "3"]) == 0
-    assert "max|attn - dense|" in capsys.readouterr().out
+    assert cli.main(["demo", "--toy", "--device", "cpu", "--steps", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "max|attn - dense|" in out
+    # the kernel that runs, by name: SDPA reading each of the pool's layouts in turn
+    assert "no flash-attn or FlashInfer kernel runs here" in out
+    assert "SDPA reading FLASH_ATTN" in out and "SDPA reading FLASHINFER" in out
 
 
 def test_bench_e2e_json(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path,

@@ -1,5 +1,6 @@
-"""Op counts of the update paths (DESIGN §6): the fused path is one Triton launch and no aten op;
-the reference path is a fixed number of aten ops whatever the batch size (no loop over rows).
+"""Op counts of the update paths (docs/design.md, Budgets): the fused path is one Triton launch and
+no aten op; the reference path is a fixed number of aten ops whatever the batch size (no loop over
+rows).
 
 The counters (tests/opcount.py) are checked first on things whose counts are known.
 """

@@ -114,7 +114,7 @@ def test_lean_import() -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-# Each module may import only modules of a lower rank (DESIGN §2, top to bottom).
+# Each module may import only modules of a lower rank (docs/design.md, Module layering: top to bottom).
 RANK = {
     "errors": 0, "config": 1, "specs": 2, "kv_config": 2, "kv_quant": 2, "arena": 3,
     "views": 4, "check": 5, "update": 6,

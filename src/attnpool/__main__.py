@@ -1,4 +1,4 @@
-"""``python -m attnpool``."""
+"""``python -m attnpool``: the command line (:mod:`attnpool.cli`)."""
 
 import sys
 

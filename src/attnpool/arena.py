@@ -6,12 +6,12 @@ and no memset. Safety comes from the update contract (every update writes its wh
 not from zeros. Buffers start on 256-byte boundaries (what CUDA allocations guarantee, and enough for
 vectorised kernel loads).
 
-Overlay (DESIGN §5): decode, verify, draft and draft extend never run in the same forward, so their
-buffers start at the same arena offset; the arena is sized by the largest of them. Constants
-(``Region.SHARED``) and the parts used in the same forward as an overlaid phase (encoder, local)
-never overlap anything. Because overlaid phases clobber each other, the arena tracks which phase
-last wrote the overlay (:meth:`Arena.valid_rows`), so a view handed out for capture is re-padded
-when another phase wrote there since.
+Overlay (docs/design.md, Overlay): decode, verify, draft and draft extend never run in the same
+forward, so their buffers start at the same arena offset; the arena is sized by the largest of them.
+Constants (``Region.SHARED``) and the parts used in the same forward as an overlaid phase (encoder,
+local) never overlap anything. Because overlaid phases clobber each other, the arena tracks which
+phase last wrote the overlay (:meth:`Arena.valid_rows`), so a view handed out for capture is
+re-padded when another phase wrote there since.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 It exists only to be measured against (``attnpool bench``, ``benchmarks/``) and to prove, in the
 tests, that the comparison is like for like: for every real row its ``cache_seqlens``,
 ``cu_seqlens_k`` and live page-table columns equal what ``pool.decode.update_`` (or chain
-``pool.verify.update_``) writes. It follows the description in DESIGN §8:
+``pool.verify.update_``) writes. It follows the description in docs/design.md, Classic baseline:
 
 * **Init**: every buffer is its own zero-filled allocation (``zeros``, so that rows
   nobody writes are at least in range), one set per phase, no overlay.

@@ -1,50 +1,158 @@
-"""Command line: ``attnpool plan | demo | bench`` (also ``python -m attnpool ...``)."""
+"""Command line: ``attnpool plan | demo | bench`` (also ``python -m attnpool ...``).
+
+Start-up cost: this module imports only the standard library at import time. ``--help`` and a
+bad argument never import torch (seconds of start-up); each command imports what it needs when
+it runs. Every bad argument is checked before any work, and reported as one line on stderr with
+exit code 2 (:func:`main` returns 2; ``python -m attnpool`` exits with it), never a traceback.
+
+Bounds ``plan`` accepts (larger values are refused, not planned):
+
+* ``--context`` up to ``2**31 - 1`` tokens, and ``--max-bs * --context`` up to ``2**31 - 1``:
+  token slots, lengths and their cumulative sums (``cu_seqlens_k``) are int32 in every kernel.
+* an arena of at most :data:`MAX_PLAN_BYTES` (64 GiB): attention metadata is a small part of a
+  device's memory; a plan past that is a typo (a context in bytes, an extra zero), not a config.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
-from .arena import plan_arena
-from .config import Layout, PoolConfig
-from .errors import PoolError
+#: Largest token index, length or cumulative length: int32, as kernels read them.
+INT32_MAX = 2**31 - 1
+#: Largest arena ``plan`` accepts (see the module docstring).
+MAX_PLAN_BYTES = 64 << 30
+#: Most steps ``demo`` runs (its models and caches are sized by them).
+MAX_DEMO_STEPS = 10_000
 
-_LAYOUTS = {"flash_attn": Layout.FLASH_ATTN, "flashinfer": Layout.FLASHINFER, "both": Layout.BOTH}
+_LAYOUTS = ("both", "flash_attn", "flashinfer")
+
+
+class UsageError(Exception):
+    """A bad command-line argument: printed as one line, exit code 2."""
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, except the absent ones (None) and off flags."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse without the usage dump: an error is one line (``prog: error: message``)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type`` accepting integers in ``[lo, hi]`` (``hi`` None: no upper bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            want = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"expected an integer {want}, got {v}")
+        return v
+
+    parse.__name__ = "int"
+    return parse
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-bs", type=int, default=160, help="largest captured batch size")
-    p.add_argument("--context", type=int, default=131072, help="max_context_len in tokens")
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--draft-tokens", type=int, default=0, help="num_draft_tokens (N)")
-    p.add_argument("--topk", type=int, default=1, help="draft branches per step (K)")
-    p.add_argument("--spec-steps", type=int, default=0, help="draft steps per round (S)")
-    p.add_argument("--encoder-len", type=int, default=0, help="max_encoder_len")
-    p.add_argument("--chunk", type=int, default=None, help="attention_chunk_size")
-    p.add_argument("--extend-tokens", type=int, default=0,
+    p.add_argument("--max-bs", type=_int_in(1, INT32_MAX), default=160,
+                   help="largest captured batch size")
+    p.add_argument("--context", type=_int_in(1, INT32_MAX), default=131072,
+                   help="max_context_len in tokens (int32: at most 2**31 - 1)")
+    p.add_argument("--page-size", type=_int_in(1, INT32_MAX), default=1,
+                   help="tokens per KV page (a power of two)")
+    p.add_argument("--draft-tokens", type=_int_in(0), default=0, help="num_draft_tokens (N)")
+    p.add_argument("--topk", type=_int_in(1), default=1, help="draft branches per step (K)")
+    p.add_argument("--spec-steps", type=_int_in(0), default=0, help="draft steps per round (S)")
+    p.add_argument("--encoder-len", type=_int_in(0), default=0, help="max_encoder_len")
+    p.add_argument("--chunk", type=_int_in(1), default=None,
+                   help="attention_chunk_size (chunked local attention; none when omitted)")
+    p.add_argument("--extend-tokens", type=_int_in(0), default=0,
                    help="max_extend_tokens (packed prefill tokens per extend step)")
-    p.add_argument("--layout", choices=sorted(_LAYOUTS), default="flash_attn")
-
-
-def _config(a: argparse.Namespace, device: str) -> PoolConfig:
-    return PoolConfig(
-        max_bs=a.max_bs, max_context_len=a.context, page_size=a.page_size, device=device,
-        num_draft_tokens=a.draft_tokens, topk=a.topk, spec_steps=a.spec_steps,
-        max_encoder_len=a.encoder_len, attention_chunk_size=a.chunk, layout=_LAYOUTS[a.layout],
-        max_extend_tokens=a.extend_tokens,
-    )
+    p.add_argument("--layout", choices=_LAYOUTS, default="flash_attn",
+                   help="page-table layouts to keep")
 
 
 def _plan(a: argparse.Namespace) -> int:
-    plan = plan_arena(_config(a, "cpu"))  # arithmetic only: nothing is allocated
-    print(json.dumps(plan.as_dict(), indent=2) if a.json else plan.report())
+    if a.max_bs * a.context > INT32_MAX:
+        raise UsageError(f"--max-bs * --context must be <= 2**31 - 1 "
+                         f"(cu_seqlens_k is int32), got {a.max_bs} * {a.context} = "
+                         f"{a.max_bs * a.context}")
+    from .arena import plan_arena
+    from .config import Layout, PoolConfig
+
+    layout = {"flash_attn": Layout.FLASH_ATTN, "flashinfer": Layout.FLASHINFER,
+              "both": Layout.BOTH}[a.layout]
+    cfg = PoolConfig(
+        max_bs=a.max_bs, max_context_len=a.context, page_size=a.page_size, device="cpu",
+        num_draft_tokens=a.draft_tokens, topk=a.topk, spec_steps=a.spec_steps,
+        max_encoder_len=a.encoder_len, attention_chunk_size=a.chunk, layout=layout,
+        max_extend_tokens=a.extend_tokens,
+    )
+    plan = plan_arena(cfg)  # arithmetic only: nothing is allocated
+    if plan.nbytes > MAX_PLAN_BYTES:
+        raise UsageError(f"this config needs {plan.nbytes / 2**30:.3g} GiB of metadata, more "
+                         f"than the {MAX_PLAN_BYTES >> 30} GiB plan accepts "
+                         "(check --max-bs, --context and --page-size)")
+    if a.json:
+        import json
+
+        print(json.dumps(plan.as_dict(), indent=2))
+    else:
+        print(plan.report())
     return 0
 
 
+def _device(name: str) -> None:
+    """Refuse a device that is not ``auto``, ``cpu`` or ``cuda[:N]``, or a CUDA device this
+    machine lacks (imports torch: after parsing, before any work)."""
+    kind, _, index = name.partition(":")
+    if name != "auto" and (kind not in ("cpu", "cuda") or (index and not index.isdigit())
+                           or (kind == "cpu" and index)):
+        raise UsageError(f"--device must be cpu, cuda[:N] or auto, got {name!r}")
+    if kind != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: no CUDA device is available here (torch "
+                         f"{torch.__version__}); use --device cpu or auto")
+    if index and int(index) >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s)")
+
+
+def _writable(opt: str, path: str) -> None:
+    """Refuse an output path that cannot be written, before a run that would end by writing it:
+    opening it for append is the one check that tells (permissions, read-only file systems,
+    missing folders, a folder's name); a file this created is removed again."""
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{opt} {path}: cannot write there ({e.strerror or e})") from None
+    if not existed:
+        os.remove(path)
+
+
 def _demo(a: argparse.Namespace) -> int:
+    _device(a.device)
     # the demos pull in more of the library (and transformers); keep `plan` light
     if not a.toy and importlib.util.find_spec("transformers") is not None:
         from .demo_hf import run_hf_demo
@@ -56,12 +164,21 @@ def _demo(a: argparse.Namespace) -> int:
 
 
 def _bench(a: argparse.Namespace) -> int:
+    if a.e2e and a.plot:
+        raise UsageError("--plot draws the update benchmark, not --e2e")
+    if a.e2e and importlib.util.find_spec("transformers") is None:
+        raise UsageError("--e2e needs transformers: "
+                         "pip install 'attnpool[hf]'")
+    if a.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib; install it with "
+                         "`pip install 'attnpool[plot]'` (or drop --plot)")
+    _device(a.device)
+    for opt, path in (("--json", a.json), ("--plot", a.plot)):
+        if path:
+            _writable(opt, path)
     if a.e2e:
         from .bench_e2e import run_cli as run_e2e  # needs transformers (the hf extra)
 
-        if a.plot:
-            print("attnpool bench: --plot draws the update benchmark, not --e2e", file=sys.stderr)
-            return 2
         return run_e2e(quick=a.quick, json_path=a.json, device=a.device)
     if a.host:
         from .bench import device_of
@@ -77,28 +194,42 @@ def _bench(a: argparse.Namespace) -> int:
     return run_cli(quick=a.quick, json_path=a.json, plot_path=a.plot, device=a.device)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="attnpool", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("plan", help="print the memory plan of a config (allocates nothing)")
+def parser() -> argparse.ArgumentParser:
+    """The ``attnpool`` argument parser (sub-commands ``plan``, ``demo``, ``bench``)."""
+    fmt = _Help
+    top = _Parser(prog="attnpool", formatter_class=fmt, description=(
+        "Preallocated, CUDA-graph-safe buffer pools for attention backends: print a pool's "
+        "memory plan, run the demo, or benchmark against the classic per-buffer baseline."))
+    sub = top.add_subparsers(dest="cmd", required=True, metavar="{plan,demo,bench}")
+    p = sub.add_parser("plan", formatter_class=fmt,
+                       help="print the memory plan of a config (allocates nothing)",
+                       description="Print the memory plan of a pool config without allocating "
+                       "it. Refuses --max-bs * --context over 2**31 - 1 (int32 lengths) and "
+                       "plans over 64 GiB.")
     _config_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(fn=_plan)
-    d = sub.add_parser("demo", help="generate with a tiny transformers model through a pool "
-                       "(the toy decode loop without transformers, or with --toy)")
-    d.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
-    d.add_argument("--steps", type=int, default=40,
+    d = sub.add_parser("demo", formatter_class=fmt,
+                       help="generate with a tiny transformers model through a pool "
+                       "(the toy decode loop without transformers, or with --toy)",
+                       description="Generate with a tiny random transformers model through a "
+                       "pool (the toy decode loop without transformers, or with --toy).")
+    d.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (cuda when available)")
+    d.add_argument("--steps", type=_int_in(1, MAX_DEMO_STEPS), default=40,
                    help="new tokens per prompt (toy demo: decode steps)")
     d.add_argument("--toy", action="store_true",
                    help="run the toy model's decode loop (no transformers needed)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="random seed")
     d.set_defaults(fn=_demo)
-    b = sub.add_parser("bench", help="time attnpool against the classic per-buffer baseline")
+    b = sub.add_parser("bench", formatter_class=fmt,
+                       help="time attnpool against the classic per-buffer baseline",
+                       description="Time attnpool against the classic per-buffer, per-op "
+                       "baseline in one run (--e2e: end-to-end generation).")
     b.add_argument("--quick", action="store_true", help="fewer, smaller cases (well under a minute)")
     b.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
     b.add_argument("--plot", metavar="FILE.png", default=None,
                    help="draw update time vs batch size (needs the 'plot' extra: matplotlib)")
-    b.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
+    b.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (cuda when available)")
     b.add_argument("--e2e", action="store_true",
                    help="end to end: PagedGenerator vs transformers' continuous batching vs "
                    "model.generate on a tiny random model (needs the 'hf' extra)")
@@ -106,9 +237,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="host cost per update of every phase, in units of one small torch op "
                    "(fused eager and bound with the launch stubbed, reference, classic)")
     b.set_defaults(fn=_bench)
-    a = parser.parse_args(argv)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (2 for any bad argument or config)."""
     try:
-        return int(a.fn(a))
-    except PoolError as e:
-        print(f"attnpool: {e}", file=sys.stderr)
+        a = parser().parse_args(argv)
+        fn: Callable[[argparse.Namespace], Any] = a.fn
+        return int(fn(a))
+    except UsageError as e:
+        msg = str(e)
+        print(msg if msg.startswith("attnpool") else f"attnpool {_cmd(argv)}: error: {msg}",
+              file=sys.stderr)
         return 2
+    except ValueError as e:
+        # attnpool.PoolError (a ValueError): a config the library refuses, reported before work
+        from .errors import PoolError
+
+        if not isinstance(e, PoolError):
+            raise
+        print(f"attnpool: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def _cmd(argv: Sequence[str] | None) -> str:
+    args = sys.argv[1:] if argv is None else list(argv)
+    return next((x for x in args if x in ("plan", "demo", "bench")), "")

@@ -151,6 +151,9 @@ def _run(device: str, steps: int, seed: int) -> int:
           f"max_bs={cfg.max_bs} context={cfg.max_context_len} page_size={cfg.page_size} "
           f"layout=BOTH, verify of {nd} drafts every {VERIFY_EVERY} steps; pool {pool.nbytes} "
           f"bytes (poison mode)")
+    print("attention: PyTorch SDPA (attnpool.adapters.sdpa), reading the pool's FLASH_ATTN and "
+          f"FLASHINFER layouts in turn every {VERIFY_EVERY} steps (no flash-attn or FlashInfer "
+          "kernel runs here)")
     for bs in CAPTURE_SIZES:  # what an engine does before capturing each graph
         pool.check(pool.decode.view(bs))
         pool.check(pool.verify.view(bs))
@@ -210,7 +213,7 @@ def _run(device: str, steps: int, seed: int) -> int:
                 r.length = c + rng.randint(0, nd)
         kind = "verify" if verify else "decode"
         print(f"step {step:3d}: {kind} n={len(live):2d} bs={bs:2d} "
-              f"max_seqlen_k={max(lens) + (nd if verify else 0):3d} {layout.name:10s} "
+              f"max_seqlen_k={max(lens) + (nd if verify else 0):3d} SDPA reading {layout.name:10s} "
               f"max|attn - dense|={err:.1e} ok")
         pool.poison_()  # the next update must rewrite every element a kernel may read
     total = time.perf_counter() - t_all

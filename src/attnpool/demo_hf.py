@@ -15,12 +15,25 @@ import time
 import torch
 
 from .bench import device_of
+from .config import Layout
+from .integrations.hf_attention import Backend
 from .integrations.tiny import random_prompts, tiny_llama
 
 #: the model: 2 layers, 4 query / 2 KV heads of 32, vocabulary 512
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 128, 4, 2, 512
 PROMPTS, LONGEST, MAX_BS, PAGE = 12, 60, 4, 16
 DRAFT_TOKENS = 3
+
+
+def kernel_name(backend: Backend, layout: Layout) -> str:
+    """What really computes attention in the demo: the resolved backend (never ``AUTO``, so
+    never a library that is not installed) and the pool layout it reads."""
+    where = f"reading the pool's {layout.name} layout"
+    if backend is Backend.FA3:
+        return f"flash-attn 3 (flash_attn_interface) {where}"
+    if backend is Backend.FA2:
+        return f"flash-attn 2 (flash_attn) {where}; prefill and draft extend through PyTorch SDPA"
+    return f"PyTorch SDPA (attnpool.adapters.sdpa) {where}"
 
 
 def run_hf_demo(device: str = "auto", steps: int = 40, seed: int = 0) -> int:
@@ -46,6 +59,7 @@ def run_hf_demo(device: str = "auto", steps: int = 40, seed: int = 0) -> int:
         print(f"pool: {gen.pool.nbytes} bytes of metadata (one allocation), phases "
               f"{[p.value for p in gen.pool.phases]}; KV cache: {gen.target.kv.nbytes} bytes, "
               f"{gen.alloc.usable_pages} usable pages")
+        print(f"attention: {kernel_name(gen.target.backend, gen.pool.cfg.layout)}")
         t0 = time.perf_counter()
         out = gen.generate(prompts, max_new_tokens=new)
         wall = time.perf_counter() - t0

@@ -46,7 +46,7 @@ class Pad(enum.Enum):
 
 
 class Region(enum.Enum):
-    """Where a buffer sits in the arena (see DESIGN §5)."""
+    """Where a buffer sits in the arena (see docs/design.md, Overlay)."""
 
     SHARED = "shared"  # constants; never overwritten by an update
     OVERLAY = "overlay"  # decode / verify / draft / draft extend / extend share these bytes

@@ -87,8 +87,22 @@ def check_qkv(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, in
         raise InputError(f"v_cache must match k_cache {tuple(k_cache.shape[:3])} in its first "
                          f"three dims, got {tuple(v_cache.shape[:3])}")
     if h_kv < 1 or h % h_kv:
-        raise InputError(f"query heads must be a multiple of KV heads ({h_kv}), got {h}")
+        raise InputError(f"query heads ({h}) must be a multiple of KV heads, read from dim 2 "
+                         f"of k_cache [num_pages, page_size, H_kv, D] = {tuple(k_cache.shape)}: "
+                         f"{h_kv}{_hnd_hint(h, k_cache)}")
     return h, h_kv, d
+
+
+def _hnd_hint(h: int, k_cache: Tensor) -> str:
+    """The likely mix-up behind a head-count mismatch: an HND cache ``[num_pages, H_kv, P, D]``
+    (FlashInfer's other order, ``KVLayout.HND``) read as NHD, so the page size lands where the
+    KV heads are expected."""
+    hkv, p = k_cache.shape[1], k_cache.shape[2]
+    if hkv >= 1 and h % hkv == 0 and hkv != p:
+        return (f". The cache looks HND [num_pages, H_kv={hkv}, page_size={p}, D]; this "
+                f"adapter expects NHD [num_pages, page_size, H_kv, D] (KVCachePool with "
+                f"KVLayout.NHD, or a cache allocated in that order)")
+    return ""
 
 
 def cache_as_pages(cache: Tensor, page_size: int) -> Tensor:

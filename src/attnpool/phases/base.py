@@ -262,10 +262,11 @@ class PhaseBase:
     ) -> None:
         """Write one paged part's read region for ``rows`` rows (``len(lens)`` real ones).
 
-        Defaults are the page-level padding of DESIGN §1. Token-slot parts (``page_size=1``) pad
-        with the first slot of the pad page, repeated. Real lengths are clamped into
-        ``[0, max_len]`` (default ``max_context_len``), as on the fused path, so out-of-contract
-        device values leave a valid (if wrong) read region instead of failing half-way.
+        Defaults are the page-level padding of docs/design.md, Padding. Token-slot parts
+        (``page_size=1``) pad with the first slot of the pad page, repeated. Real lengths are
+        clamped into ``[0, max_len]`` (default ``max_context_len``), as on the fused path, so
+        out-of-contract device values leave a valid (if wrong) read region instead of failing
+        half-way.
         """
         cfg = self.cfg
         p = cfg.page_size if page_size is None else page_size

@@ -1,4 +1,4 @@
-"""Decode phase: one query token per request (DESIGN §4, "decode")."""
+"""Decode phase: one query token per request (docs/design.md, Decode)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ class DecodePhase(PhaseBase):
     """``pool.decode``: ``view(bs)`` for capture, ``update_(...)`` before each replay.
 
     Row ``i < n`` is request ``req_pool_indices[i]`` with ``cache_seqlens[i] = seq_lens[i]`` and
-    page row ``i`` = its live page ids; rows ``n..bs`` are padding (DESIGN §1). ``cu_seqlens_q``
-    is the pool's constant ``arange`` (never overwritten: it lives outside the overlay).
+    page row ``i`` = its live page ids; rows ``n..bs`` are padding (docs/design.md, Padding).
+    ``cu_seqlens_q`` is the pool's constant ``arange`` (never overwritten: it lives outside the
+    overlay).
 
     Incremental page table (fused path, ``request_ids``): a request's page ``p`` keeps its id for
     the request's life, so a row serving the same request as at the previous decode update

@@ -1,4 +1,7 @@
-"""Draft decode: steps d = 1..S of one speculative round, live together. DESIGN §4, §5."""
+"""Draft decode: steps d = 1..S of one speculative round, live together.
+
+docs/design.md, Draft decode and Overlay.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Draft extend: a variable number of accepted tokens per request. DESIGN §4."""
+"""Draft extend: a variable number of accepted tokens per request. docs/design.md, Draft extend."""
 
 from __future__ import annotations
 

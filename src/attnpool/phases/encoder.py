@@ -1,4 +1,4 @@
-"""Encoder-decoder (cross) attention. DESIGN §4, "encoder"."""
+"""Encoder-decoder (cross) attention. docs/design.md, Encoder."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Extend (prefill with a cached prefix): variable new tokens per request, causal. DESIGN §3a."""
+"""Extend (prefill with a cached prefix): variable new tokens per request, causal.
+
+docs/design.md, Extend.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chunked local attention as virtual batches, for decode and verify. DESIGN §4, "local"."""
+"""Chunked local attention as virtual batches, for decode and verify. docs/design.md, Local."""
 
 from __future__ import annotations
 

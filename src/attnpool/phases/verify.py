@@ -1,4 +1,7 @@
-"""Target verify: N draft tokens per request, chain (topk 1) or tree (topk > 1). DESIGN §4."""
+"""Target verify: N draft tokens per request, chain (topk 1) or tree (topk > 1).
+
+docs/design.md, Verify.
+"""
 
 from __future__ import annotations
 

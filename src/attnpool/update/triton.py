@@ -1,10 +1,10 @@
 """Fused update path: one Triton launch per phase part, capturable, writes ∝ live pages.
 
 Each function here writes exactly the bytes the reference path (:mod:`.reference`) writes in every
-read region of a part (DESIGN §1), in **one kernel launch**, and nothing else on the hot path: no
-host read (``Tensor.item``, ``Tensor.cpu``), no allocation, no aten op, no shape that depends on a
-tensor's values. Host checks (shapes, dtypes, devices, capacities) read only tensor metadata and
-raise attnpool errors before the launch, so a rejected call writes nothing.
+read region of a part (docs/design.md, The contract), in **one kernel launch**, and nothing else
+on the hot path: no host read (``Tensor.item``, ``Tensor.cpu``), no allocation, no aten op, no
+shape that depends on a tensor's values. Host checks (shapes, dtypes, devices, capacities) read
+only tensor metadata and raise attnpool errors before the launch, so a rejected call writes nothing.
 
 Two ways to use them:
 
