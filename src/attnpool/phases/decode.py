@@ -35,9 +35,10 @@ class DecodePhase(PhaseBase):
     epoch. Once any update of the pool has run in capturable mode (``num_real``), it may be
     replayed from the engine's graph without the arena seeing it, so every later update is a full
     one. The caller's part of the contract: ``request_ids`` are host values unique per live
-    request (never a reused pool slot index) and ``req_to_token`` entries of positions a request
-    already had do not change. Cost per incremental step: the host flags (a small host tensor)
-    and one host-to-device copy of ``bs`` bytes, from pageable memory.
+    request (never a reused pool slot index) and the table entries (``req_to_token`` or
+    ``block_table``) of positions a request already had do not change. Cost per incremental
+    step: the host flags (a small host tensor) and one host-to-device copy of ``bs`` bytes, from
+    pageable memory.
     """
 
     phase = Phase.DECODE
