@@ -42,9 +42,9 @@ class BufferPool:
             a kernel may read that no update wrote. For tests and debugging.
         validate: debug mode: every update reads its device inputs back (one host read, a sync
             on CUDA) and rejects, before any write, what the fast path cannot see: lengths out
-            of range, ``req_pool_indices`` outside ``req_to_token``, host copies that disagree
-            with the device values, a tree mask without its diagonal. Off by default (see
-            :mod:`attnpool.phases._validate`).
+            of range, ``req_pool_indices`` outside the request table (``req_to_token`` or
+            ``block_table``), host copies that disagree with the device values, a tree mask
+            without its diagonal. Off by default (see :mod:`attnpool.phases._validate`).
     """
 
     def __init__(self, cfg: PoolConfig, poison: bool = False, validate: bool = False) -> None:

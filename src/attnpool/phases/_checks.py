@@ -78,6 +78,21 @@ def check_req_to_token(t: object, cfg: PoolConfig, device: torch.device | None =
     return t
 
 
+def check_block_table(t: object, cfg: PoolConfig, device: torch.device | None = None) -> Tensor:
+    """``[num_rows, >= max_pages]`` int page ids, rows contiguous (kernels index it row-major)."""
+    t = check_tensor("block_table", t, cfg, 2, device=device)
+    if t.shape[0] < 1:
+        raise InputError(f"block_table must have >= 1 row, got shape {tuple(t.shape)}")
+    if t.shape[1] < cfg.max_pages:
+        raise InputError(
+            f"block_table must have >= max_pages={cfg.max_pages} columns (ceil(max_context_len="
+            f"{cfg.max_context_len} / page_size={cfg.page_size})), got {t.shape[1]}"
+        )
+    if t.stride(1) != 1:
+        raise InputError(f"block_table rows must be contiguous (stride(1)=1), got {t.stride()}")
+    return t
+
+
 def host_lens(
     name: str, v: Tensor | Sequence[int] | None, n: int, lo: int, hi: int
 ) -> list[int] | None:

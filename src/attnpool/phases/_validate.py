@@ -27,7 +27,8 @@ class Values:
     Attributes:
         n: real rows (Python count; with ``num_real`` the device count replaces it).
         num_real: the capturable count, or None.
-        table_rows: rows of ``req_to_token`` (``req_pool_indices`` must index one).
+        table_rows: rows of the request table, ``req_to_token`` or ``block_table``
+            (``req_pool_indices`` must index one).
         ranges: ``(name, tensor, lo, hi)``: every real value in ``[lo, hi]``.
         host: ``(name of the host copy, host values or None, device tensor)``: equal when given.
         at_most: ``(a, b)`` names: ``a[i] <= b[i]`` for every real row.

@@ -11,11 +11,11 @@ from torch import Tensor
 
 from ..arena import Arena
 from ..config import INT_DTYPES, Impl, Phase, resolve_impl
-from ..errors import InputError, PoolError
+from ..errors import CapacityError, InputError, PoolError
 from ..update import reference as ref
 from ..update.reference import PagedBuffers
 from ..views import PagedView, Stamp
-from ._checks import check_bs, check_req_to_token, check_tensor
+from ._checks import check_block_table, check_bs, check_req_to_token, check_tensor
 from ._validate import Values, validate
 from .bound import BoundUpdate
 
@@ -68,6 +68,8 @@ class PhaseBase:
         self._views: dict[Hashable, Any] = {}
         #: the launches of the update being bound (:meth:`bind`), else None
         self._rec: list[Callable[[], object]] | None = None
+        #: ``arange[:n]`` per n: the rows of a block table given without ``req_pool_indices``
+        self._in_order: dict[int, Tensor] = {}
 
     # ---- input checks ----------------------------------------------------------------------------
     def _tensor(self, name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] = INT_DTYPES,
@@ -90,6 +92,51 @@ class PhaseBase:
                 and t.stride(1) == 1 and not lo <= t.data_ptr() < hi):
             return t
         return self._not_ours("req_to_token", check_req_to_token(t, self.cfg, self._dev))
+
+    def _block_table(self, t: object) -> Tensor:
+        lo, hi = self._span
+        if (type(t) is Tensor and t.dim() == 2 and t.dtype in INT_DTYPES and t.device == self._dev
+                and t.shape[0] >= 1 and t.shape[1] >= self.cfg.max_pages
+                and t.stride(1) == 1 and not lo <= t.data_ptr() < hi):
+            return t
+        return self._not_ours("block_table", check_block_table(t, self.cfg, self._dev))
+
+    def _rows_table(self, n: int, req_pool_indices: object, req_to_token: object,
+                    block_table: object) -> tuple[Tensor, Tensor, int | None]:
+        """Check the request table: ``(rows, table, block)`` for ``n`` input rows.
+
+        Exactly one table: ``req_to_token`` (token slots, SGLang's layout; ``block`` None) or
+        ``block_table`` (page ids, vLLM's and transformers' layout; ``block = page_size``), which
+        both update paths read as the token table ``block_table[r, t // P] * P + t % P``, so the
+        two write the same bytes. ``rows`` picks each input row's table row: the caller's
+        ``req_pool_indices``, which a block table may omit (input row ``i`` is then table row
+        ``i``: a slice of the pool's constant ``arange``, no allocation; it is substituted only
+        here, after the aliasing checks that refuse pool buffers as caller inputs).
+        """
+        if block_table is None:
+            if req_to_token is None:
+                raise InputError("pass exactly one request table, req_to_token (token slots) or "
+                                 "block_table (page ids), got neither")
+            if req_pool_indices is None:
+                raise InputError("req_pool_indices is required with req_to_token (only a "
+                                 "block_table's rows may default to the batch order), got None")
+            return (self._tensor("req_pool_indices", req_pool_indices, 1, rows=n),
+                    self._req_to_token(req_to_token), None)
+        if req_to_token is not None:
+            raise InputError("pass exactly one request table, req_to_token (token slots) or "
+                             "block_table (page ids), got both")
+        table = self._block_table(block_table)
+        if req_pool_indices is not None:
+            rows = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
+            return rows, table, self.cfg.page_size
+        if table.shape[0] < n:
+            raise CapacityError(f"block_table without req_pool_indices needs a row per input row "
+                                f"(row i of the batch is table row i): >= {n} rows, got "
+                                f"{table.shape[0]}")
+        in_order = self._in_order.get(n)
+        if in_order is None:
+            in_order = self._in_order[n] = self._arange[:n]
+        return in_order, table, self.cfg.page_size
 
     def _not_ours(self, name: str, t: Tensor) -> Tensor:
         """Refuse an input that lives inside the pool's own arena (e.g. a view's
@@ -172,14 +219,14 @@ class PhaseBase:
         return triton
 
     def _paged_launch(self, b: PagedBuffers, bs: int, seq_lens: Tensor, rpi: Tensor,
-                      table: Tensor, **kw: Any) -> Any:
+                      table: Tensor, block: int | None, **kw: Any) -> Any:
         """Check and assemble one :func:`attnpool.update.triton.paged_launch` of part ``b``
         with this pool's padding (the defaults of :meth:`_write_part`, whose names ``pad_len`` /
-        ``pad_id`` are accepted; other keywords pass through)."""
+        ``pad_id`` are accepted; other keywords pass through). ``block``: see :meth:`_rows_table`."""
         cfg = self.cfg
         args: dict[str, Any] = {"extra": 0, "page_size": cfg.page_size,
                                 "pad_seq_len": cfg.pad_seq_len, "pad_page": cfg.pad_page,
-                                "max_len": cfg.max_context_len}
+                                "max_len": cfg.max_context_len, "block_size": block}
         for k, v in kw.items():
             args[_PAD_NAMES.get(k, k)] = v
         return self._tt().paged_launch(b, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi,
@@ -191,7 +238,8 @@ class PhaseBase:
         launches were told with ``take``).
 
         ``build()`` checks and assembles them on the first update of a key (the batch shape:
-        bs, ``req_to_token``'s shape and which optional inputs are given); every later update
+        bs, the request table's kind and shape and which optional inputs are given; the kind
+        must be part of the key, as one 2-D shape may be either); every later update
         only swaps its inputs into the cached arguments. While :meth:`bind` builds a bound
         update, the launches are also recorded with ``vals`` fixed.
         """
@@ -277,16 +325,16 @@ class PhaseBase:
                    pad_page=cfg.pad_page if pad_id is None else pad_id,
                    pad_pages=-(-pad // p), arange=self._arange)
 
-    def _gather(self, b: PagedBuffers, rpi: Tensor, table: Tensor, host: list[int] | None,
-                token_offset: Tensor | None = None) -> Tensor:
+    def _gather(self, b: PagedBuffers, rpi: Tensor, table: Tensor, block: int | None,
+                host: list[int] | None, token_offset: Tensor | None = None) -> Tensor:
         """The real rows' page block of part ``b`` (a page-level part of width ``max_pages``),
         divided straight into its page table when it has one (``token_offset``: see
-        :func:`attnpool.update.reference.gather_pages`)."""
+        :func:`attnpool.update.reference.gather_pages`; ``block``: :meth:`_rows_table`)."""
         cfg = self.cfg
         width = self._width(host, 0, cfg.page_size, cfg.max_pages)
         pt = b.page_table
         out = None if pt is None or cfg.page_size == 1 else pt[: rpi.shape[0], :width]
-        return ref.gather_pages(table, rpi, cfg.page_size, width, token_offset, out)
+        return ref.gather_pages(table, rpi, cfg.page_size, width, token_offset, out, block)
 
     def _max_k(self, host: list[int] | None, add: int, n: int, bs: int, bound: int) -> int:
         """Host bound of ``cache_seqlens``: tight from host lengths, else the static ``bound``."""

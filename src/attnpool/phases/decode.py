@@ -36,9 +36,10 @@ class DecodePhase(PhaseBase):
     epoch. Once any update of the pool has run in capturable mode (``num_real``), it may be
     replayed from the engine's graph without the arena seeing it, so every later update is a full
     one. The caller's part of the contract: ``request_ids`` are host values unique per live
-    request (never a reused pool slot index) and ``req_to_token`` entries of positions a request
-    already had do not change. Cost per incremental step: the host flags (a small host tensor)
-    and one host-to-device copy of ``bs`` bytes, from pageable memory.
+    request (never a reused pool slot index) and the table entries (``req_to_token`` or
+    ``block_table``) of positions a request already had do not change. Cost per incremental
+    step: the host flags (a small host tensor) and one host-to-device copy of ``bs`` bytes, from
+    pageable memory.
     """
 
     phase = Phase.DECODE
@@ -61,8 +62,9 @@ class DecodePhase(PhaseBase):
         bs: int,
         *,
         seq_lens: Tensor,
-        req_pool_indices: Tensor,
-        req_to_token: Tensor,
+        req_pool_indices: Tensor | None = None,
+        req_to_token: Tensor | None = None,
+        block_table: Tensor | None = None,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         request_ids: Sequence[Hashable] | None = None,
         num_real: Tensor | None = None,
@@ -75,8 +77,16 @@ class DecodePhase(PhaseBase):
         Args:
             bs: the captured batch size to replay (``n <= bs <= max_bs``).
             seq_lens: ``[n]`` int32/int64 on the pool's device, each in ``[1, C]``.
-            req_pool_indices: ``[n]`` int32/int64 on the pool's device, rows of ``req_to_token``.
-            req_to_token: ``[num_req_slots, >= C]`` int32/int64, token slot of each position.
+            req_pool_indices: ``[n]`` int32/int64 on the pool's device, each request's row of
+                the request table. Optional with ``block_table``: row ``i`` of the batch is then
+                table row ``i``.
+            req_to_token: ``[num_req_slots, >= C]`` int32/int64 on the pool's device, the token
+                slot of each position (SGLang's table). Exactly one of ``req_to_token`` and
+                ``block_table`` is given.
+            block_table: ``[num_rows, >= max_pages]`` int32/int64 on the pool's device, rows
+                contiguous: the page id of each page of a request (vLLM's and transformers'
+                table), pages of ``page_size`` tokens. Same bytes as the token-level table
+                ``req_to_token[r, t] = block_table[r, t // P] * P + t % P``, on both paths.
             seq_lens_cpu: optional host copy of ``seq_lens``: enables bounds checks, a tight
                 ``max_seqlen_k``, and page writes limited to the longest row's live pages.
                 Without it the page block spans ``max_pages`` columns and ``max_seqlen_k = C``.
@@ -93,8 +103,7 @@ class DecodePhase(PhaseBase):
         """
         cfg = self.cfg
         seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
-        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
-        table = self._req_to_token(req_to_token)
+        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
         ids = None
         if request_ids is not None:
@@ -118,13 +127,13 @@ class DecodePhase(PhaseBase):
             # --- writes start here (a launch's first build repeats the checks above) ---
             if keep is not None and flags is not None:
                 keep.copy_(flags, non_blocking=True)
-            self._run((bs, table.shape, table.stride(0), num_real is None, keep is None),
-                      lambda: (self._paged_launch(self._b, bs, seq_lens, rpi, table,
+            self._run((bs, blk, table.shape, table.stride(0), num_real is None, keep is None),
+                      lambda: (self._paged_launch(self._b, bs, seq_lens, rpi, table, blk,
                                                   num_real=num_real, keep=keep).take(_NAMES),),
                       (n, seq_lens, rpi, table, num_real, keep))
             return self._done(bs, n, host, ids)
         # --- writes start here: everything above is validation (the gather cannot raise) ---
-        pages = self._gather(self._b, rpi, table, host)
+        pages = self._gather(self._b, rpi, table, blk, host)
         self._write_part(self._b, bs, seq_lens, pages)
         return self._done(bs, n, host, ids)
 

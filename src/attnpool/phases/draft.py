@@ -87,8 +87,9 @@ class DraftPhase(PhaseBase):
         *,
         seq_lens: Tensor,
         out_cache_loc: Tensor | None = None,
-        req_pool_indices: Tensor,
-        req_to_token: Tensor,
+        req_pool_indices: Tensor | None = None,
+        req_to_token: Tensor | None = None,
+        block_table: Tensor | None = None,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         num_real: Tensor | None = None,
     ) -> DraftView:
@@ -104,15 +105,14 @@ class DraftPhase(PhaseBase):
             seq_lens: ``[n]`` committed lengths before the round, each in ``[1, C - S]``.
             out_cache_loc: ``[n, S, K]`` int token slots of the draft tokens (tree only): step
                 ``s`` of branch ``k`` of request ``i``. In chain rounds the draft tokens' slots are
-                read from ``req_to_token[r, seq_len .. seq_len + S - 1]``.
+                read from the request table (``req_to_token[r, seq_len .. seq_len + S - 1]``).
             num_real: capturable mode, as in :meth:`DecodePhase.update_` (``out_cache_loc`` then
                 has ``bs`` rows too).
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg, steps = self.cfg, self.cfg.spec_steps
         seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
-        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
-        table = self._req_to_token(req_to_token)
+        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - steps)
         if not self.tree:
             if out_cache_loc is not None:
@@ -125,14 +125,14 @@ class DraftPhase(PhaseBase):
                                     [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
             if self.fused:
                 # --- writes start here ---
-                self._run((bs, table.shape, table.stride(0), num_real is None),
+                self._run((bs, blk, table.shape, table.stride(0), num_real is None),
                           lambda: (self._paged_launch(self._chain_all, bs, seq_lens, rpi, table,
-                                                      extra=1, steps=steps, num_real=num_real
-                                                      ).take(_NAMES),),
+                                                      blk, extra=1, steps=steps,
+                                                      num_real=num_real).take(_NAMES),),
                           (n, seq_lens, rpi, table, num_real, None))
             else:
                 width = self._width(host, steps, cfg.page_size, cfg.max_pages)
-                pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+                pages = ref.gather_pages(table, rpi, cfg.page_size, width, block_size=blk)
                 # --- writes start here ---
                 self._write_chain(bs, seq_lens, pages)
         else:
@@ -147,28 +147,31 @@ class DraftPhase(PhaseBase):
                                     [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
             if self.fused:
                 # --- writes start here (both launches' inputs were checked above) ---
-                self._run((bs, table.shape, table.stride(0), num_real is None, loc.stride()),
-                          lambda: self._tree_launches(bs, seq_lens, rpi, table, loc, num_real),
+                self._run((bs, blk, table.shape, table.stride(0), num_real is None,
+                           loc.stride()),
+                          lambda: self._tree_launches(bs, seq_lens, rpi, table, blk, loc,
+                                                      num_real),
                           (n, seq_lens, rpi, table, num_real, loc))
             else:
                 width = self._width(host, 0, cfg.page_size, cfg.max_pages)
-                pages = ref.gather_pages(table, rpi, cfg.page_size, width)
-                full, part, slots = ref.draft_expand(seq_lens, rpi, table, loc, cfg.page_size)
+                pages = ref.gather_pages(table, rpi, cfg.page_size, width, block_size=blk)
+                full, part, slots = ref.draft_expand(seq_lens, rpi, table, loc, cfg.page_size,
+                                                     blk)
                 # --- writes start here ---
                 self._write_tree(bs, full, pages, part, slots)
         self._mark(bs)
         return self._view(bs, host, n)
 
-    def _tree_launches(self, bs: int, seq_lens: Tensor, rpi: Tensor, table: Tensor, loc: Tensor,
-                       num_real: Tensor | None) -> tuple[Any, ...]:
+    def _tree_launches(self, bs: int, seq_lens: Tensor, rpi: Tensor, table: Tensor,
+                       blk: int | None, loc: Tensor, num_real: Tensor | None) -> tuple[Any, ...]:
         """A tree round's fused launches: the prefix pass, then every step's expand rows."""
         cfg = self.cfg
-        prefix = self._paged_launch(self._prefix, bs, seq_lens, rpi, table, full_pages=True,
+        prefix = self._paged_launch(self._prefix, bs, seq_lens, rpi, table, blk, full_pages=True,
                                     num_real=num_real)
         expand = self._tt().draft_tree_expand_launch(
             self._expand_all, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi, req_to_token=table,
             out_cache_loc=loc, page_size=cfg.page_size, pad_len=self._expand_pad,
-            pad_id=cfg.pad_page * cfg.page_size, num_real=num_real)
+            pad_id=cfg.pad_page * cfg.page_size, num_real=num_real, block_size=blk)
         return prefix.take(_NAMES), expand.take(_NAMES)
 
     @property

@@ -53,8 +53,9 @@ class DraftExtendPhase(PhaseBase):
         *,
         seq_lens: Tensor,
         accept_lens: Tensor,
-        req_pool_indices: Tensor,
-        req_to_token: Tensor,
+        req_pool_indices: Tensor | None = None,
+        req_to_token: Tensor | None = None,
+        block_table: Tensor | None = None,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         accept_lens_cpu: Tensor | Sequence[int] | None = None,
         num_real: Tensor | None = None,
@@ -74,8 +75,7 @@ class DraftExtendPhase(PhaseBase):
         cfg = self.cfg
         seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu, accept_lens_cpu)
         acc = self._tensor("accept_lens", accept_lens, 1, rows=n)
-        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
-        table = self._req_to_token(req_to_token)
+        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
         acc_host = host_lens("accept_lens_cpu", accept_lens_cpu, n, 1, cfg.num_draft_tokens)
         if host is not None and acc_host is not None:
@@ -94,14 +94,14 @@ class DraftExtendPhase(PhaseBase):
                                 at_most=[("accept_lens", "seq_lens")]))
         if self.fused:
             # --- writes start here ---
-            self._run((bs, table.shape, table.stride(0), num_real is None),
+            self._run((bs, blk, table.shape, table.stride(0), num_real is None),
                       lambda: (self._paged_launch(
-                          self._b, bs, seq_lens, rpi, table, q_lens=acc, cu_seqlens_q=self._cu_q,
+                          self._b, bs, seq_lens, rpi, table, blk, q_lens=acc, cu_seqlens_q=self._cu_q,
                           pad_q=1, max_q=cfg.num_draft_tokens, num_real=num_real).take(_NAMES),),
                       (n, seq_lens, rpi, table, num_real, acc))
         else:
             width = self._width(host, 0, cfg.page_size, cfg.max_pages)
-            pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+            pages = ref.gather_pages(table, rpi, cfg.page_size, width, block_size=blk)
             # --- writes start here ---
             self._write(bs, seq_lens, acc, pages)
         self._mark(bs)

@@ -20,8 +20,8 @@ _NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "enco
 
 
 class EncoderPhase(PhaseBase):
-    """``pool.encoder``: each request's ``req_to_token`` row holds its encoder tokens first, then
-    its decoder tokens. One update writes both parts of a decode step:
+    """``pool.encoder``: each request's table row (``req_to_token`` or ``block_table``) holds its
+    encoder tokens first, then its decoder tokens. One update writes both parts of a decode step:
 
     * ``cross``: non-causal rows over the first ``encoder_lens[i]`` slots (own buffers, outside
       the overlay, since they are read in the same forward as the decoder part);
@@ -29,7 +29,8 @@ class EncoderPhase(PhaseBase):
 
     Batches mix encoder lengths freely. With ``page_size > 1`` the engine must start each
     request's decoder tokens on a fresh page (the slot at column ``encoder_lens[i]`` is the first
-    of a page), as paged kernels address whole pages.
+    of a page), as paged kernels address whole pages; with a ``block_table`` (position ``t`` on
+    page ``t // P``) that means whole encoder pages: ``encoder_lens[i]`` a multiple of P.
     """
 
     phase = Phase.ENCODER
@@ -54,8 +55,9 @@ class EncoderPhase(PhaseBase):
         *,
         seq_lens: Tensor,
         encoder_lens: Tensor,
-        req_pool_indices: Tensor,
-        req_to_token: Tensor,
+        req_pool_indices: Tensor | None = None,
+        req_to_token: Tensor | None = None,
+        block_table: Tensor | None = None,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         encoder_lens_cpu: Tensor | Sequence[int] | None = None,
         num_real: Tensor | None = None,
@@ -75,8 +77,7 @@ class EncoderPhase(PhaseBase):
         cfg = self.cfg
         seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu, encoder_lens_cpu)
         enc = self._tensor("encoder_lens", encoder_lens, 1, rows=n)
-        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
-        table = self._req_to_token(req_to_token)
+        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
         enc_host = host_lens("encoder_lens_cpu", encoder_lens_cpu, n, 1, cfg.max_encoder_len)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
         if host is not None and enc_host is not None:
@@ -94,21 +95,21 @@ class EncoderPhase(PhaseBase):
                                 sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len)))
         if self.fused:
             # --- writes start here (both launches' inputs were checked above) ---
-            self._run((bs, table.shape, table.stride(0), num_real is None),
+            self._run((bs, blk, table.shape, table.stride(0), num_real is None),
                       lambda: (
-                          self._paged_launch(self._b, bs, enc, rpi, table, pad_len=self._pad,
+                          self._paged_launch(self._b, bs, enc, rpi, table, blk, pad_len=self._pad,
                                              max_len=cfg.max_encoder_len, num_real=num_real
                                              ).take(_NAMES, seq_lens="encoder_lens"),
-                          self._paged_launch(dec, bs, seq_lens, rpi, table, token_offset=enc,
-                                            num_real=num_real
-                                            ).take(_NAMES, token_offset="encoder_lens")),
+                          self._paged_launch(dec, bs, seq_lens, rpi, table, blk, token_offset=enc,
+                                             num_real=num_real
+                                             ).take(_NAMES, token_offset="encoder_lens")),
                       (n, seq_lens, rpi, table, num_real, enc))
         else:
             cap = -(-cfg.max_encoder_len // cfg.page_size)
             width = self._width(enc_host, 0, cfg.page_size, cap)
-            pages = ref.gather_pages(table, rpi, cfg.page_size, width)
+            pages = ref.gather_pages(table, rpi, cfg.page_size, width, block_size=blk)
             # --- writes start here (the decoder gather writes its page table) ---
-            dec_pages = self._gather(dec, rpi, table, host, token_offset=enc)
+            dec_pages = self._gather(dec, rpi, table, blk, host, token_offset=enc)
             self._write(bs, enc, pages)
             self._write_part(dec, bs, seq_lens, dec_pages)
         # One write of the overlay: the encoder now owns it, decoder rows included (decode's own

@@ -59,8 +59,9 @@ class ExtendPhase(PhaseBase):
         *,
         seq_lens: Tensor,
         extend_lens: Tensor,
-        req_pool_indices: Tensor,
-        req_to_token: Tensor,
+        req_pool_indices: Tensor | None = None,
+        req_to_token: Tensor | None = None,
+        block_table: Tensor | None = None,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         extend_lens_cpu: Tensor | Sequence[int] | None = None,
         num_real: Tensor | None = None,
@@ -77,7 +78,8 @@ class ExtendPhase(PhaseBase):
                 in ``[1, C]``.
             extend_lens: ``[n]`` int, new tokens per request, in ``[1, seq_lens[i]]``, summing
                 to at most ``T = max_extend_tokens``.
-            req_pool_indices, req_to_token: as in :meth:`DecodePhase.update_`.
+            req_pool_indices, req_to_token, block_table: as in :meth:`DecodePhase.update_`
+                (exactly one table).
             seq_lens_cpu, extend_lens_cpu: optional host copies: bounds checks (``seq_lens_cpu
                 <= C``, ``1 <= extend_lens_cpu[i] <= seq_lens_cpu[i]``, ``sum <= T``), tight
                 ``max_seqlen_k`` / ``max_seqlen_q``, and page writes limited to the live pages.
@@ -86,7 +88,7 @@ class ExtendPhase(PhaseBase):
                 input padded to ``bs`` rows; see :meth:`DecodePhase.update_`.
             out_slots: optional ``[L]`` int32/int64 device tensor (e.g. ``kv.slot_view(T)`` of a
                 :class:`attnpool.KVCachePool`) that receives the new tokens' KV slots in packed
-                order: token ``j`` of request ``i`` gets ``req_to_token[r_i, prefix_i + j]``
+                order: token ``j`` of request ``i`` gets the table's slot at ``prefix_i + j``
                 and the tail ``[sum(extend_lens), L)`` gets -1 (stores skip it). ``L`` must be
                 ``>= sum(extend_lens_cpu)`` when that is given, else ``>= T``.
 
@@ -96,8 +98,7 @@ class ExtendPhase(PhaseBase):
         cfg, t_max = self.cfg, self.max_tokens
         seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu, extend_lens_cpu)
         ext = self._tensor("extend_lens", extend_lens, 1, rows=n)
-        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
-        table = self._req_to_token(req_to_token)
+        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
         ehost = host_lens("extend_lens_cpu", extend_lens_cpu, n, 1, cfg.max_context_len)
         total = self._check_host(host, ehost)
@@ -113,18 +114,20 @@ class ExtendPhase(PhaseBase):
                                 sum_at_most=("extend_lens", t_max)))
         if self.fused:
             # --- writes start here ---
-            self._run((bs, table.shape, table.stride(0), num_real is None,
+            self._run((bs, blk, table.shape, table.stride(0), num_real is None,
                        None if slots is None else slots.shape[0]),
                       lambda: (self._paged_launch(
-                          self._b, bs, seq_lens, rpi, table, q_lens=ext, cu_seqlens_q=self._cu_q,
+                          self._b, bs, seq_lens, rpi, table, blk, q_lens=ext,
+                          cu_seqlens_q=self._cu_q,
                           q_total=t_max, positions=self._pos, out_slots=slots,
                           num_real=num_real).take(_NAMES),),
                       (n, seq_lens, rpi, table, num_real, ext, slots))
         else:
             pages = ref.gather_pages(table, rpi, cfg.page_size,
-                                     self._width(host, 0, cfg.page_size, cfg.max_pages))
+                                     self._width(host, 0, cfg.page_size, cfg.max_pages),
+                                     block_size=blk)
             size = t_max if slots is None else max(t_max, slots.shape[0])
-            pos, slot_vals = ref.extend_tokens(seq_lens, ext, rpi, table, size)
+            pos, slot_vals = ref.extend_tokens(seq_lens, ext, rpi, table, size, blk)
             # --- writes start here: everything above is validation or a temporary ---
             self._write(bs, seq_lens, ext, pages, pos)
             if slots is not None:

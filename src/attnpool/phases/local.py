@@ -68,8 +68,9 @@ class LocalPhase(PhaseBase):
         bs: int,
         *,
         seq_lens: Tensor,
-        req_pool_indices: Tensor,
-        req_to_token: Tensor,
+        req_pool_indices: Tensor | None = None,
+        req_to_token: Tensor | None = None,
+        block_table: Tensor | None = None,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         for_phase: Phase = Phase.DECODE,
         num_real: Tensor | None = None,
@@ -90,8 +91,7 @@ class LocalPhase(PhaseBase):
         cfg = self.cfg
         q, extra, per = self._shape(for_phase)
         seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
-        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
-        table = self._req_to_token(req_to_token)
+        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
         host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - extra)
         if self.validate:  # (the values are only gathered when they are read)
             self._values(Values(n, num_real, table.shape[0],
@@ -100,19 +100,20 @@ class LocalPhase(PhaseBase):
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
         if self.fused:
             # --- writes start here ---
-            self._run((bs, extra, q, per, table.shape, table.stride(0), num_real is None),
+            self._run((bs, extra, q, per, blk, table.shape, table.stride(0), num_real is None),
                       lambda: (self._tt().local_launch(
                           self._b, cu_seqlens_q=self._cu_q, bs=bs, seq_lens=seq_lens,
                           req_pool_indices=rpi, req_to_token=table, extra=extra, num_queries=q,
                           rows_per_request=per, chunk=self.chunk, page_size=cfg.page_size,
-                          pad_len=self._pad, pad_page=cfg.pad_page, num_real=num_real
-                          ).take(_NAMES),),
+                          pad_len=self._pad, pad_page=cfg.pad_page, num_real=num_real,
+                          block_size=blk).take(_NAMES),),
                       (n, seq_lens, rpi, table, num_real))
         else:
             kv = seq_lens + extra if extra else seq_lens
             q_lens, kv_lens, off, valid = ref.local_rows(kv, q, self.chunk, per, self._pad)
             width = -(-min(self.chunk, cfg.max_context_len) // cfg.page_size)
-            pages = ref.gather_pages(table, rpi.repeat_interleave(per), cfg.page_size, width, off)
+            pages = ref.gather_pages(table, rpi.repeat_interleave(per), cfg.page_size, width, off,
+                                     block_size=blk)
             pages = torch.where(valid[:, None], pages, cfg.pad_page)
             # --- writes start here ---
             self._write(bs, q, per, q_lens, kv_lens, pages)

@@ -55,8 +55,9 @@ class VerifyPhase(PhaseBase):
         *,
         seq_lens: Tensor,
         tree_mask: Tensor | None = None,
-        req_pool_indices: Tensor,
-        req_to_token: Tensor,
+        req_pool_indices: Tensor | None = None,
+        req_to_token: Tensor | None = None,
+        block_table: Tensor | None = None,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         num_real: Tensor | None = None,
     ) -> VerifyView:
@@ -77,8 +78,7 @@ class VerifyPhase(PhaseBase):
         """
         cfg, nd = self.cfg, self.cfg.num_draft_tokens
         seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
-        rpi = self._tensor("req_pool_indices", req_pool_indices, 1, rows=n)
-        table = self._req_to_token(req_to_token)
+        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - nd)
         mask: Tensor | None = None
         if self.tree:
@@ -95,14 +95,15 @@ class VerifyPhase(PhaseBase):
         add = 0 if self.tree else nd
         if self.fused:
             # --- writes start here (both launches' inputs were checked above) ---
-            self._run((bs, table.shape, table.stride(0), num_real is None,
+            self._run((bs, blk, table.shape, table.stride(0), num_real is None,
                        None if mask is None else mask.stride()),
-                      lambda: self._launches_for(bs, seq_lens, rpi, table, num_real, mask, add),
+                      lambda: self._launches_for(bs, seq_lens, rpi, table, blk, num_real, mask,
+                                                 add),
                       (n, seq_lens, rpi, table, num_real, mask))
         else:
             width = self._width(host, add, cfg.page_size, cfg.max_pages)
-            pages = ref.gather_pages(table, rpi, cfg.page_size, width)
-            expand = None if mask is None else ref.tree_expand(mask, seq_lens, rpi, table)
+            pages = ref.gather_pages(table, rpi, cfg.page_size, width, block_size=blk)
+            expand = None if mask is None else ref.tree_expand(mask, seq_lens, rpi, table, blk)
             # --- writes start here ---
             self._write_part(self._p, bs, seq_lens, pages, add=add)
             if expand is not None:
@@ -111,15 +112,16 @@ class VerifyPhase(PhaseBase):
         return self._view(bs, self._max_k(host, add, n, bs, cfg.max_context_len))
 
     def _launches_for(self, bs: int, seq_lens: Tensor, rpi: Tensor, table: Tensor,
-                      num_real: Tensor | None, mask: Tensor | None, add: int) -> tuple[Any, ...]:
+                      blk: int | None, num_real: Tensor | None, mask: Tensor | None, add: int
+                      ) -> tuple[Any, ...]:
         """The fused launches of one batch shape: the prefix part, then the tree expand part."""
-        out = [self._paged_launch(self._p, bs, seq_lens, rpi, table, extra=add,
+        out = [self._paged_launch(self._p, bs, seq_lens, rpi, table, blk, extra=add,
                                   num_real=num_real).take(_NAMES)]
         if mask is not None and self._e is not None:
             out.append(self._tt().tree_expand_launch(
                 self._e, bs=bs, tree_mask=mask, seq_lens=seq_lens, req_pool_indices=rpi,
                 req_to_token=table, pad_len=self._expand_pad, pad_id=self._expand_pad_id,
-                num_real=num_real).take(_NAMES))
+                num_real=num_real, block_size=blk).take(_NAMES))
         return tuple(out)
 
     @property

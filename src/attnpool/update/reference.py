@@ -4,6 +4,12 @@ Each function writes the *whole read region* of its buffers for ``bs`` rows (pad
 and nothing the caller has not validated. Writes go in place into arena slices (``out=``, ``copy_``,
 ``fill_``); the few temporaries are ``[n, width]`` page blocks. The gather from the caller's
 ``req_to_token`` happens before any write, so an indexing error leaves the pool untouched.
+
+Request tables come in two kinds, read through one helper (:func:`table_slots`): a token-level
+``req_to_token [rows, >= C]`` (the token slot of every position) and a page-level block table
+``[rows, >= ceil(C / B)]`` of pages of ``B`` tokens (``block_size=B``), whose token slot at
+position ``t`` is ``table[r, t // B] * B + t % B``. The same update over either writes the same
+bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +32,23 @@ class PagedBuffers:
     kv_last_page_len: Tensor | None
 
 
+def table_width(table: Tensor, block_size: int | None = None) -> int:
+    """Token positions a request table covers: its columns, times ``block_size`` for a block
+    table (see the module docstring)."""
+    return table.shape[1] * (block_size or 1)
+
+
+def table_slots(table: Tensor, rows: Tensor, cols: Tensor, block_size: int | None = None
+                ) -> Tensor:
+    """Token slots of request rows ``rows`` at token positions ``cols`` (broadcast together,
+    both already inside the table): ``table[rows, cols]`` for a token-level table, else
+    ``table[rows, cols // B] * B + cols % B`` for a block table of pages of ``B = block_size``
+    tokens. Every gather of this module reads the caller's table through here."""
+    if block_size is None:
+        return table[rows, cols]
+    return table[rows, cols // block_size] * block_size + cols % block_size
+
+
 def gather_pages(
     req_to_token: Tensor,
     req_pool_indices: Tensor,
@@ -33,6 +56,7 @@ def gather_pages(
     width: int,
     token_offset: Tensor | None = None,
     out: Tensor | None = None,
+    block_size: int | None = None,
 ) -> Tensor:
     """Page ids ``[n, width]`` of pages ``0..width-1`` of each request (a temporary, or ``out``).
 
@@ -46,15 +70,18 @@ def gather_pages(
     ``out`` (the part's ``page_table[:n, :width]``, when ``page_size > 1``) takes the page ids
     directly, saving the copy :func:`paged_` would make (it skips a ``pages`` that is its own
     table slice). Nothing here can raise on values, so writing the table first is safe.
+    ``block_size``: ``req_to_token`` is a page-level block table (module docstring).
     """
     rows = req_pool_indices.clamp(0, req_to_token.shape[0] - 1)
-    if token_offset is None:
+    if token_offset is None and block_size is None:
         cols = req_to_token[:, : width * page_size : page_size]
         tok = cols.index_select(0, rows)
     else:
         idx = torch.arange(width, device=req_to_token.device) * page_size
-        idx = (idx[None, :] + token_offset[:, None]).clamp_(0, req_to_token.shape[1] - 1)
-        tok = req_to_token[rows[:, None], idx]
+        if token_offset is not None:
+            idx = idx[None, :] + token_offset[:, None]
+        idx = idx.clamp_(0, table_width(req_to_token, block_size) - 1)
+        tok = table_slots(req_to_token, rows[:, None], idx, block_size)
     if page_size == 1:
         return tok
     if out is not None:
@@ -137,7 +164,8 @@ def paged_(
 
 
 def tree_expand(
-    tree_mask: Tensor, seq_lens: Tensor, req_pool_indices: Tensor, req_to_token: Tensor
+    tree_mask: Tensor, seq_lens: Tensor, req_pool_indices: Tensor, req_to_token: Tensor,
+    block_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Verify tree expand rows: ``(lens [n*N], slots [n*N, N])`` temporaries.
 
@@ -149,9 +177,10 @@ def tree_expand(
     n, nd, _ = tree_mask.shape
     lens = tree_mask.sum(-1, dtype=torch.int32).reshape(n * nd)
     order = torch.argsort((~tree_mask).to(torch.uint8), dim=-1, stable=True)
-    cols = (seq_lens.to(torch.int64)[:, None, None] + order).clamp_(0, req_to_token.shape[1] - 1)
+    cols = (seq_lens.to(torch.int64)[:, None, None] + order).clamp_(
+        0, table_width(req_to_token, block_size) - 1)
     rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
-    slots = req_to_token[rows[:, None, None], cols]
+    slots = table_slots(req_to_token, rows[:, None, None], cols, block_size)
     return lens, slots.reshape(n * nd, nd)
 
 
@@ -161,6 +190,7 @@ def draft_expand(
     req_to_token: Tensor,
     out_cache_loc: Tensor,
     page_size: int,
+    block_size: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Draft tree prefix/expand split: ``(full [n], partial [n*K], slots [n*K, P-1+S])``.
 
@@ -174,9 +204,9 @@ def draft_expand(
     full = torch.div(seq, page_size, rounding_mode="floor") * page_size
     part = seq - full
     c = torch.arange(width, device=seq.device)
-    tok_col = (full[:, None] + c[None, :]).clamp_(0, req_to_token.shape[1] - 1)
+    tok_col = (full[:, None] + c[None, :]).clamp_(0, table_width(req_to_token, block_size) - 1)
     rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
-    prefix_slots = req_to_token[rows[:, None], tok_col]  # [n, W]
+    prefix_slots = table_slots(req_to_token, rows[:, None], tok_col, block_size)  # [n, W]
     s_idx = (c[None, :] - part[:, None]).clamp_(0, steps - 1)  # [n, W]
     drafts = out_cache_loc.gather(1, s_idx[:, :, None].expand(n, width, topk))  # [n, W, K]
     is_prefix = (c[None, :] < part[:, None])[:, :, None]
@@ -216,6 +246,7 @@ def extend_tokens(
     req_pool_indices: Tensor,
     req_to_token: Tensor,
     num_tokens: int,
+    block_size: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per packed query token of an extend batch: ``(positions, slots)``, each ``[num_tokens]``
     int64 temporaries.
@@ -237,5 +268,6 @@ def extend_tokens(
     row = row.clamp_(max=n - 1)
     pos = seq_lens.to(torch.int64)[row] - ends[row] + t
     pos = torch.where(real, pos, 0)
-    slots = req_to_token[req_pool_indices.to(torch.int64)[row], pos].to(torch.int64)
+    slots = table_slots(req_to_token, req_pool_indices.to(torch.int64)[row], pos,
+                        block_size).to(torch.int64)
     return pos, torch.where(real, slots, -1)

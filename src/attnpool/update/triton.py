@@ -91,6 +91,7 @@ def paged_launch(
     q_total: int | None = None,
     positions: Tensor | None = None,
     out_slots: Tensor | None = None,
+    block_size: int | None = None,
 ) -> ck.Launch:
     """Check one paged part's update and assemble its launch (see :func:`paged_update_`).
 
@@ -129,6 +130,9 @@ def paged_launch(
             q_i + j`` (``len_i = seq_lens[i] + extra``) and slot ``req_to_token[r_i, off_i +
             position]``; every later element gets 0 / -1. Same bytes as
             ``reference.extend_tokens``.
+        block_size: ``req_to_token`` is a page-level block table of pages of this many tokens
+            (its token slot at position ``t`` is ``table[r, t // B] * B + t % B``); None: a
+            token-level table. Same bytes as the equivalent token-level table.
     """
     dev = b.cache_seqlens.device
     ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
@@ -142,6 +146,7 @@ def paged_launch(
     ck.real_count(num_real, n, bs, dev)
     req_pool_indices = ck.vec("req_pool_indices", req_pool_indices, rows, dev)
     table = ck.table(req_to_token, dev)
+    tok_cols, tp, block_table = ck.block(table, block_size)
     if token_offset is not None:
         ck.vec("token_offset", token_offset, rows, dev)
     pad_pages = -(-pad_seq_len // page_size)
@@ -173,7 +178,7 @@ def paged_launch(
     if b.page_table is not None:
         width, pt_stride = b.page_table.shape[1], b.page_table.stride(0)
     else:
-        width, pt_stride = -(-table.shape[1] // page_size), 0
+        width, pt_stride = -(-tok_cols // page_size), 0
 
     if max_len is None:
         max_len = width * page_size
@@ -196,15 +201,16 @@ def paged_launch(
         b.cache_seqlens.stride(0) if steps > 1 else 0,
         b.cu_seqlens_k.stride(0) if steps > 1 else 0,
         max(max_len - (steps - 1), 0), ck.INT32_MAX if max_q is None else max_q,
-        page_size, table.shape[0], table.shape[1], table.stride(0), pt_stride, width,
+        page_size, table.shape[0], tok_cols, table.stride(0), pt_stride, width,
         b.kv_indices.shape[0] if b.kv_indices is not None else 0,
-        q_total or 0, pos_cap, slot_cap, max(pos_cap, slot_cap),
+        q_total or 0, pos_cap, slot_cap, max(pos_cap, slot_cap), tp,
     )
     kw = {"HAS_OFF": token_offset is not None, "DEVICE_N": num_real is not None,
           "HAS_PT": has_pt, "HAS_FI": has_fi, "INCR": keep is not None, "HAS_Q": q_lens is not None,
           "FULL_PAGES": full_pages, "Q_FIXED": q_total is not None, "TOKENS": tokens,
-          "BLOCK": ck.pow2(bs), "BLOCK_P": min(ck.MAX_BLOCK_P, ck.pow2(width)),
-          "BLOCK_T": ck.BLOCK_T, "num_warps": ck.warps(bs)}
+          "BLOCK_TABLE": block_table, "BLOCK": ck.pow2(bs),
+          "BLOCK_P": min(ck.MAX_BLOCK_P, ck.pow2(width)), "BLOCK_T": ck.BLOCK_T,
+          "num_warps": ck.warps(bs)}
     dyn = ck.dyn(n=(16, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
                  req_to_token=(2, table), token_offset=(3, token_offset), num_real=(4, num_real),
                  keep=(5, keep), q_lens=(6, q_lens), out_slots=(15, out_slots))
@@ -227,6 +233,7 @@ def tree_expand_launch(
     pad_len: int,
     pad_id: int,
     num_real: Tensor | None = None,
+    block_size: int | None = None,
 ) -> ck.Launch:
     """Check and assemble the verify tree *expand* part (``bs*N`` token-slot rows, page size 1).
 
@@ -234,7 +241,8 @@ def tree_expand_launch(
     that ``tree_mask[i, j, k]`` allows, allowed first in increasing ``k``; its length is the
     allowed count. Rows of padded requests get ``pad_len`` copies of ``pad_id`` (the pad page's
     first slot). Same bytes in every read region as ``reference.tree_expand`` written with
-    ``page_size=1``. ``num_real`` works as in :func:`paged_update_` (inputs padded to ``bs``).
+    ``page_size=1``. ``num_real`` works as in :func:`paged_update_` (inputs padded to ``bs``),
+    ``block_size`` as in :func:`paged_launch` (the expand rows are token slots either way).
     """
     dev = e.cache_seqlens.device
     if not isinstance(tree_mask, Tensor):
@@ -252,6 +260,7 @@ def tree_expand_launch(
     seq_lens = ck.vec("seq_lens", seq_lens, n, dev)
     req_pool_indices = ck.vec("req_pool_indices", req_pool_indices, n, dev)
     table = ck.table(req_to_token, dev)
+    tok_cols, tp, block_table = ck.block(table, block_size)
     has_pt, has_fi = ck.layouts(e, bs * nd, dev, nd)
     dummy = e.cache_seqlens
     bn = ck.pow2(nd, 2)
@@ -264,12 +273,12 @@ def tree_expand_launch(
         e.kv_indices if e.kv_indices is not None else dummy,
         e.kv_last_page_len if e.kv_last_page_len is not None else dummy,
         n, bs, nd, pad_len, pad_id, *tree_mask.stride(),
-        table.shape[0], table.shape[1], table.stride(0),
+        table.shape[0], tok_cols, table.stride(0),
         e.page_table.stride(0) if e.page_table is not None else 0,
-        e.kv_indices.shape[0] if e.kv_indices is not None else 0,
+        e.kv_indices.shape[0] if e.kv_indices is not None else 0, tp,
     )
     kw = {"DEVICE_N": num_real is not None, "HAS_PT": has_pt, "HAS_FI": has_fi,
-          "BLOCK_N": bn, "BLOCK_R": max(1, 4096 // bn)}
+          "BLOCK_N": bn, "BLOCK_R": max(1, 4096 // bn), "BLOCK_TABLE": block_table}
     dyn = ck.dyn(n=(11, n), tree_mask=(0, tree_mask), seq_lens=(1, seq_lens),
                  req_pool_indices=(2, req_pool_indices), req_to_token=(3, table),
                  num_real=(4, num_real))
@@ -297,6 +306,7 @@ def local_launch(
     pad_len: int,
     pad_page: int,
     num_real: Tensor | None = None,
+    block_size: int | None = None,
 ) -> ck.Launch:
     """Check and assemble the chunked-local-attention part (``bs * rows_per_request`` virtual rows).
 
@@ -305,7 +315,8 @@ def local_launch(
     chunk start (rows past a request's last chunk: ``pad_len`` keys on ``pad_page``), and
     ``cu_seqlens_q`` where a padded request's first row takes ``num_queries`` queries so request
     ``i``'s queries start at row ``i * rows_per_request``. ``num_real`` as in
-    :func:`paged_update_` (a count of requests; inputs padded to ``bs``).
+    :func:`paged_update_` (a count of requests; inputs padded to ``bs``); ``block_size`` as in
+    :func:`paged_launch`.
     """
     dev = b.cache_seqlens.device
     ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
@@ -320,6 +331,7 @@ def local_launch(
     ck.real_count(num_real, n, bs, dev)
     req_pool_indices = ck.vec("req_pool_indices", req_pool_indices, n, dev)
     table = ck.table(req_to_token, dev)
+    tok_cols, tp, block_table = ck.block(table, block_size)
     rows = bs * rows_per_request
     pad_pages = -(-pad_len // page_size)
     has_pt, has_fi = ck.layouts(b, rows, dev, pad_pages)
@@ -327,7 +339,7 @@ def local_launch(
     if b.page_table is not None:
         width, pt_stride = b.page_table.shape[1], b.page_table.stride(0)
     else:
-        width, pt_stride = -(-min(chunk, table.shape[1]) // page_size), 0
+        width, pt_stride = -(-min(chunk, tok_cols) // page_size), 0
     dummy = b.cache_seqlens
     args = (
         seq_lens, req_pool_indices, table, num_real if num_real is not None else dummy,
@@ -337,12 +349,12 @@ def local_launch(
         b.kv_indices if b.kv_indices is not None else dummy,
         b.kv_last_page_len if b.kv_last_page_len is not None else dummy,
         n, bs, rows_per_request, extra, num_queries, chunk, pad_len, pad_page,
-        page_size, table.shape[0], table.shape[1], table.stride(0), pt_stride, width,
-        b.kv_indices.shape[0] if b.kv_indices is not None else 0,
+        page_size, table.shape[0], tok_cols, table.stride(0), pt_stride, width,
+        b.kv_indices.shape[0] if b.kv_indices is not None else 0, tp,
     )
     kw = {"DEVICE_N": num_real is not None, "HAS_PT": has_pt, "HAS_FI": has_fi,
           "BLOCK": ck.pow2(rows), "BLOCK_P": min(ck.MAX_BLOCK_P, ck.pow2(width)),
-          "num_warps": ck.warps(rows)}
+          "BLOCK_TABLE": block_table, "num_warps": ck.warps(rows)}
     dyn = ck.dyn(n=(11, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
                  req_to_token=(2, table), num_real=(3, num_real))
     return ck.Launch(ck.kernels().local_kernel, (rows,), args, kw, dyn)

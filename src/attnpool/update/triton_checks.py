@@ -90,6 +90,16 @@ def table(t: object, dev: torch.device) -> Tensor:
     return t
 
 
+def block(table: Tensor, block_size: int | None) -> tuple[int, int, bool]:
+    """A request table's kernel facts: (width in tokens, the table's page size ``TP``, whether it
+    is a page-level block table). ``block_size`` None: a token-level ``req_to_token``."""
+    if block_size is None:
+        return table.shape[1], 1, False
+    need(type(block_size) is int and block_size >= 1, InputError,
+         f"block_size must be an int >= 1 (or None), got {block_size!r}")
+    return table.shape[1] * block_size, block_size, True
+
+
 def layouts(b: PagedBuffers, rows: int, dev: torch.device, min_width: int, steps: int = 0
              ) -> tuple[bool, bool]:
     """Check the part's buffers for ``rows`` rows; return (has page table, has CSR).

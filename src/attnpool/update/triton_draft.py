@@ -39,6 +39,7 @@ def draft_tree_expand_launch(
     pad_len: int,
     pad_id: int,
     num_real: Tensor | None = None,
+    block_size: int | None = None,
 ) -> ck.Launch:
     """Check and assemble the draft tree expand rows of all ``S`` steps for ``bs`` requests.
 
@@ -54,6 +55,8 @@ def draft_tree_expand_launch(
             ``kv_indptr [S, >= bs*K+1]``, ``kv_indices [S, cap]``, ``kv_last_page_len [S, >= bs*K]``.
         out_cache_loc: ``[n, S, K]`` int32/int64 token slots (``[bs, S, K]`` with ``num_real``).
         seq_lens, req_pool_indices: ``[n]`` (``[bs]`` with ``num_real``) committed lengths and rows.
+        block_size: ``req_to_token`` is a page-level block table (see
+            :func:`attnpool.update.triton.paged_launch`); the prefix page's slots are read from it.
     """
     dev = e.cache_seqlens.device
     ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
@@ -75,6 +78,7 @@ def draft_tree_expand_launch(
     seq_lens = ck.vec("seq_lens", seq_lens, n, dev)
     req_pool_indices = ck.vec("req_pool_indices", req_pool_indices, n, dev)
     table = ck.table(req_to_token, dev)
+    tok_cols, tp, block_table = ck.block(table, block_size)
     rows = bs * topk
     has_pt, has_fi = ck.layouts(e, rows, dev, width, steps)
     pt, ip, idx, last = e.page_table, e.kv_indptr, e.kv_indices, e.kv_last_page_len
@@ -87,13 +91,14 @@ def draft_tree_expand_launch(
         pt if pt is not None else dummy, ip if ip is not None else dummy,
         idx if idx is not None else dummy, last if last is not None else dummy,
         n, bs, topk, steps, width, pad_len, pad_id, page_size, *loc.stride(),
-        table.shape[0], table.shape[1], table.stride(0), pt.stride(0) if pt is not None else 0,
+        table.shape[0], tok_cols, table.stride(0), pt.stride(0) if pt is not None else 0,
         e.cache_seqlens.stride(0), e.cu_seqlens_k.stride(0),
         ip.stride(0) if ip is not None else 0, idx.stride(0) if idx is not None else 0,
-        last.stride(0) if last is not None else 0, idx.shape[1] if idx is not None else 0,
+        last.stride(0) if last is not None else 0, idx.shape[1] if idx is not None else 0, tp,
     )
     kw = {"DEVICE_N": num_real is not None, "HAS_PT": has_pt, "HAS_FI": has_fi,
-          "BLOCK": ck.pow2(rows), "BLOCK_W": ck.pow2(width, 2), "num_warps": ck.warps(rows)}
+          "BLOCK": ck.pow2(rows), "BLOCK_W": ck.pow2(width, 2), "BLOCK_TABLE": block_table,
+          "num_warps": ck.warps(rows)}
     dyn = ck.dyn(n=(11, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
                  req_to_token=(2, table), out_cache_loc=(3, loc), num_real=(4, num_real))
     return ck.Launch(k.draft_expand_kernel, (rows,), args, kw, dyn)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_kernels import _floor_div, _pick
+from .triton_kernels import _floor_div, _pick, _slot
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -14,15 +14,16 @@ def draft_expand_kernel(  # type: ignore[no-untyped-def]
     cache_ptr, cuk_ptr, pt_ptr, indptr_ptr, indices_ptr, last_ptr,
     n, bs, K, S, W, pad_len, pad_id, P,
     ls0, ls1, ls2, tok_rows, tok_cols, tok_stride, pt_stride,
-    len_ss, cu_ss, ip_ss, idx_ss, last_ss, indices_cap,
+    len_ss, cu_ss, ip_ss, idx_ss, last_ss, indices_cap, TP,
     DEVICE_N: tl.constexpr, HAS_PT: tl.constexpr, HAS_FI: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_TABLE: tl.constexpr,
 ):
     """One program per expand row ``pid = i*K + k < bs*K``, writing all ``S`` steps.
 
     The row's token slots are the ``part = seq % P`` slots of its request's last, partial prefix
-    page (``req_to_token[r, full + c]``), then branch ``k``'s drafts ``loc[i, c - part, k]``. Step
-    ``d`` (0-based) reads ``part + d + 1`` of them. Its lengths' cumsum is the step-0 cumsum plus
+    page (the table's slots at positions ``full + c``; ``TP``: see ``triton_kernels``), then
+    branch ``k``'s drafts ``loc[i, c - part, k]``. Step ``d`` (0-based) reads ``part + d + 1`` of
+    them. Its lengths' cumsum is the step-0 cumsum plus
     ``d`` per real row so far (one scan for all steps). The shared table is written once, for the
     last step; each step has its own small CSR.
     """
@@ -58,7 +59,7 @@ def draft_expand_kernel(  # type: ignore[no-untyped-def]
     full = _floor_div(my_s, P) * P
     pre = c < tl.where(is_real, my_part, 0)
     tcol = tl.minimum(tl.maximum(full + c.to(tl.int64), 0), tok_cols - 1)
-    tok = tl.load(tok_ptr + r * tok_stride + tcol, mask=pre, other=0)
+    tok = _slot(tok_ptr + r * tok_stride, tcol, pre, TP, BLOCK_TABLE)
     di = tl.minimum(tl.maximum(c - my_part, 0), S - 1).to(tl.int64)
     drf_ok = (c >= my_part) & (c < tl.where(is_real, W, 0))
     drf = tl.load(loc_ptr + req.to(tl.int64) * ls0 + di * ls1 + (pid % K) * ls2, mask=drf_ok,

@@ -10,6 +10,11 @@ Every address is bounded without reading lengths on the host: row indices are cl
 caller's table, token columns into its width, page columns into the page table's width and CSR
 positions into ``kv_indices``. Out-of-range inputs (which only a host sync could detect) thus
 produce wrong-but-in-bounds metadata instead of a stray write, which matters inside a CUDA graph.
+
+Request tables: every token-slot read goes through :func:`_slot`, so a kernel reads a token-level
+``req_to_token`` or (``BLOCK_TABLE``) a page-level block table of ``TP``-token pages alike. ``TP``
+is the *table's* page size, separate from the part's ``P`` (token-slot parts have ``P = 1`` but
+still read a paged table); ``tok_cols`` is the table's width in tokens either way.
 """
 
 from __future__ import annotations
@@ -32,14 +37,26 @@ def _pick(v, me):  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _slot(row, t, mask, TP, BLOCK_TABLE: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The token slot at token column ``t`` (already clamped into ``[0, tok_cols)``) of request
+    table row ``row``: ``row[t]``, or for a block table ``row[t // TP] * TP + t % TP``."""
+    if BLOCK_TABLE:
+        s = tl.load(row + t // TP, mask=mask, other=0).to(tl.int64) * TP + t % TP
+    else:
+        s = tl.load(row + t, mask=mask, other=0)
+    return s
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def _row_pages(  # type: ignore[no-untyped-def]
     row, n_gather, n_pt, n_csr, lo, pt_from, row_base, tok0, P, tok_cols, pad_page,
-    pt_ptr, pt_stride, indices_ptr, csr_start, indices_cap,
+    pt_ptr, pt_stride, indices_ptr, csr_start, indices_cap, TP,
     HAS_PT: tl.constexpr, HAS_FI: tl.constexpr, INCR: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_TABLE: tl.constexpr,
 ):
     """Write one row's pages, a ``BLOCK_P`` chunk at a time, from column ``lo``.
 
-    Column ``p < n_gather`` holds page ``row_base[tok0 + p*P] // P``, later ones ``pad_page``. The
+    Column ``p < n_gather`` holds page ``slot(tok0 + p*P) // P``, later ones ``pad_page``. The
     page table gets ``n_pt`` columns (only from ``pt_from`` on with ``INCR``), the CSR ``n_csr``
     entries from ``csr_start``. Block masks are built from block compares only (never
     ``block & scalar_bool``, which the interpreter mistypes).
@@ -54,7 +71,7 @@ def _row_pages(  # type: ignore[no-untyped-def]
         p = c0 + tl.arange(0, BLOCK_P)
         col = tl.minimum(tl.maximum(tok0 + p.to(tl.int64) * P, 0), tok_cols - 1)
         g = p < n_gather
-        tok = tl.load(row_base + col, mask=g, other=0)
+        tok = _slot(row_base, col, g, TP, BLOCK_TABLE)
         pg = tl.where(g, _floor_div(tok, P), pad_page).to(tl.int32)
         if HAS_PT:
             m_pt = p < n_pt
@@ -69,8 +86,8 @@ def _row_pages(  # type: ignore[no-untyped-def]
 @triton.jit  # type: ignore[untyped-decorator]
 def _row_tokens(  # type: ignore[no-untyped-def]
     pid, bs, is_real, length, q, q_end, q_real, rpi_ptr, off_ptr, tok_ptr, tok_rows, tok_cols,
-    tok_stride, pos_ptr, slot_ptr, pos_cap, slot_cap, tail_end,
-    HAS_OFF: tl.constexpr, BLOCK_T: tl.constexpr,
+    tok_stride, pos_ptr, slot_ptr, pos_cap, slot_cap, tail_end, TP,
+    HAS_OFF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_TABLE: tl.constexpr,
 ):
     """Per-token facts of row ``pid``'s ``q`` queries (packed at ``q_end - q``): position
     ``length - q + j`` and KV slot ``req_to_token[r, off + position]``. The last program then
@@ -92,7 +109,7 @@ def _row_tokens(  # type: ignore[no-untyped-def]
         t = start + j
         pos = length - nq + j
         col = tl.minimum(tl.maximum(tok0 + pos.to(tl.int64), 0), tok_cols - 1)
-        slot = tl.load(tok_ptr + r * tok_stride + col, mask=ok, other=0)
+        slot = _slot(tok_ptr + r * tok_stride, col, ok, TP, BLOCK_TABLE)
         tl.store(pos_ptr + t, pos, mask=ok & (t >= 0) & (t < pos_cap))
         tl.store(slot_ptr + t, slot, mask=ok & (t >= 0) & (t < slot_cap))
     if pid == bs - 1:
@@ -109,10 +126,10 @@ def paged_kernel(  # type: ignore[no-untyped-def]
     cache_ptr, cuk_ptr, pt_ptr, indptr_ptr, indices_ptr, last_ptr, cuq_ptr, pos_ptr, slot_ptr,
     n, bs, extra, pad_len, pad_page, pad_pages, pad_q, steps, len_sstride, cu_sstride,
     max_len, max_q, P, tok_rows, tok_cols, tok_stride, pt_stride, cap_pages, indices_cap,
-    q_total, pos_cap, slot_cap, tail_end,
+    q_total, pos_cap, slot_cap, tail_end, TP,
     HAS_OFF: tl.constexpr, DEVICE_N: tl.constexpr, HAS_PT: tl.constexpr,
     HAS_FI: tl.constexpr, INCR: tl.constexpr, HAS_Q: tl.constexpr, FULL_PAGES: tl.constexpr,
-    Q_FIXED: tl.constexpr, TOKENS: tl.constexpr,
+    Q_FIXED: tl.constexpr, TOKENS: tl.constexpr, BLOCK_TABLE: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """One program per row ``pid < bs`` of a paged part (see ``triton.paged_update_``).
@@ -174,7 +191,8 @@ def paged_kernel(  # type: ignore[no-untyped-def]
         if TOKENS:
             _row_tokens(pid, bs, is_real, my_len, _pick(q, me), my_qend, tl.sum(q, axis=0),
                         rpi_ptr, off_ptr, tok_ptr, tok_rows, tok_cols, tok_stride,
-                        pos_ptr, slot_ptr, pos_cap, slot_cap, tail_end, HAS_OFF, BLOCK_T)
+                        pos_ptr, slot_ptr, pos_cap, slot_cap, tail_end, TP, HAS_OFF, BLOCK_T,
+                        BLOCK_TABLE)
 
     my_start = my_cum * 0
     if HAS_FI:
@@ -205,8 +223,8 @@ def paged_kernel(  # type: ignore[no-untyped-def]
             tok0 = tl.load(off_ptr + pid, mask=is_real, other=0).to(tl.int64)
         _row_pages(pid, n_gather, tl.where(is_real, live, pad_pages),  # pad_pages <= width: checked
                    n_gather, lo, pt_from, tok_ptr + r * tok_stride, tok0, P, tok_cols, pad_page,
-                   pt_ptr, pt_stride, indices_ptr, my_start, indices_cap,
-                   HAS_PT, HAS_FI, INCR, BLOCK_P)
+                   pt_ptr, pt_stride, indices_ptr, my_start, indices_cap, TP,
+                   HAS_PT, HAS_FI, INCR, BLOCK_P, BLOCK_TABLE)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -214,9 +232,9 @@ def tree_expand_kernel(  # type: ignore[no-untyped-def]
     mask_ptr, seq_ptr, rpi_ptr, tok_ptr, nreal_ptr,
     cache_ptr, cuk_ptr, pt_ptr, indptr_ptr, indices_ptr, last_ptr,
     n, bs, ND, pad_len, pad_id, ms0, ms1, ms2,
-    tok_rows, tok_cols, tok_stride, pt_stride, indices_cap,
+    tok_rows, tok_cols, tok_stride, pt_stride, indices_cap, TP,
     DEVICE_N: tl.constexpr, HAS_PT: tl.constexpr, HAS_FI: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TABLE: tl.constexpr,
 ):
     """One program per request ``i < bs``: its ``ND`` expand rows ``i*ND .. i*ND+ND-1``.
 
@@ -267,12 +285,12 @@ def tree_expand_kernel(  # type: ignore[no-untyped-def]
     if i == 0:
         tl.store(cuk_ptr, prefix * 0)
 
-    # slots of the ND draft tokens: req_to_token[r, seq_len + k]
+    # slots of the ND draft tokens: the table's slots at positions seq_len + k
     r = tl.load(rpi_ptr + i, mask=is_real, other=0).to(tl.int64)
     r = tl.minimum(tl.maximum(r, 0), tok_rows - 1)
     s = tl.load(seq_ptr + i, mask=is_real, other=0).to(tl.int64)
     tcol = tl.minimum(tl.maximum(s + kk.to(tl.int64), 0), tok_cols - 1)
-    slot = tl.load(tok_ptr + r * tok_stride + tcol, mask=k_real, other=0).to(tl.int32)
+    slot = _slot(tok_ptr + r * tok_stride, tcol, k_real, TP, BLOCK_TABLE).to(tl.int32)
     allowed = (a != 0) & m2
 
     if HAS_FI:
@@ -296,9 +314,9 @@ def local_kernel(  # type: ignore[no-untyped-def]
     seq_ptr, rpi_ptr, tok_ptr, nreal_ptr,
     cache_ptr, cuk_ptr, cuq_ptr, pt_ptr, indptr_ptr, indices_ptr, last_ptr,
     n, bs, per, extra, q, chunk, pad_len, pad_page,
-    P, tok_rows, tok_cols, tok_stride, pt_stride, cap_pages, indices_cap,
+    P, tok_rows, tok_cols, tok_stride, pt_stride, cap_pages, indices_cap, TP,
     DEVICE_N: tl.constexpr, HAS_PT: tl.constexpr, HAS_FI: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_TABLE: tl.constexpr,
 ):
     """One program per virtual row ``pid < bs*per`` of chunked local attention.
 
@@ -357,5 +375,5 @@ def local_kernel(  # type: ignore[no-untyped-def]
         zero = live * 0
         _row_pages(pid, tl.where(my_valid, live, 0), live, tl.where(owns, live, 0), zero, zero,
                    tok_ptr + r * tok_stride, tok0, P, tok_cols, pad_page,
-                   pt_ptr, pt_stride, indices_ptr, my_start, indices_cap,
-                   HAS_PT, HAS_FI, False, BLOCK_P)
+                   pt_ptr, pt_stride, indices_ptr, my_start, indices_cap, TP,
+                   HAS_PT, HAS_FI, False, BLOCK_P, BLOCK_TABLE)
