@@ -6,10 +6,9 @@ vLLM's conventions, and what attnpool takes for them:
   request in batch row ``i``; block 0 is never handed out (here: attnpool's pad page).
 * ``slot_mapping``: the new tokens' slots, ``block_table[i, pos // block_size] * block_size +
   pos % block_size``, written into the :class:`attnpool.KVCachePool`'s static ``slot_mapping``.
-* The updates of attnpool's phases take a token-level table (``req_to_token``) and
-  ``req_pool_indices``. This runner converts its block table with
-  :func:`block_table_to_req_to_token` (two tensor ops, no host sync) and passes the batch rows in
-  order, ``req_pool_indices = arange(n)``.
+* attnpool's phase updates take the block table itself (``block_table=``, instead of SGLang's
+  token-level ``req_to_token``). Decode passes no ``req_pool_indices``: batch row ``i`` is block
+  table row ``i``, vLLM's convention; a prefill of new requests names their rows.
 
 Requests arrive, are prefilled through ``pool.extend`` when a batch row and their blocks are
 free, decode through ``pool.decode`` (CUDA graphs per padded batch size on a GPU, eager on CPU),
@@ -40,22 +39,6 @@ NUM_BLOCKS = 24  # fewer than MAX_BS full contexts: requests also wait for block
 PREFILL_TOKENS = 256
 
 
-def block_table_to_req_to_token(block_table: Tensor, block_size: int, out: Tensor) -> Tensor:
-    """Write the token-level table of ``block_table [rows, blocks]`` into ``out [rows, blocks *
-    block_size]``: ``out[r, t] = block_table[r, t // block_size] * block_size + t % block_size``,
-    the token slot of position ``t`` (the same formula as vLLM's slot mapping).
-
-    attnpool reads page ``p`` of a row back as ``out[r, p * block_size] // block_size``, which is
-    ``block_table[r, p]``: the metadata is exactly what the block table says. Positions past a
-    request's blocks map into block 0 (never read: they lie past its ``seq_lens``).
-    """
-    rows, blocks = block_table.shape
-    offsets = torch.arange(block_size, dtype=out.dtype, device=out.device)
-    torch.add((block_table * block_size)[:, :, None], offsets,
-              out=out.view(rows, blocks, block_size))
-    return out
-
-
 @dataclass
 class Req:
     rid: int
@@ -74,7 +57,6 @@ class Runner:
             num_pages=NUM_BLOCKS, page_size=BLOCK, max_tokens=PREFILL_TOKENS, num_kv_heads=KV_HEADS,
             head_dim=HEAD_DIM, dtype=DTYPE, device=device))
         self.block_table = torch.zeros(MAX_BS, MAX_BLOCKS, dtype=torch.int32, device=device)
-        self.req_to_token = torch.zeros(MAX_BS, CONTEXT, dtype=torch.int32, device=device)
         self.free_blocks = list(range(1, NUM_BLOCKS))  # block 0: the pad block
         self.batch: list[Req] = []  # batch row i serves self.batch[i]
         self.model = ToyLM(seed=0, device=device)
@@ -89,11 +71,11 @@ class Runner:
         return torch.tensor(values, dtype=torch.int64, device=self.dev)
 
     def _tables(self) -> Tensor:
-        """Write the live rows of the block table, then the table attnpool takes today."""
+        """Write the live rows of the block table (what attnpool's updates read)."""
         for i, r in enumerate(self.batch):
             row = r.blocks + [0] * (MAX_BLOCKS - len(r.blocks))
             self.block_table[i] = torch.tensor(row, dtype=torch.int32)
-        return block_table_to_req_to_token(self.block_table, BLOCK, self.req_to_token)
+        return self.block_table
 
     def _slots(self, rows: list[int], positions: list[int]) -> Tensor:
         """vLLM's slot mapping from the block table."""
@@ -119,7 +101,7 @@ class Runner:
         lens = [len(r.prompt) for r in new]
         view = self.pool.extend.update_(
             len(new), seq_lens=self._ints(lens), extend_lens=self._ints(lens),
-            req_pool_indices=self._ints(rows), req_to_token=table, seq_lens_cpu=lens,
+            req_pool_indices=self._ints(rows), block_table=table, seq_lens_cpu=lens,
             extend_lens_cpu=lens)
         slots = torch.cat([self._slots([i] * n, list(range(n))) for i, n in zip(rows, lens,
                                                                              strict=True)])
@@ -140,8 +122,7 @@ class Runner:
         self.kv.update_slots_(self._slots(list(range(n)), pos), bs=bs)
         lens = [p + 1 for p in pos]
         logits = self.graphs.run(self._ints([r.tokens[-1] for r in self.batch]),
-                                 seq_lens=self._ints(lens), req_pool_indices=self._ints(list(range(n))),
-                                 req_to_token=table, seq_lens_cpu=lens)
+                                 seq_lens=self._ints(lens), block_table=table, seq_lens_cpu=lens)
         for r, t in zip(self.batch, logits.argmax(-1).tolist(), strict=True):
             r.tokens.append(t)
         return bs

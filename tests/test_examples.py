@@ -32,22 +32,3 @@ def test_vllm_runner() -> None:
     out = _run("vllm_runner.py")
     assert "prefilled [0, 1, 2, 3]" in out  # four batch rows, then requests wait for rows/blocks
     assert "10 requests" in out and "all equal to greedy decoding without a cache: ok" in out
-
-
-def test_block_table_conversion() -> None:
-    """The example's stand-in for a block-table argument: page p of row r reads back as
-    block_table[r, p], and every position's slot is vLLM's slot mapping."""
-    import torch
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    try:
-        from vllm_runner import block_table_to_req_to_token
-    finally:
-        sys.path.remove(str(ROOT / "examples"))
-    bt = torch.tensor([[3, 1, 7], [2, 0, 0]], dtype=torch.int32)
-    out = torch.full((2, 12), -5, dtype=torch.int32)
-    block_table_to_req_to_token(bt, 4, out)
-    assert torch.equal(out[:, ::4] // 4, bt)
-    pos = torch.arange(12)
-    assert torch.equal(out[0], (bt[0, pos // 4] * 4 + pos % 4).int())
-
