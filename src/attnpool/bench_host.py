@@ -6,14 +6,15 @@ one, which only pays if its Python costs about as little. Every figure here is a
 and interleaved with the case (so a busy machine slows both alike); the minimum of many short
 rounds is used for both.
 
-Columns, per phase part and batch size (``n = bs`` real rows, no host copies):
+Columns, per phase part and batch size (``n = bs`` real rows):
 
 * ``fused eager``: ``update_`` on the fused path with the Triton launch replaced by a no-op
   (the launch itself is the kernel library's cost; what is left is attnpool's: input checks,
   the cached launch's argument swap, the bookkeeping and the view);
 * ``bound``: a :meth:`~attnpool.phases.PhaseBase.bind` update's call, launch stubbed the same
   way (on CUDA a bound call is one graph replay instead);
-* ``reference``: ``update_`` on the reference path (real torch ops);
+* ``reference``: ``update_`` on the reference path (real torch ops), given the host copy of the
+  lengths as the classic replay is (so both write only the live page columns);
 * ``classic``: the engine-style per-op replay (:class:`attnpool.baseline.ClassicPaged`; decode
   and chain verify only).
 
@@ -159,6 +160,8 @@ def _case(label: str, phase: str, topk: int, bs: int, column: str, device: torch
     if column == "bound":
         bound: Callable[[], object] = ph.bind(bs, **kw)
         return bound
+    if column == "reference":  # with the host copy, as the classic replay has it
+        kw["seq_lens_cpu"] = kw["seq_lens"].tolist()
     return lambda: ph.update_(bs, **kw)
 
 
