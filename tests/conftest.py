@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -34,3 +36,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny tensors: a second intra-op thread only waits for a busy core (CI shares them). For the
+    transformers tests: ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    """The tiny random GQA Llama of tests/hf_tiny.py (one per module: some tests change it)."""
+    import hf_tiny
+
+    return hf_tiny.llama()
+
+
+@pytest.fixture(scope="module")
+def llama_ref(llama: Any) -> list[list[int]]:
+    """``model.generate`` greedy outputs of :func:`llama` on hf_tiny's prompts."""
+    import hf_tiny
+
+    return hf_tiny.greedy(llama, hf_tiny.prompts())

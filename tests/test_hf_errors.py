@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,31 +13,19 @@ from attnpool.integrations.transformers import ATTN_NAME, Backend, PagedGenerato
 
 import hf_tiny
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def model() -> Any:
-    return hf_tiny.llama()
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture
-def gen(model: Any) -> PagedGenerator:
-    return PagedGenerator(model, max_bs=2, max_context_len=32, page_size=8)
+def gen(llama: Any) -> PagedGenerator:
+    return PagedGenerator(llama, max_bs=2, max_context_len=32, page_size=8)
 
 
-def _untouched(gen: PagedGenerator, model: Any) -> None:
+def _untouched(gen: PagedGenerator, llama: Any) -> None:
     """A rejected call took no page or row and left the model's attention as it was."""
     assert gen.alloc.live() == () and gen.alloc.free_pages == gen.alloc.usable_pages
-    assert model.config._attn_implementation != ATTN_NAME
+    assert llama.config._attn_implementation != ATTN_NAME
 
 
 @pytest.mark.parametrize(("prompts", "new", "err", "match"), [
@@ -51,18 +38,18 @@ def _untouched(gen: PagedGenerator, model: Any) -> None:
     ("hello", 2, InputError, "list of token-id lists"),
     ([[1], "ab"], 2, InputError, "prompt 1"),
 ])
-def test_bad_generate_input(gen: PagedGenerator, model: Any, prompts: Any, new: Any,
+def test_bad_generate_input(gen: PagedGenerator, llama: Any, prompts: Any, new: Any,
                             err: type[PoolError], match: str) -> None:
     with pytest.raises(err, match=match):
         gen.generate(prompts, max_new_tokens=new)
-    _untouched(gen, model)
+    _untouched(gen, llama)
 
 
-def test_every_prompt_is_checked_before_any_runs(gen: PagedGenerator, model: Any) -> None:
+def test_every_prompt_is_checked_before_any_runs(gen: PagedGenerator, llama: Any) -> None:
     """A bad prompt late in the list rejects the call before the good ones are generated."""
     with pytest.raises(InputError, match="prompt 2"):
         gen.generate([[1, 2], [3], []], max_new_tokens=2)
-    _untouched(gen, model)
+    _untouched(gen, llama)
     assert gen.stats.requests == 0
 
 
@@ -79,55 +66,55 @@ def test_sliding_window_layers_are_refused() -> None:
         PagedGenerator(m, max_bs=2, max_context_len=32)
 
 
-def test_bad_construction(model: Any) -> None:
+def test_bad_construction(llama: Any) -> None:
     with pytest.raises(InputError, match="max_bs must be an int >= 1"):
-        PagedGenerator(model, max_bs=0, max_context_len=32)
+        PagedGenerator(llama, max_bs=0, max_context_len=32)
     with pytest.raises(InputError, match="draft_model and num_draft_tokens"):
-        PagedGenerator(model, max_bs=2, max_context_len=32, num_draft_tokens=2)
+        PagedGenerator(llama, max_bs=2, max_context_len=32, num_draft_tokens=2)
     with pytest.raises(InputError, match="draft_model and num_draft_tokens"):
-        PagedGenerator(model, max_bs=2, max_context_len=32, draft_model=model)
+        PagedGenerator(llama, max_bs=2, max_context_len=32, draft_model=llama)
     other = hf_tiny.llama(vocab_size=hf_tiny.VOCAB + 1)
     with pytest.raises(InputError, match=f"expected {hf_tiny.VOCAB} tokens"):
-        PagedGenerator(model, max_bs=2, max_context_len=32, draft_model=other,
+        PagedGenerator(llama, max_bs=2, max_context_len=32, draft_model=other,
                        num_draft_tokens=2)
     with pytest.raises(InputError, match="cuda_graphs=True needs a model on CUDA"):
-        PagedGenerator(model, max_bs=2, max_context_len=32, cuda_graphs=True)
+        PagedGenerator(llama, max_bs=2, max_context_len=32, cuda_graphs=True)
     with pytest.raises(InputError, match="device must be the model's device"):
-        PagedGenerator(model, max_bs=2, max_context_len=32, device="meta")
+        PagedGenerator(llama, max_bs=2, max_context_len=32, device="meta")
     with pytest.raises(PoolError, match="page_size must be a power of two"):
-        PagedGenerator(model, max_bs=2, max_context_len=32, page_size=3)
+        PagedGenerator(llama, max_bs=2, max_context_len=32, page_size=3)
     with pytest.raises(InputError, match="must be a transformers PreTrainedModel"):
         PagedGenerator(torch.nn.Linear(2, 2), max_bs=2, max_context_len=32)
 
 
-def test_a_request_larger_than_the_cache(model: Any) -> None:
+def test_a_request_larger_than_the_cache(llama: Any) -> None:
     """It could never be admitted (it would wait forever): refused up front."""
-    gen = PagedGenerator(model, max_bs=2, max_context_len=64, page_size=8, num_pages=4)
+    gen = PagedGenerator(llama, max_bs=2, max_context_len=64, page_size=8, num_pages=4)
     with pytest.raises(CapacityError, match="needs 4 pages of 8, more than the 3 usable"):
         gen.generate([[1] * 20], max_new_tokens=8)
-    _untouched(gen, model)
+    _untouched(gen, llama)
 
 
-def test_training_mode_is_refused(gen: PagedGenerator, model: Any) -> None:
-    model.train()
+def test_training_mode_is_refused(gen: PagedGenerator, llama: Any) -> None:
+    llama.train()
     try:
         with pytest.raises(InputError, match="training mode"):
             gen.generate([[1, 2]], max_new_tokens=2)
     finally:
-        model.eval()
+        llama.eval()
 
 
-def test_attention_without_a_step_context(model: Any) -> None:
+def test_attention_without_a_step_context(llama: Any) -> None:
     """The registered function used outside the generator says what it needs."""
-    model.set_attn_implementation(ATTN_NAME)
+    llama.set_attn_implementation(ATTN_NAME)
     try:
         with pytest.raises(InputError, match="needs the forward kwarg attnpool"), torch.no_grad():
-            model(torch.tensor([[1, 2, 3]]))
+            llama(torch.tensor([[1, 2, 3]]))
     finally:
-        model.set_attn_implementation("sdpa")
+        llama.set_attn_implementation("sdpa")
 
 
-def test_an_error_mid_run_returns_every_page(gen: PagedGenerator, model: Any,
+def test_an_error_mid_run_returns_every_page(gen: PagedGenerator, llama: Any,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The model failing halfway (after prefills and decode steps) leaks no page or row."""
     calls, orig = [0], gen.target.forward
@@ -141,13 +128,13 @@ def test_an_error_mid_run_returns_every_page(gen: PagedGenerator, model: Any,
     monkeypatch.setattr(gen.target, "forward", failing)
     with pytest.raises(RuntimeError, match="model failed"):
         gen.generate([[1, 2], [3, 4, 5], [6]], max_new_tokens=6)
-    _untouched(gen, model)
+    _untouched(gen, llama)
     assert gen.alloc.free_rows == 2
     monkeypatch.undo()
-    assert gen.generate([[1, 2]], max_new_tokens=2) == hf_tiny.greedy(model, [[1, 2]], new=2)
+    assert gen.generate([[1, 2]], max_new_tokens=2) == hf_tiny.greedy(llama, [[1, 2]], new=2)
 
 
-def test_attention_backend_resolution(model: Any) -> None:
+def test_attention_backend_resolution(llama: Any) -> None:
     """On CPU the automatic choice is SDPA; a forced flash-attn kernel that cannot run is refused
     at construction, not at the first step."""
     cpu = torch.device("cpu")
@@ -155,4 +142,4 @@ def test_attention_backend_resolution(model: Any) -> None:
     with pytest.raises(LayoutError, match="backend FA3 cannot run here"):
         resolve_backend(Backend.FA3, cpu, torch.float16, 16)
     with pytest.raises(LayoutError, match="backend FA2 cannot run here"):
-        PagedGenerator(model, max_bs=2, max_context_len=32, backend=Backend.FA2)
+        PagedGenerator(llama, max_bs=2, max_context_len=32, backend=Backend.FA2)

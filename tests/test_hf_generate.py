@@ -9,7 +9,6 @@ element no update or store wrote produces NaN logits, not plausible tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,26 +18,8 @@ from attnpool.integrations.transformers import PagedGenerator
 
 import hf_tiny
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny tensors: a second intra-op thread only waits for a busy core (CI shares them)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def llama() -> Any:
-    return hf_tiny.llama()
-
-
-@pytest.fixture(scope="module")
-def llama_ref(llama: Any) -> list[list[int]]:
-    return hf_tiny.greedy(llama, hf_tiny.prompts())
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 def _poisoned(gen: PagedGenerator) -> PagedGenerator:

@@ -8,10 +8,7 @@ poisoned, so a request reading pages another one overwrote, or never wrote, woul
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 from attnpool import CapacityError, InputError
 from attnpool.integrations.transformers import PagedGenerator
@@ -19,15 +16,8 @@ from attnpool.paging import Allocation, PageAllocator
 
 import hf_tiny
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.usefixtures("one_thread")]
 
 
 def test_allocator_never_hands_out_the_pad_page_and_is_all_or_nothing() -> None:

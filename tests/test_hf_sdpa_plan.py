@@ -14,7 +14,6 @@ integration runs every layer: equal to dense attention and to the log-sum-exp pa
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -26,17 +25,11 @@ from batches import make_batch
 from dense import dense_attention
 from opcount import count
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 C, ND, D = 96, 3, 8
 ATOL, RTOL = 2e-5, 1e-4  # float32 adapter vs float64 oracle (see test_adapter_sdpa.py)
 HEADS = [(4, 2), (2, 2), (6, 1)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _pool(page: int) -> BufferPool:

@@ -65,31 +65,24 @@ def check_tensor(
 
 def check_req_to_token(t: object, cfg: PoolConfig, device: torch.device | None = None) -> Tensor:
     """``[num_req_slots, >= max_context_len]`` int, rows contiguous (kernels index it row-major)."""
-    t = check_tensor("req_to_token", t, cfg, 2, device=device)
-    if t.shape[0] < 1:
-        raise InputError(f"req_to_token must have >= 1 row, got shape {tuple(t.shape)}")
-    if t.shape[1] < cfg.max_context_len:
-        raise InputError(
-            f"req_to_token must have >= max_context_len={cfg.max_context_len} columns, "
-            f"got {t.shape[1]}"
-        )
-    if t.stride(1) != 1:
-        raise InputError(f"req_to_token rows must be contiguous (stride(1)=1), got {t.stride()}")
-    return t
+    return _table("req_to_token", t, cfg, cfg.max_context_len, "max_context_len", device)
 
 
 def check_block_table(t: object, cfg: PoolConfig, device: torch.device | None = None) -> Tensor:
     """``[num_rows, >= max_pages]`` int page ids, rows contiguous (kernels index it row-major)."""
-    t = check_tensor("block_table", t, cfg, 2, device=device)
+    return _table("block_table", t, cfg, cfg.max_pages, "max_pages", device)
+
+
+def _table(name: str, t: object, cfg: PoolConfig, cols: int, what: str,
+           device: torch.device | None) -> Tensor:
+    t = check_tensor(name, t, cfg, 2, device=device)
     if t.shape[0] < 1:
-        raise InputError(f"block_table must have >= 1 row, got shape {tuple(t.shape)}")
-    if t.shape[1] < cfg.max_pages:
-        raise InputError(
-            f"block_table must have >= max_pages={cfg.max_pages} columns (ceil(max_context_len="
-            f"{cfg.max_context_len} / page_size={cfg.page_size})), got {t.shape[1]}"
-        )
+        raise InputError(f"{name} must have >= 1 row, got shape {tuple(t.shape)}")
+    if t.shape[1] < cols:
+        raise InputError(f"{name} must have >= {what}={cols} columns (max_context_len="
+                         f"{cfg.max_context_len}, page_size={cfg.page_size}), got {t.shape[1]}")
     if t.stride(1) != 1:
-        raise InputError(f"block_table rows must be contiguous (stride(1)=1), got {t.stride()}")
+        raise InputError(f"{name} rows must be contiguous (stride(1)=1), got {t.stride()}")
     return t
 
 
