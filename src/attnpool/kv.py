@@ -34,6 +34,7 @@ from .config import Impl, is_int, resolve_impl
 from .errors import CapacityError, InputError, LayoutError, PoolError
 from .kv_config import PAD_PAGE, KVCacheConfig, KVKind, KVLayout, align
 from .kv_quant import MODEL_DTYPES, check_scales, dequantize, is_fp8, store_reference_
+from .phases._checks import check_tensor
 
 __all__ = ["KVCacheConfig", "KVCachePool", "KVKind", "KVLayout", "store_reference_"]
 
@@ -137,17 +138,11 @@ class KVCachePool:
     # ---- stores --------------------------------------------------------------------------------
     def _check_tensor(self, name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]
                       ) -> Tensor:
-        if not isinstance(t, Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != ndim:
-            raise InputError(f"{name} must have {ndim} dim(s), got shape {tuple(t.shape)}")
-        if t.dtype not in dtypes:
-            raise InputError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-        # the storage's device, not the config's string: "cpu:0" and "cuda" resolve to what
-        # tensors report ("cpu", "cuda:0")
-        if t.device != self.storage.device:
-            raise InputError(f"{name} must be on {self.storage.device}, got {t.device}")
-        return t
+        """The phases' tensor check against the storage's device (``"cpu:0"`` and ``"cuda"``
+        resolve to what tensors report); strided 1-D inputs are fine here (the stores read
+        them through their stride)."""
+        return check_tensor(name, t, None, ndim, dtypes, device=self.storage.device,
+                            contiguous=False)
 
     def _src(self, name: str, t: object, n: int | None, dim: int) -> Tensor:
         """A source ``[n, H, dim]`` with unit last stride (2-D for one head): of the cache dtype, or

@@ -32,20 +32,25 @@ def check_bs(cfg: PoolConfig, bs: int, n: int | None = None) -> None:
 def check_tensor(
     name: str,
     t: object,
-    cfg: PoolConfig,
+    cfg: PoolConfig | None,
     ndim: int,
     dtypes: tuple[torch.dtype, ...] = INT_DTYPES,
     rows: int | None = None,
     device: torch.device | None = None,
+    contiguous: bool = True,
 ) -> Tensor:
     """A tensor of ``ndim`` dims, one of ``dtypes``, on the pool's device (or ``device``).
 
     The hot path is one expression of attribute reads; the per-check messages below are only
     reached (and formatted) when it fails, or for a device spelled without its index."""
-    want = device if device is not None else cfg.torch_device
+    if device is None:
+        if cfg is None:
+            raise TypeError("check_tensor needs a config or a device")
+        device = cfg.torch_device
+    want = device
     if (isinstance(t, Tensor) and t.dim() == ndim and t.dtype in dtypes and t.device == want
             and (rows is None or t.shape[0] == rows)
-            and (ndim != 1 or t.shape[0] <= 1 or t.stride(0) == 1)):
+            and (not contiguous or ndim != 1 or t.shape[0] <= 1 or t.stride(0) == 1)):
         return t
     if not isinstance(t, Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -57,7 +62,7 @@ def check_tensor(
         raise InputError(f"{name} must be on {want}, got {t.device}")
     if rows is not None and t.shape[0] != rows:
         raise InputError(f"{name} must have {rows} rows, got {t.shape[0]}")
-    if ndim == 1 and t.shape[0] > 1 and t.stride(0) != 1:
+    if contiguous and ndim == 1 and t.shape[0] > 1 and t.stride(0) != 1:
         # Kernels index per-row vectors flat; a strided one would need a copy (an allocation).
         raise InputError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
     return t
