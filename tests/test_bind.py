@@ -11,6 +11,7 @@ its recorded launches and not one aten op.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -44,7 +45,7 @@ def fresh_values(call: fc.Call, pool: BufferPool, rng: random.Random, n: int
     slots = rng.sample(range(kw["req_to_token"].shape[0]), rows)
     out = {"seq_lens": torch.tensor(lens), "req_pool_indices": torch.tensor(slots)}
     if "tree_mask" in kw:
-        out["tree_mask"] = torch.cat([fc.tree_mask(n, rng), kw["tree_mask"][n:]])
+        out["tree_mask"] = torch.cat([fc.tree_mask(n, rng), kw["tree_mask"][n:].cpu()])
     if "out_cache_loc" in kw:
         top = (cfg.num_pages or 2) * cfg.page_size
         out["out_cache_loc"] = torch.randint(cfg.page_size, top, kw["out_cache_loc"].shape)
@@ -122,3 +123,29 @@ def test_bind_refuses_host_values() -> None:
         pool.decode.bind(call.bs, **{k: v for k, v in call.kwargs.items() if "cpu" not in k},
                          request_ids=list(range(len(call.kwargs["seq_lens"]))))
     assert torch.equal(before, pool.arena.storage)
+
+
+@pytest.mark.cuda
+@pytest.mark.triton
+@pytest.mark.parametrize("phase", PHASES)
+def test_bound_update_on_cuda_is_one_graph_replay(phase: str) -> None:
+    """On CUDA a bound fused update is captured into a private graph: a call replays it, and the
+    bytes equal update_'s after the inputs change in place."""
+    rng = random.Random(PHASES.index(phase))
+    cpu = fc.make_pool(rng, Impl.REFERENCE, topk=2)
+    cfg = dataclasses.replace(cpu.cfg, device="cuda", impl=Impl.TRITON)
+    bound_pool, oracle_pool = BufferPool(cfg, poison=True), BufferPool(cfg, poison=True)
+    call = fc.valid_call(cpu, phase, rng, host=False)
+    kw, n = capturable(call)
+    kw = {k: v.cuda() if isinstance(v, Tensor) else v for k, v in kw.items()}
+    u = getattr(bound_pool, phase).bind(call.bs, **kw)
+    assert u.graphed and u.launches == 0
+    for _ in range(3):
+        n = rng.randint(0, call.bs)
+        kw["num_real"].fill_(n)
+        for k, v in fresh_values(fc.Call(phase, call.bs, kw, call.oracle), cpu, rng, n).items():
+            kw[k].copy_(v.to(kw[k].dtype))
+        got = u()
+        torch.cuda.synchronize()
+        want = getattr(oracle_pool, phase).update_(call.bs, **kw)
+        assert_same(want, got)
