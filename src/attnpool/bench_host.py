@@ -125,7 +125,7 @@ def stubbed_launches(device: torch.device) -> Iterator[None]:
 def units(fn: Callable[[], object], device: torch.device, rounds: int = 25, number: int = 20
           ) -> float:
     """``fn``'s host time in units of ``t.fill_(1)`` (8 elements), interleaved, min of rounds."""
-    t = torch.zeros(8, device=device)
+    t = torch.zeros(8, device=device)  # ok: the unit op's operand, once per case
     fn()  # first call: builds caches / compiles; not what a step costs
     ts, us = [], []
     for _ in range(rounds):
