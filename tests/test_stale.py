@@ -95,3 +95,23 @@ def test_a_view_built_by_hand_counts_as_current() -> None:
     own = dataclasses.replace(v, stamp=None)
     write(pool, "verify", "view", random.Random(1))
     assert own.is_current and not v.is_current
+
+
+@pytest.mark.parametrize("impl", [Impl.REFERENCE, pytest.param(Impl.TRITON, marks=pytest.mark.triton)])
+def test_local_views_know_their_shape_through_bound_calls(impl: Impl) -> None:
+    """Decode- and verify-shaped local views share bytes: writing one shape (an update or a bound
+    call) makes the other's views stale, and view() of the other shape rewrites its state."""
+    rng = random.Random(0)
+    pool = fc.make_pool(rng, impl)
+    call = fc.valid_call(pool, "local", rng, host=False)
+    kw = {k: v for k, v in call.kwargs.items() if k != "for_phase"}
+    bound = pool.local.bind(call.bs, for_phase=Phase.DECODE, **kw)
+    ver = pool.local.update_(call.bs, for_phase=Phase.VERIFY, **kw)
+    assert ver.is_current and not bound.view.is_current
+    bound()
+    assert bound.view.is_current and not ver.is_current
+    with pytest.raises(StaleViewError, match=r"shaped for verify.*decode shape"):
+        pool.check(ver)
+    again = pool.local.view(call.bs, Phase.VERIFY)
+    assert again is ver and again.is_current
+    pool.check(again)

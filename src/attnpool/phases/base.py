@@ -193,14 +193,23 @@ class PhaseBase:
         if host:
             raise InputError(f"bind takes device inputs only; host values of one step cannot be "
                              f"bound, got {host}")
+        if capturing(self._dev):
+            raise PoolError(f"{self.phase.value}.bind({bs}) runs the update once and captures "
+                            "its own graph; call it before torch.cuda.graph(...) begins")
         self._rec = [] if self.fused else None
         try:
             view = self.update_(bs, **inputs)  # type: ignore[attr-defined]
             rec = self._rec
         finally:
             self._rec = None
-        return BoundUpdate(self.arena, self.phase, bs, view, rec,
-                           lambda: self.update_(bs, **inputs))  # type: ignore[attr-defined]
+        return BoundUpdate(self.arena, view, rec,
+                           lambda: self.update_(bs, **inputs),  # type: ignore[attr-defined]
+                           self._after_write(bs))
+
+    def _after_write(self, bs: int) -> Callable[[], None]:
+        """What a bound update's call records after its launches: this phase's write of ``bs``
+        rows (a phase with more state of its own extends it)."""
+        return lambda: self._mark(bs)
 
     def _mark(self, rows: int) -> None:
         """Record this phase's write of ``rows`` rows (the overlay bookkeeping of every update)."""

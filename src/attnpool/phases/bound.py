@@ -28,7 +28,6 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from ..arena import Arena
-from ..config import Phase
 
 V = TypeVar("V")
 
@@ -36,11 +35,13 @@ V = TypeVar("V")
 class BoundUpdate(Generic[V]):
     """A phase update bound to fixed inputs; call it to refill the view (see the module doc)."""
 
-    __slots__ = ("_arena", "_bs", "_graph", "_launches", "_phase", "_redo", "view")
+    __slots__ = ("_after", "_arena", "_graph", "_launches", "_redo", "view")
 
-    def __init__(self, arena: Arena, phase: Phase, bs: int, view: V,
-                 launches: list[Callable[[], object]] | None, redo: Callable[[], V]) -> None:
-        self._arena, self._phase, self._bs = arena, phase, bs
+    def __init__(self, arena: Arena, view: V, launches: list[Callable[[], object]] | None,
+                 redo: Callable[[], V], after: Callable[[], None]) -> None:
+        self._arena = arena
+        #: the phase's bookkeeping of a write (overlay ownership, its own state), per call
+        self._after = after
         #: the view every call refills (the binding call's view)
         self.view = view
         self._launches = launches
@@ -50,7 +51,14 @@ class BoundUpdate(Generic[V]):
             self._graph = _capture(launches)
 
     def __call__(self) -> V:
-        """Refill the bound view from the inputs' current values; returns it."""
+        """Refill the bound view from the inputs' current values; returns it.
+
+        Called while the engine's own stream captures a graph, the call is recorded there and
+        its replays write the pool behind this bookkeeping: the arena is then marked as
+        ``recorded`` (as a capturable update marks it), which turns off what relies on seeing
+        every write (the incremental page table)."""
+        if _capturing(self._arena):
+            self._arena.recorded = True
         if self._graph is not None:
             self._graph.replay()
         elif self._launches is not None:
@@ -58,7 +66,7 @@ class BoundUpdate(Generic[V]):
                 fn()
         else:
             return self._redo()
-        self._arena.mark_written(self._phase, self._bs)
+        self._after()
         return self.view
 
     @property
@@ -71,6 +79,11 @@ class BoundUpdate(Generic[V]):
     def graphed(self) -> bool:
         """True when a call is one CUDA graph replay."""
         return self._graph is not None
+
+
+def _capturing(arena: Arena) -> bool:
+    dev = arena.storage.device
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _capture(launches: list[Callable[[], object]]) -> Any:

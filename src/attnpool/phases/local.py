@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -121,6 +121,17 @@ class LocalPhase(PhaseBase):
         self._state = for_phase
         return self._view(bs, for_phase)
 
+    def _after_write(self, bs: int) -> Callable[[], None]:
+        """A bound call also restores which shape (decode or verify) the bytes now hold, so a
+        later ``view`` of the other shape rewrites its capture state."""
+        state = self._state
+
+        def after() -> None:
+            self._mark(bs)
+            self._state = state
+
+        return after
+
     def _write(self, bs: int, q: int, per: int, q_lens: Tensor, kv_lens: Tensor, pages: Tensor
                ) -> None:
         rows, real = bs * per, q_lens.shape[0]
@@ -145,4 +156,23 @@ class LocalPhase(PhaseBase):
         max_k = min(self.chunk, self.cfg.max_context_len)
         return part_view(self._b, bs * per, self._cu_q, max_q=q, max_k=max_k,
                          page_size=self.cfg.page_size, causal=True, cls=LocalView,
-                         rows_per_request=per, stamp=self._stamp)
+                         rows_per_request=per, stamp=_ShapeStamp(self, for_phase))
+
+
+class _ShapeStamp:
+    """A local view's producer: the local phase *and* the shape (decode or verify) it was made
+    for. Both shapes share the part's bytes, so a view of one is stale once the other is written."""
+
+    __slots__ = ("_local", "_shape")
+
+    def __init__(self, local: LocalPhase, shape: Phase) -> None:
+        self._local, self._shape = local, shape
+
+    def current(self) -> bool:
+        return self._local._stamp.current() and self._local._state is self._shape
+
+    def describe(self) -> str:
+        if not self._local._stamp.current():
+            return self._local._stamp.describe()
+        return (f"a local view shaped for {self._shape.value}, but its bytes now hold the "
+                f"{self._local._state.value if self._local._state else 'no'} shape")

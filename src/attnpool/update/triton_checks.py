@@ -159,8 +159,15 @@ class Launch:
 
     def take(self, names: tuple[str, ...], **alias: str) -> Launch:
         """Read the replayed inputs from value tuples laid out as ``names`` (``alias``: wrapper
-        parameter -> the name it has there, e.g. ``seq_lens="encoder_lens"``)."""
+        parameter -> the name it has there, e.g. ``seq_lens="encoder_lens"``). After this the
+        launch must be called with values (the built-in inputs are released)."""
         self.map = tuple((p, names.index(alias.get(k, k))) for k, p in self.dyn.items())
+        # Every replay supplies these: drop the binding call's tensors, so a cached launch never
+        # keeps a caller's (possibly large, since replaced) table alive.
+        a = list(self.args)
+        for p, _ in self.map:
+            a[p] = None
+        self.args = tuple(a)
         return self
 
     def __call__(self, vals: tuple[object, ...] | None = None) -> None:
