@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from functools import partial
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -209,7 +210,7 @@ class PhaseBase:
     def _after_write(self, bs: int) -> Callable[[], None]:
         """What a bound update's call records after its launches: this phase's write of ``bs``
         rows (a phase with more state of its own extends it)."""
-        return lambda: self._mark(bs)
+        return partial(self.arena.mark, self._regions, self.phase, bs)
 
     def _mark(self, rows: int) -> None:
         """Record this phase's write of ``rows`` rows (the overlay bookkeeping of every update)."""

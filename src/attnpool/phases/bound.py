@@ -35,11 +35,12 @@ V = TypeVar("V")
 class BoundUpdate(Generic[V]):
     """A phase update bound to fixed inputs; call it to refill the view (see the module doc)."""
 
-    __slots__ = ("_after", "_arena", "_graph", "_launches", "_redo", "view")
+    __slots__ = ("_after", "_arena", "_cuda", "_graph", "_launches", "_redo", "view")
 
     def __init__(self, arena: Arena, view: V, launches: list[Callable[[], object]] | None,
                  redo: Callable[[], V], after: Callable[[], None]) -> None:
         self._arena = arena
+        self._cuda = arena.storage.device.type == "cuda"
         #: the phase's bookkeeping of a write (overlay ownership, its own state), per call
         self._after = after
         #: the view every call refills (the binding call's view)
@@ -57,7 +58,7 @@ class BoundUpdate(Generic[V]):
         its replays write the pool behind this bookkeeping: the arena is then marked as
         ``recorded`` (as a capturable update marks it), which turns off what relies on seeing
         every write (the incremental page table)."""
-        if _capturing(self._arena):
+        if self._cuda and torch.cuda.is_current_stream_capturing():
             self._arena.recorded = True
         if self._graph is not None:
             self._graph.replay()
@@ -79,11 +80,6 @@ class BoundUpdate(Generic[V]):
     def graphed(self) -> bool:
         """True when a call is one CUDA graph replay."""
         return self._graph is not None
-
-
-def _capturing(arena: Arena) -> bool:
-    dev = arena.storage.device
-    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _capture(launches: list[Callable[[], object]]) -> Any:
