@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -62,3 +63,21 @@ def llama_ref(llama: Any) -> list[list[int]]:
     import hf_tiny
 
     return hf_tiny.greedy(llama, hf_tiny.prompts())
+
+
+@pytest.fixture
+def install(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, Any], None]]:
+    """No real flash-attn module is importable; ``install(name, module)`` puts a fake in place
+    (the flash-attn adapter's module loader is reset around each change)."""
+    from attnpool.adapters import flash_attn as fa
+
+    for name in [*(n for n, _ in fa.FA3_MODULES), "flash_attn"]:
+        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
+    fa.clear_kernel_cache()
+
+    def put(name: str, module: Any) -> None:
+        monkeypatch.setitem(sys.modules, name, module)
+        fa.clear_kernel_cache()
+
+    yield put
+    fa.clear_kernel_cache()

@@ -15,7 +15,7 @@ import math
 import random
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -54,21 +54,6 @@ def _tree_mask(n: int, nd: int) -> torch.Tensor:
 
 def _want(view: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> sdpa.Attn:
     return sdpa.attention(view, q.float(), k.float(), v.float())
-
-
-@pytest.fixture
-def install(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, Any], None]]:
-    """No real flash-attn module is importable; ``install(name, module)`` puts a fake in place."""
-    for name in [*FA3_NAMES, "flash_attn"]:
-        monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
-    fa.clear_kernel_cache()
-
-    def put(name: str, module: Any) -> None:
-        monkeypatch.setitem(sys.modules, name, module)
-        fa.clear_kernel_cache()
-
-    yield put
-    fa.clear_kernel_cache()
 
 
 # ---- arguments ----------------------------------------------------------------------------------

@@ -12,8 +12,7 @@ before any kernel call, leaving pool, cache and wrappers unchanged.
 from __future__ import annotations
 
 import random
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -107,20 +106,6 @@ def _close_lse(got: torch.Tensor, want: torch.Tensor, rows: int) -> None:
 
 def _differs(got: torch.Tensor, raw: torch.Tensor, rows: int) -> None:
     assert (got[:rows].float() - raw[:rows].float()).abs().max() > 0.1  # scales matter
-
-
-@pytest.fixture
-def install(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, Any], None]]:
-    for name in [*FA3_NAMES, "flash_attn"]:
-        monkeypatch.setitem(sys.modules, name, None)
-    fa.clear_kernel_cache()
-
-    def put(name: str, module: Any) -> None:
-        monkeypatch.setitem(sys.modules, name, module)
-        fa.clear_kernel_cache()
-
-    yield put
-    fa.clear_kernel_cache()
 
 
 # ---- FA3 ----------------------------------------------------------------------------------------
