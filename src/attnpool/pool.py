@@ -14,6 +14,7 @@ from .check import check_view
 from .config import PHASE_FACTS, Phase, PoolConfig
 from .errors import InputError, MissingPhaseError, PoolError, StaleViewError
 from .phases import (
+    PHASE_TYPES,
     DecodePhase,
     DraftExtendPhase,
     DraftPhase,
@@ -23,14 +24,6 @@ from .phases import (
     PhaseBase,
     VerifyPhase,
 )
-
-_OTHERS: dict[Phase, type[PhaseBase]] = {
-    Phase.VERIFY: VerifyPhase,
-    Phase.DRAFT: DraftPhase,
-    Phase.DRAFT_EXTEND: DraftExtendPhase,
-    Phase.LOCAL: LocalPhase,
-    Phase.EXTEND: ExtendPhase,
-}
 
 
 class BufferPool:
@@ -53,15 +46,8 @@ class BufferPool:
         self.cfg = cfg
         self.poisoned = poison
         self.arena = Arena(cfg, poison=poison)
-        decode = DecodePhase(self.arena)
-        self._phases: dict[Phase, PhaseBase] = {}
-        for p in cfg.phases:  # only the phases the config enables exist
-            if p is Phase.DECODE:
-                self._phases[p] = decode
-            elif p is Phase.ENCODER:
-                self._phases[p] = EncoderPhase(self.arena, decode)
-            else:
-                self._phases[p] = _OTHERS[p](self.arena)
+        #: only the phases the config enables exist
+        self._phases: dict[Phase, PhaseBase] = {p: PHASE_TYPES[p](self.arena) for p in cfg.phases}
         for ph in self._phases.values():
             ph.validate = bool(validate)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -25,8 +25,14 @@ _MAX_LAUNCHES = 1024
 #: cached views per phase before the cache is dropped
 _MAX_VIEWS = 4096
 T = TypeVar("T")
-#: :meth:`PhaseBase._write_part`'s padding names -> :func:`attnpool.update.triton.paged_launch`'s
-_PAD_NAMES = {"pad_len": "pad_seq_len", "pad_id": "pad_page"}
+
+
+def _triton() -> ModuleType:
+    """The fused part functions (importing them does not import triton: the kernels load on
+    first launch)."""
+    from ..update import triton
+
+    return triton
 
 
 def capturing(device: torch.device) -> bool:
@@ -46,6 +52,12 @@ class PhaseBase:
     """
 
     phase: Phase
+    #: how the phase lays out one update's inputs (the ``vals`` tuple of :meth:`_run`): the
+    #: names are the part functions' parameter names, so each part reads its inputs by name
+    NAMES: ClassVar[tuple[str, ...]]
+    #: per part (in :meth:`_parts` order), parameter -> the name its input has in ``NAMES``
+    #: where the two differ (e.g. the encoder's cross part reads ``encoder_lens`` as lengths)
+    ALIASES: ClassVar[tuple[dict[str, str], ...]] = ()
 
     def __init__(self, arena: Arena) -> None:
         self.arena = arena
@@ -53,6 +65,10 @@ class PhaseBase:
         #: the update path this phase runs (:func:`attnpool.config.resolve_impl`; never AUTO).
         self.impl = resolve_impl(arena.cfg.impl, arena.cfg.torch_device)
         self.fused = self.impl is Impl.TRITON
+        #: the update path's part functions: :mod:`attnpool.update.triton` (imported here, on
+        #: the first fused pool, so importing attnpool never imports it) or
+        #: :mod:`attnpool.update.reference`; both expose the same functions
+        self.ops: ModuleType = _triton() if self.fused else ref
         self._dev = arena.storage.device
         self._arange = arena.buffer(None, "arange")
         #: debug validation of device values (``BufferPool(validate=True)``, see ._validate)
@@ -222,46 +238,55 @@ class PhaseBase:
         if self.validate and not capturing(self._dev):
             validate(v)
 
-    def _tt(self) -> ModuleType:
-        """The fused wrappers, imported on first use (importing attnpool never imports triton)."""
-        from ..update import triton
-
-        return triton
-
-    def _paged_launch(self, b: PagedBuffers, bs: int, seq_lens: Tensor, rpi: Tensor,
-                      table: Tensor, block: int | None, **kw: Any) -> Any:
-        """Check and assemble one :func:`attnpool.update.triton.paged_launch` of part ``b``
-        with this pool's padding (the defaults of :meth:`_write_part`, whose names ``pad_len`` /
-        ``pad_id`` are accepted; other keywords pass through). ``block``: see :meth:`_rows_table`."""
+    def _paged_launch(self, ops: ModuleType, b: PagedBuffers, bs: int, seq_lens: Tensor,
+                      rpi: Tensor, table: Tensor, block: int | None, **kw: Any) -> Any:
+        """One ``paged_launch`` of ``ops`` for part ``b`` with this pool's padding and bounds
+        (other keywords pass through). ``block``: see :meth:`_rows_table`."""
         cfg = self.cfg
         args: dict[str, Any] = {"extra": 0, "page_size": cfg.page_size,
                                 "pad_seq_len": cfg.pad_seq_len, "pad_page": cfg.pad_page,
                                 "max_len": cfg.max_context_len, "block_size": block}
-        for k, v in kw.items():
-            args[_PAD_NAMES.get(k, k)] = v
-        return self._tt().paged_launch(b, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi,
-                                       req_to_token=table, **args)
+        args.update(kw)
+        return ops.paged_launch(b, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi,
+                                req_to_token=table, **args)
 
-    def _run(self, key: Hashable, build: Callable[[], tuple[Any, ...]],
-             vals: tuple[object, ...]) -> None:
-        """Run the fused launches of ``key`` with ``vals`` (the phase's inputs, laid out as its
-        launches were told with ``take``).
+    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The phase's parts for ``bs`` rows: one ``*_launch`` of ``ops`` per part, built from
+        ``vals`` (laid out as :attr:`NAMES`). Declared once per phase; both update paths and
+        the capture state run them."""
+        raise NotImplementedError
 
-        ``build()`` checks and assembles them on the first update of a key (the batch shape:
-        bs, the request table's kind and shape and which optional inputs are given; the kind
-        must be part of the key, as one 2-D shape may be either); every later update
-        only swaps its inputs into the cached arguments. While :meth:`bind` builds a bound
-        update, the launches are also recorded with ``vals`` fixed.
+    def _capture_vals(self) -> tuple[Any, ...]:
+        """:attr:`NAMES` values of the capture state: no real row (every row padding)."""
+        raise NotImplementedError
+
+    def _run(self, key: Hashable, bs: int, vals: tuple[Any, ...]) -> None:
+        """Run the parts of an update with inputs ``vals`` (laid out as :attr:`NAMES`).
+
+        The parts are built and checked on the first update of a key (the batch shape: bs, the
+        request table's kind and shape and which optional inputs are given; the kind must be
+        part of the key, as one 2-D shape may be either); every later update only swaps its
+        inputs into the cached arguments. While :meth:`bind` builds a bound update, the calls
+        are also recorded with ``vals`` fixed.
         """
         plan = self._launches.get(key)
         if plan is None:
             if len(self._launches) >= _MAX_LAUNCHES:  # e.g. a new req_to_token shape per call
                 self._launches.clear()
-            plan = self._launches[key] = build()
+            parts = self._parts(self.ops, bs, vals)
+            aliases = self.ALIASES + ({},) * (len(parts) - len(self.ALIASES))
+            plan = self._launches[key] = tuple(
+                lc.take(self.NAMES, **alias) for lc, alias in zip(parts, aliases, strict=True))
         if self._rec is not None:
             self._rec.extend(lc.bound(vals) for lc in plan)
         for lc in plan:
             lc(vals)
+
+    def _write_capture_state(self) -> None:
+        """The padded state of ``max_bs`` rows: the phase's parts over no real row, written by
+        the reference path (the same bytes; it runs once, before capture, never per step)."""
+        for lc in self._parts(ref, self.cfg.max_bs, self._capture_vals()):
+            lc()
 
     def _memo(self, key: Hashable, build: Callable[[], T]) -> T:
         """The view of ``key`` (bs and host bounds), built once: views are frozen slices of
@@ -274,8 +299,10 @@ class PhaseBase:
             v = self._views[key] = build()
         return v  # type: ignore[no-any-return]
 
-    def _paged(self, prefix: str = "") -> PagedBuffers:
-        a, ph = self.arena, self.phase
+    def _paged(self, prefix: str = "", phase: Phase | None = None) -> PagedBuffers:
+        """One paged part's full-size buffers: ``prefix`` names the part, ``phase`` the phase
+        whose buffers they are (default: this phase's; the encoder writes decode's rows)."""
+        a, ph = self.arena, self.phase if phase is None else phase
         return PagedBuffers(
             cache_seqlens=a.buffer(ph, prefix + "cache_seqlens"),
             cu_seqlens_k=a.buffer(ph, prefix + "cu_seqlens_k"),
@@ -283,6 +310,7 @@ class PhaseBase:
             kv_indptr=a.maybe(ph, prefix + "kv_indptr"),
             kv_indices=a.maybe(ph, prefix + "kv_indices"),
             kv_last_page_len=a.maybe(ph, prefix + "kv_last_page_len"),
+            arange=self._arange,
         )
 
     def _empty_pages(self) -> Tensor:
@@ -300,51 +328,6 @@ class PhaseBase:
             )
         self._write_capture_state()
         self.arena.mark_written(self.phase, self.cfg.max_bs)
-
-    def _write_capture_state(self) -> None:
-        raise NotImplementedError
-
-    # ---- shared writers ------------------------------------------------------------------------
-    def _write_part(
-        self,
-        b: PagedBuffers,
-        rows: int,
-        lens: Tensor,
-        pages: Tensor,
-        *,
-        add: int = 0,
-        page_size: int | None = None,
-        pad_len: int | None = None,
-        pad_id: int | None = None,
-        max_len: int | None = None,
-    ) -> None:
-        """Write one paged part's read region for ``rows`` rows (``len(lens)`` real ones).
-
-        Defaults are the page-level padding of docs/design.md, Padding. Token-slot parts
-        (``page_size=1``) pad with the first slot of the pad page, repeated. Real lengths are
-        clamped into ``[0, max_len]`` (default ``max_context_len``), as on the fused path, so
-        out-of-contract device values leave a valid (if wrong) read region instead of failing
-        half-way.
-        """
-        cfg = self.cfg
-        p = cfg.page_size if page_size is None else page_size
-        pad = cfg.pad_seq_len if pad_len is None else pad_len
-        ref.lengths_(b.cache_seqlens, lens, add, rows, pad,
-                     cfg.max_context_len if max_len is None else max_len)
-        ref.paged_(b, bs=rows, pages=pages, page_size=p,
-                   pad_page=cfg.pad_page if pad_id is None else pad_id,
-                   pad_pages=-(-pad // p), arange=self._arange)
-
-    def _gather(self, b: PagedBuffers, rpi: Tensor, table: Tensor, block: int | None,
-                host: list[int] | None, token_offset: Tensor | None = None) -> Tensor:
-        """The real rows' page block of part ``b`` (a page-level part of width ``max_pages``),
-        divided straight into its page table when it has one (``token_offset``: see
-        :func:`attnpool.update.reference.gather_pages`; ``block``: :meth:`_rows_table`)."""
-        cfg = self.cfg
-        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
-        pt = b.page_table
-        out = None if pt is None or cfg.page_size == 1 else pt[: rpi.shape[0], :width]
-        return ref.gather_pages(table, rpi, cfg.page_size, width, token_offset, out, block)
 
     def _max_k(self, host: list[int] | None, add: int, n: int, bs: int, bound: int) -> int:
         """Host bound of ``cache_seqlens``: tight from host lengths, else the static ``bound``."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -10,14 +12,10 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
-from ..update.reference import PagedBuffers
 from ..views import DecodeView
 from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
-
-#: the fused launch's inputs, in the order :meth:`DecodePhase.update_` passes them
-_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "keep")
 
 
 class DecodePhase(PhaseBase):
@@ -43,6 +41,8 @@ class DecodePhase(PhaseBase):
     """
 
     phase = Phase.DECODE
+    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
+             "keep", "width")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -92,7 +92,8 @@ class DecodePhase(PhaseBase):
                 Without it the page block spans ``max_pages`` columns and ``max_seqlen_k = C``.
             request_ids: optional host ids of the ``n`` requests (unique per live request): turns
                 on the incremental page table on the fused path (see the class docstring); costs
-                one host-to-device copy of ``bs`` bytes. The reference path records them only.
+                one host-to-device copy of ``bs`` bytes. The reference path writes every live page
+                anyway (the same bytes).
             num_real: capturable mode (fused path): a ``[1]`` device count of real rows; all
                 inputs then have ``bs`` rows and the update can be recorded in the engine's own
                 CUDA graph (see :mod:`attnpool.update.triton`). Call once before capture: the
@@ -121,21 +122,25 @@ class DecodePhase(PhaseBase):
                                 [("seq_lens", seq_lens, 1, cfg.max_context_len),
                                  ("req_pool_indices", rpi, 0, 0)],
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
-        if self.fused:
-            flags = self._keep_flags(ids, bs)
-            keep = None if flags is None else self._keep[:bs]
-            # --- writes start here (a launch's first build repeats the checks above) ---
-            if keep is not None and flags is not None:
-                keep.copy_(flags, non_blocking=True)
-            self._run((bs, blk, table.shape, table.stride(0), num_real is None, keep is None),
-                      lambda: (self._paged_launch(self._b, bs, seq_lens, rpi, table, blk,
-                                                  num_real=num_real, keep=keep).take(_NAMES),),
-                      (n, seq_lens, rpi, table, num_real, keep))
-            return self._done(bs, n, host, ids)
-        # --- writes start here: everything above is validation (the gather cannot raise) ---
-        pages = self._gather(self._b, rpi, table, blk, host)
-        self._write_part(self._b, bs, seq_lens, pages)
+        flags = self._keep_flags(ids, bs)
+        keep = None if flags is None else self._keep[:bs]
+        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+        # --- writes start here (a part's first build repeats the checks above) ---
+        if keep is not None and flags is not None:
+            keep.copy_(flags, non_blocking=True)
+        self._run((bs, blk, table.shape, table.stride(0), num_real is None, keep is None), bs,
+                  (n, seq_lens, rpi, table, blk, num_real, keep, width))
         return self._done(bs, n, host, ids)
+
+    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+        """One paged part (``keep``: the incremental page table, see the class docstring)."""
+        _, seq_lens, rpi, table, blk, num_real, keep, width = vals
+        return (self._paged_launch(ops, self._b, bs, seq_lens, rpi, table, blk,
+                                   num_real=num_real, keep=keep, width=width),)
+
+    def _capture_vals(self) -> tuple[Any, ...]:
+        none = self._arange[:0]
+        return (0, none, none, self._empty_pages(), None, None, None, 0)
 
     def _keep_flags(self, ids: list[Hashable] | None, bs: int) -> Tensor | None:
         """Host ``keep`` flags, or None when no row can keep its pages (or bytes changed since)."""
@@ -143,7 +148,7 @@ class DecodePhase(PhaseBase):
         if (ids is None or last is None or self.arena.recorded
                 or last[1] != self.arena.epoch(self.phase)):
             return None
-        flags = self._tt().keep_flags(last[0], ids, bs)
+        flags = self.ops.keep_flags(last[0], ids, bs)
         return torch.tensor(flags, dtype=torch.int8) if any(flags) else None
 
     def _done(self, bs: int, n: int, host: list[int] | None, ids: list[Hashable] | None
@@ -153,15 +158,6 @@ class DecodePhase(PhaseBase):
         return self._view(bs, self._max_k(host, 0, n, bs, self.cfg.max_context_len))
 
     # ---- internals ----------------------------------------------------------------------------
-    @property
-    def buffers(self) -> PagedBuffers:
-        """The decode part's full-size buffers: the encoder phase writes its decoder rows there
-        (through its own update, under its own ownership of the bytes)."""
-        return self._b
-
-    def _write_capture_state(self) -> None:
-        self._write_part(self._b, self.cfg.max_bs, self._arange[:0], self._empty_pages())
-
     def _view(self, bs: int, max_seqlen_k: int) -> DecodeView:
         return self._memo((bs, max_seqlen_k), lambda: self._make_view(bs, max_seqlen_k))
 

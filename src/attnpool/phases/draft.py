@@ -6,6 +6,7 @@ docs/design.md, Draft decode and Overlay.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 from torch import Tensor
@@ -14,15 +15,11 @@ from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
 from ..specs import draft_expand_width
-from ..update import reference as ref
 from ..update.reference import PagedBuffers
 from ..views import DraftStepView, DraftView, PagedView
 from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
-
-#: the fused launches' inputs, in the order :meth:`DraftPhase.update_` passes them
-_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "out_cache_loc")
 
 
 class DraftPhase(PhaseBase):
@@ -39,6 +36,8 @@ class DraftPhase(PhaseBase):
     """
 
     phase = Phase.DRAFT
+    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
+             "out_cache_loc", "width")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -51,20 +50,21 @@ class DraftPhase(PhaseBase):
             self._e_table = a.buffer(self.phase, "expand_page_table")
             self._e_steps = tuple(self._expand_step(d) for d in range(cfg.spec_steps))
             # all steps stacked ([S, ...] per-step buffers): what one fused launch writes
+            csr = [a.maybe(self.phase, "expand_" + k)
+                   for k in ("kv_indptr", "kv_indices", "kv_last_page_len")]
             self._expand_all = PagedBuffers(
                 a.buffer(self.phase, "expand_cache_seqlens"),
-                a.buffer(self.phase, "expand_cu_seqlens_k"), self._e_table,
-                *(a.maybe(self.phase, "expand_" + k)
-                  for k in ("kv_indptr", "kv_indices", "kv_last_page_len")))
+                a.buffer(self.phase, "expand_cu_seqlens_k"), self._e_table, csr[0], csr[1],
+                csr[2], self._arange)
         else:
             self._table = a.maybe(self.phase, "page_table")
             lens, cu = a.buffer(self.phase, "cache_seqlens"), a.buffer(self.phase, "cu_seqlens_k")
             self._chain = tuple(
-                PagedBuffers(lens[d], cu[d], self._table, None, None, None)
+                PagedBuffers(lens[d], cu[d], self._table, None, None, None, self._arange)
                 for d in range(cfg.spec_steps)
             )
             # all steps stacked: what one fused launch writes (a single step is a plain part)
-            self._chain_all = (PagedBuffers(lens, cu, self._table, None, None, None)
+            self._chain_all = (PagedBuffers(lens, cu, self._table, None, None, None, self._arange)
                                if cfg.spec_steps > 1 else self._chain[0])
 
     def _expand_step(self, d: int) -> PagedBuffers:
@@ -114,95 +114,55 @@ class DraftPhase(PhaseBase):
         seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
         rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
         host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - steps)
+        loc: Tensor | None = None
         if not self.tree:
             if out_cache_loc is not None:
                 raise InputError("out_cache_loc is only for topk > 1; chain drafts read "
                                  f"req_to_token, got one with topk={cfg.topk}")
-            if self.validate:  # (the values are only gathered when they are read)
-                self._values(Values(n, num_real, table.shape[0],
-                                    [("seq_lens", seq_lens, 1, cfg.max_context_len - steps),
-                                     ("req_pool_indices", rpi, 0, 0)],
-                                    [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
-            if self.fused:
-                # --- writes start here ---
-                self._run((bs, blk, table.shape, table.stride(0), num_real is None),
-                          lambda: (self._paged_launch(self._chain_all, bs, seq_lens, rpi, table,
-                                                      blk, extra=1, steps=steps,
-                                                      num_real=num_real).take(_NAMES),),
-                          (n, seq_lens, rpi, table, num_real, None))
-            else:
-                width = self._width(host, steps, cfg.page_size, cfg.max_pages)
-                pages = ref.gather_pages(table, rpi, cfg.page_size, width, block_size=blk)
-                # --- writes start here ---
-                self._write_chain(bs, seq_lens, pages)
         else:
             loc = self._tensor("out_cache_loc", out_cache_loc, 3, rows=n)
             if tuple(loc.shape[1:]) != (steps, cfg.topk):
                 raise InputError(f"out_cache_loc must be [n, {steps}, {cfg.topk}], "
                                  f"got {tuple(loc.shape)}")
-            if self.validate:  # (the values are only gathered when they are read)
-                self._values(Values(n, num_real, table.shape[0],
-                                    [("seq_lens", seq_lens, 1, cfg.max_context_len - steps),
-                                     ("req_pool_indices", rpi, 0, 0)],
-                                    [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
-            if self.fused:
-                # --- writes start here (both launches' inputs were checked above) ---
-                self._run((bs, blk, table.shape, table.stride(0), num_real is None,
-                           loc.stride()),
-                          lambda: self._tree_launches(bs, seq_lens, rpi, table, blk, loc,
-                                                      num_real),
-                          (n, seq_lens, rpi, table, num_real, loc))
-            else:
-                width = self._width(host, 0, cfg.page_size, cfg.max_pages)
-                pages = ref.gather_pages(table, rpi, cfg.page_size, width, block_size=blk)
-                full, part, slots = ref.draft_expand(seq_lens, rpi, table, loc, cfg.page_size,
-                                                     blk)
-                # --- writes start here ---
-                self._write_tree(bs, full, pages, part, slots)
+        if self.validate:  # (the values are only gathered when they are read)
+            self._values(Values(n, num_real, table.shape[0],
+                                [("seq_lens", seq_lens, 1, cfg.max_context_len - steps),
+                                 ("req_pool_indices", rpi, 0, 0)],
+                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
+        width = self._width(host, 0 if self.tree else steps, cfg.page_size, cfg.max_pages)
+        # --- writes start here (every part's inputs were checked above) ---
+        self._run((bs, blk, table.shape, table.stride(0), num_real is None,
+                   None if loc is None else loc.stride()), bs,
+                  (n, seq_lens, rpi, table, blk, num_real, loc, width))
         self._mark(bs)
         return self._view(bs, host, n)
 
-    def _tree_launches(self, bs: int, seq_lens: Tensor, rpi: Tensor, table: Tensor,
-                       blk: int | None, loc: Tensor, num_real: Tensor | None) -> tuple[Any, ...]:
-        """A tree round's fused launches: the prefix pass, then every step's expand rows."""
+    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Chain: every step in one paged part (``steps``: per-step lengths, one shared table).
+        Tree: the prefix pass over whole pages, then every step's expand rows."""
+        _, seq_lens, rpi, table, blk, num_real, loc, width = vals
         cfg = self.cfg
-        prefix = self._paged_launch(self._prefix, bs, seq_lens, rpi, table, blk, full_pages=True,
-                                    num_real=num_real)
-        expand = self._tt().draft_tree_expand_launch(
+        if not self.tree:
+            return (self._paged_launch(ops, self._chain_all, bs, seq_lens, rpi, table, blk,
+                                       extra=1, steps=cfg.spec_steps, num_real=num_real,
+                                       width=width),)
+        prefix = self._paged_launch(ops, self._prefix, bs, seq_lens, rpi, table, blk,
+                                    full_pages=True, num_real=num_real, width=width)
+        expand = ops.draft_tree_expand_launch(
             self._expand_all, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi, req_to_token=table,
             out_cache_loc=loc, page_size=cfg.page_size, pad_len=self._expand_pad,
             pad_id=cfg.pad_page * cfg.page_size, num_real=num_real, block_size=blk)
-        return prefix.take(_NAMES), expand.take(_NAMES)
+        return prefix, expand
+
+    def _capture_vals(self) -> tuple[Any, ...]:
+        cfg, none = self.cfg, self._arange[:0]
+        loc = none.view(0, cfg.spec_steps, cfg.topk) if self.tree else None
+        return (0, none, none, self._empty_pages(), None, None, loc, 0)
 
     @property
     def _expand_pad(self) -> int:
         """Keys of a padded expand row: within the expand table's width ``P-1+S``."""
         return min(self.cfg.pad_seq_len, draft_expand_width(self.cfg))
-
-    # ---- writers -------------------------------------------------------------------------------
-    def _write_chain(self, bs: int, seq_lens: Tensor, pages: Tensor) -> None:
-        last = len(self._chain) - 1
-        for d, b in enumerate(self._chain):
-            # The shared table is written once, with the last step's lengths (covers all steps).
-            self._write_part(b if d == last else _no_table(b), bs, seq_lens,
-                             pages if d == last else pages[:, :0], add=d + 1)
-
-    def _write_tree(self, bs: int, full: Tensor, pages: Tensor, part: Tensor, slots: Tensor
-                    ) -> None:
-        cfg = self.cfg
-        self._write_part(self._prefix, bs, full, pages)
-        rows, last = bs * cfg.topk, len(self._e_steps) - 1
-        for d, b in enumerate(self._e_steps):
-            tgt = b if d == last else _no_table(b)
-            self._write_part(tgt, rows, part, slots, add=d + 1, page_size=1,
-                             pad_len=self._expand_pad, pad_id=cfg.pad_page * cfg.page_size)
-
-    def _write_capture_state(self) -> None:
-        bs, none = self.cfg.max_bs, self._arange[:0]
-        if self.tree:
-            self._write_tree(bs, none, self._empty_pages(), none, self._empty_pages())
-        else:
-            self._write_chain(bs, none, self._empty_pages())
 
     def _view(self, bs: int, host: list[int] | None, n: int) -> DraftView:
         key = (bs, None) if host is None else (bs, tuple(host), n)
@@ -230,10 +190,4 @@ class DraftPhase(PhaseBase):
                               page_size=cfg.page_size, causal=True, stamp=self._stamp)
                 out.append(DraftStepView(d + 1, v, None, stamp=self._stamp))
         return DraftView(bs=bs, steps=tuple(out), stamp=self._stamp)
-
-
-def _no_table(b: PagedBuffers) -> PagedBuffers:
-    """The same part without its shared page table (written once per round, not per step)."""
-    return PagedBuffers(b.cache_seqlens, b.cu_seqlens_k, None, b.kv_indptr, b.kv_indices,
-                        b.kv_last_page_len)
 

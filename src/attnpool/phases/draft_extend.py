@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
 
-import torch
 from torch import Tensor
 
 from ..arena import Arena
 from ..config import Phase
 from ..errors import CapacityError
-from ..update import reference as ref
 from ..views import DraftExtendView
 from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
-
-#: the fused launch's inputs, in the order :meth:`DraftExtendPhase.update_` passes them
-_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "q_lens")
 
 
 class DraftExtendPhase(PhaseBase):
@@ -36,6 +33,8 @@ class DraftExtendPhase(PhaseBase):
     """
 
     phase = Phase.DRAFT_EXTEND
+    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
+             "q_lens", "width", "pad_q")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -92,38 +91,28 @@ class DraftExtendPhase(PhaseBase):
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
                                  ("accept_lens_cpu", accept_lens_cpu, "accept_lens")],
                                 at_most=[("accept_lens", "seq_lens")]))
-        if self.fused:
-            # --- writes start here ---
-            self._run((bs, blk, table.shape, table.stride(0), num_real is None),
-                      lambda: (self._paged_launch(
-                          self._b, bs, seq_lens, rpi, table, blk, q_lens=acc, cu_seqlens_q=self._cu_q,
-                          pad_q=1, max_q=cfg.num_draft_tokens, num_real=num_real).take(_NAMES),),
-                      (n, seq_lens, rpi, table, num_real, acc))
-        else:
-            width = self._width(host, 0, cfg.page_size, cfg.max_pages)
-            pages = ref.gather_pages(table, rpi, cfg.page_size, width, block_size=blk)
-            # --- writes start here ---
-            self._write(bs, seq_lens, acc, pages)
+        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+        # --- writes start here ---
+        self._run((bs, blk, table.shape, table.stride(0), num_real is None), bs,
+                  (n, seq_lens, rpi, table, blk, num_real, acc, width, 1))
         self._mark(bs)
         return self._view(bs, self._max_k(host, 0, n, bs, cfg.max_context_len))
 
-    def _write(self, bs: int, seq_lens: Tensor, acc: Tensor, pages: Tensor, pad_q: int = 1
-               ) -> None:
-        n = acc.shape[0]
-        cu = self._cu_q
-        # clamped like the fused path's max_q: an out-of-contract device value cannot push the
-        # packed query offsets past the captured buffer (wrong metadata, never a stray index)
-        ref.cumsum_(cu, acc.clamp(0, self.cfg.num_draft_tokens))
-        # padded rows: pad_q queries each, continuing from the real total (device value, no sync)
-        pad = self._arange[1 : bs - n + 1]
-        torch.add(pad if pad_q == 1 else pad * pad_q, cu[n : n + 1], out=cu[n + 1 : bs + 1])
-        self._write_part(self._b, bs, seq_lens, pages)
+    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+        """One paged part with its query part: ``cu_seqlens_q`` over ``accept_lens`` (clamped
+        into ``[0, N]``: an out-of-contract device value cannot push the packed query offsets
+        past the captured buffer), ``pad_q`` queries per padded row."""
+        _, seq_lens, rpi, table, blk, num_real, acc, width, pad_q = vals
+        return (self._paged_launch(ops, self._b, bs, seq_lens, rpi, table, blk, q_lens=acc,
+                                   cu_seqlens_q=self._cu_q, pad_q=pad_q,
+                                   max_q=self.cfg.num_draft_tokens, num_real=num_real,
+                                   width=width),)
 
-    def _write_capture_state(self) -> None:
+    def _capture_vals(self) -> tuple[Any, ...]:
         # N queries per padded row: every captured bs has cu_seqlens_q[bs] = bs*N (class doc)
         none = self._arange[:0]
-        self._write(self.cfg.max_bs, none, none, self._empty_pages(),
-                    pad_q=self.cfg.num_draft_tokens)
+        return (0, none, none, self._empty_pages(), None, None, none, 0,
+                self.cfg.num_draft_tokens)
 
     def _view(self, bs: int, max_k: int) -> DraftExtendView:
         return self._memo((bs, max_k), lambda: self._make_view(bs, max_k))

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
 
 from torch import Tensor
 
 from ..arena import Arena
 from ..config import Phase
-from ..update import reference as ref
 from ..views import DecodeView, EncoderView, PagedView
 from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
-from .decode import DecodePhase
-
-#: the fused launches' inputs, in the order :meth:`EncoderPhase.update_` passes them
-_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "encoder_lens")
 
 
 class EncoderPhase(PhaseBase):
@@ -34,12 +31,18 @@ class EncoderPhase(PhaseBase):
     """
 
     phase = Phase.ENCODER
+    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
+             "encoder_lens", "width", "enc_width")
+    #: the cross part reads the encoder lengths as its lengths, the decoder part as offsets
+    ALIASES = ({"seq_lens": "encoder_lens", "width": "enc_width"},
+               {"token_offset": "encoder_lens"})
 
-    def __init__(self, arena: Arena, decode: DecodePhase) -> None:
+    def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
         self._b = self._paged("cross_")
-        #: the decode phase's buffers, where this phase writes its decoder rows
-        self._dec = decode.buffers
+        #: the decode phase's buffers, where this phase writes its decoder rows (under its own
+        #: ownership of those bytes: see ``PHASE_FACTS``' ``writes_decode``)
+        self._dec = self._paged(phase=Phase.DECODE)
         self._pad = min(self.cfg.pad_seq_len, self.cfg.max_encoder_len)
 
     def view(self, bs: int) -> EncoderView:
@@ -84,7 +87,6 @@ class EncoderPhase(PhaseBase):
             host_lens("encoder_lens_cpu + seq_lens_cpu",
                       [a + b for a, b in zip(enc_host, host, strict=True)], n, 2,
                       cfg.max_context_len)
-        dec = self._dec
         if self.validate:  # (the values are only gathered when they are read)
             self._values(Values(n, num_real, table.shape[0],
                                 [("seq_lens", seq_lens, 1, cfg.max_context_len),
@@ -93,25 +95,12 @@ class EncoderPhase(PhaseBase):
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
                                  ("encoder_lens_cpu", encoder_lens_cpu, "encoder_lens")],
                                 sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len)))
-        if self.fused:
-            # --- writes start here (both launches' inputs were checked above) ---
-            self._run((bs, blk, table.shape, table.stride(0), num_real is None),
-                      lambda: (
-                          self._paged_launch(self._b, bs, enc, rpi, table, blk, pad_len=self._pad,
-                                             max_len=cfg.max_encoder_len, num_real=num_real
-                                             ).take(_NAMES, seq_lens="encoder_lens"),
-                          self._paged_launch(dec, bs, seq_lens, rpi, table, blk, token_offset=enc,
-                                             num_real=num_real
-                                             ).take(_NAMES, token_offset="encoder_lens")),
-                      (n, seq_lens, rpi, table, num_real, enc))
-        else:
-            cap = -(-cfg.max_encoder_len // cfg.page_size)
-            width = self._width(enc_host, 0, cfg.page_size, cap)
-            pages = ref.gather_pages(table, rpi, cfg.page_size, width, block_size=blk)
-            # --- writes start here (the decoder gather writes its page table) ---
-            dec_pages = self._gather(dec, rpi, table, blk, host, token_offset=enc)
-            self._write(bs, enc, pages)
-            self._write_part(dec, bs, seq_lens, dec_pages)
+        cap = -(-cfg.max_encoder_len // cfg.page_size)
+        enc_width = self._width(enc_host, 0, cfg.page_size, cap)
+        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+        # --- writes start here (both parts' inputs were checked above) ---
+        self._run((bs, blk, table.shape, table.stride(0), num_real is None), bs,
+                  (n, seq_lens, rpi, table, blk, num_real, enc, width, enc_width))
         # One write of the overlay: the encoder now owns it, decoder rows included (decode's own
         # view of those buffers is not valid until decode writes them again).
         self._mark(bs)
@@ -128,13 +117,19 @@ class EncoderPhase(PhaseBase):
                       stamp=self._stamp),
             stamp=self._stamp))
 
-    def _write(self, bs: int, enc: Tensor, pages: Tensor) -> None:
-        self._write_part(self._b, bs, enc, pages, pad_len=self._pad,
-                         max_len=self.cfg.max_encoder_len)
+    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The cross part over the encoder tokens, then the decoder rows after them."""
+        _, seq_lens, rpi, table, blk, num_real, enc, width, enc_width = vals
+        cross = self._paged_launch(ops, self._b, bs, enc, rpi, table, blk,
+                                   pad_seq_len=self._pad, max_len=self.cfg.max_encoder_len,
+                                   num_real=num_real, width=enc_width)
+        dec = self._paged_launch(ops, self._dec, bs, seq_lens, rpi, table, blk,
+                                 token_offset=enc, num_real=num_real, width=width)
+        return cross, dec
 
-    def _write_capture_state(self) -> None:
-        self._write(self.cfg.max_bs, self._arange[:0], self._empty_pages())
-        self._write_part(self._dec, self.cfg.max_bs, self._arange[:0], self._empty_pages())
+    def _capture_vals(self) -> tuple[Any, ...]:
+        none = self._arange[:0]
+        return (0, none, none, self._empty_pages(), None, None, none, 0, 0)
 
     def _view(self, bs: int, max_k: int) -> PagedView:
         return self._memo((bs, max_k), lambda: self._make_view(bs, max_k))

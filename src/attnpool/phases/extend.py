@@ -6,21 +6,18 @@ docs/design.md, Extend.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
 
-import torch
 from torch import Tensor
 
 from ..arena import Arena
 from ..config import Phase
 from ..errors import CapacityError
-from ..update import reference as ref
 from ..views import ExtendView
 from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
-
-#: the fused launch's inputs, in the order :meth:`ExtendPhase.update_` passes them
-_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "q_lens", "out_slots")
 
 
 class ExtendPhase(PhaseBase):
@@ -37,6 +34,8 @@ class ExtendPhase(PhaseBase):
     """
 
     phase = Phase.EXTEND
+    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
+             "q_lens", "out_slots", "width")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -112,26 +111,11 @@ class ExtendPhase(PhaseBase):
                                  ("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
                                 at_most=[("extend_lens", "seq_lens")],
                                 sum_at_most=("extend_lens", t_max)))
-        if self.fused:
-            # --- writes start here ---
-            self._run((bs, blk, table.shape, table.stride(0), num_real is None,
-                       None if slots is None else slots.shape[0]),
-                      lambda: (self._paged_launch(
-                          self._b, bs, seq_lens, rpi, table, blk, q_lens=ext,
-                          cu_seqlens_q=self._cu_q,
-                          q_total=t_max, positions=self._pos, out_slots=slots,
-                          num_real=num_real).take(_NAMES),),
-                      (n, seq_lens, rpi, table, num_real, ext, slots))
-        else:
-            pages = ref.gather_pages(table, rpi, cfg.page_size,
-                                     self._width(host, 0, cfg.page_size, cfg.max_pages),
-                                     block_size=blk)
-            size = t_max if slots is None else max(t_max, slots.shape[0])
-            pos, slot_vals = ref.extend_tokens(seq_lens, ext, rpi, table, size, blk)
-            # --- writes start here: everything above is validation or a temporary ---
-            self._write(bs, seq_lens, ext, pages, pos)
-            if slots is not None:
-                slots.copy_(slot_vals[: slots.shape[0]])
+        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+        # --- writes start here ---
+        self._run((bs, blk, table.shape, table.stride(0), num_real is None,
+                   None if slots is None else slots.shape[0]), bs,
+                  (n, seq_lens, rpi, table, blk, num_real, ext, slots, width))
         self._mark(bs)
         max_q = t_max
         if ehost is not None:
@@ -165,24 +149,18 @@ class ExtendPhase(PhaseBase):
                                 f"got {slots.shape[0]}")
         return slots
 
-    # ---- writers -------------------------------------------------------------------------------
-    def _write(self, bs: int, seq_lens: Tensor, ext: Tensor, pages: Tensor,
-               pos: Tensor | None) -> None:
-        n = ext.shape[0]
-        cu = self._cu_q
-        ref.cumsum_(cu, ext)
-        # padded rows: the first takes the slack up to T, the others none (cu stays at T;
-        # max(T, total) keeps it non-decreasing if the caller broke sum <= T)
-        torch.clamp(cu[n : n + 1].expand(bs - n), min=self.max_tokens, out=cu[n + 1 : bs + 1])
-        self._write_part(self._b, bs, seq_lens, pages)
-        if pos is None:
-            self._pos.zero_()
-        else:
-            self._pos.copy_(pos[: self.max_tokens])
+    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+        """One paged part with its query part (padded rows: the first takes the slack up to
+        ``T``, the others none) and the packed tokens' positions (and ``out_slots``)."""
+        _, seq_lens, rpi, table, blk, num_real, ext, slots, width = vals
+        return (self._paged_launch(ops, self._b, bs, seq_lens, rpi, table, blk, q_lens=ext,
+                                   cu_seqlens_q=self._cu_q, q_total=self.max_tokens,
+                                   positions=self._pos, out_slots=slots, num_real=num_real,
+                                   width=width),)
 
-    def _write_capture_state(self) -> None:
+    def _capture_vals(self) -> tuple[Any, ...]:
         none = self._arange[:0]
-        self._write(self.cfg.max_bs, none, none, self._empty_pages(), None)
+        return (0, none, none, self._empty_pages(), None, None, none, None, 0)
 
     def _view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
         return self._memo((bs, max_q, max_k), lambda: self._make_view(bs, max_q, max_k))

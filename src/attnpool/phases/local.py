@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
 
-import torch
 from torch import Tensor
 
 from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
 from ..specs import local_rows_per_request
-from ..update import reference as ref
 from ..views import LocalView
 from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
-
-#: the fused launch's inputs, in the order :meth:`LocalPhase.update_` passes them
-_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real")
 
 
 class LocalPhase(PhaseBase):
@@ -32,6 +29,8 @@ class LocalPhase(PhaseBase):
     """
 
     phase = Phase.LOCAL
+    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
+             "for_phase")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -98,25 +97,9 @@ class LocalPhase(PhaseBase):
                                 [("seq_lens", seq_lens, 1, cfg.max_context_len - extra),
                                  ("req_pool_indices", rpi, 0, 0)],
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
-        if self.fused:
-            # --- writes start here ---
-            self._run((bs, extra, q, per, blk, table.shape, table.stride(0), num_real is None),
-                      lambda: (self._tt().local_launch(
-                          self._b, cu_seqlens_q=self._cu_q, bs=bs, seq_lens=seq_lens,
-                          req_pool_indices=rpi, req_to_token=table, extra=extra, num_queries=q,
-                          rows_per_request=per, chunk=self.chunk, page_size=cfg.page_size,
-                          pad_len=self._pad, pad_page=cfg.pad_page, num_real=num_real,
-                          block_size=blk).take(_NAMES),),
-                      (n, seq_lens, rpi, table, num_real))
-        else:
-            kv = seq_lens + extra if extra else seq_lens
-            q_lens, kv_lens, off, valid = ref.local_rows(kv, q, self.chunk, per, self._pad)
-            width = -(-min(self.chunk, cfg.max_context_len) // cfg.page_size)
-            pages = ref.gather_pages(table, rpi.repeat_interleave(per), cfg.page_size, width, off,
-                                     block_size=blk)
-            pages = torch.where(valid[:, None], pages, cfg.pad_page)
-            # --- writes start here ---
-            self._write(bs, q, per, q_lens, kv_lens, pages)
+        # --- writes start here ---
+        self._run((bs, extra, q, per, blk, table.shape, table.stride(0), num_real is None), bs,
+                  (n, seq_lens, rpi, table, blk, num_real, for_phase))
         self._mark(bs)
         self._state = for_phase
         return self._view(bs, for_phase)
@@ -132,21 +115,20 @@ class LocalPhase(PhaseBase):
 
         return after
 
-    def _write(self, bs: int, q: int, per: int, q_lens: Tensor, kv_lens: Tensor, pages: Tensor
-               ) -> None:
-        rows, real = bs * per, q_lens.shape[0]
-        cu = self._cu_q
-        ref.cumsum_(cu, q_lens)
-        # Padded requests: their first row takes the q queries, the others none, so request
-        # i's queries start at cu[i*V] = i*q as in the caller's packed query buffer.
-        pad = torch.div(self._arange[: rows - real], per, rounding_mode="floor").add_(1).mul_(q)
-        torch.add(pad, cu[real : real + 1], out=cu[real + 1 : rows + 1])
-        self._write_part(self._b, rows, kv_lens, pages, pad_len=self._pad)
+    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+        """One part of ``bs * rows_per_request`` virtual rows, ``cu_seqlens_q`` included."""
+        _, seq_lens, rpi, table, blk, num_real, for_phase = vals
+        q, extra, per = self._shape(for_phase)
+        cfg = self.cfg
+        return (ops.local_launch(
+            self._b, cu_seqlens_q=self._cu_q, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi,
+            req_to_token=table, extra=extra, num_queries=q, rows_per_request=per,
+            chunk=self.chunk, page_size=cfg.page_size, pad_len=self._pad, pad_page=cfg.pad_page,
+            num_real=num_real, block_size=blk),)
 
-    def _write_capture_state(self) -> None:
-        q, _, per = self._shape(self._for)
+    def _capture_vals(self) -> tuple[Any, ...]:
         none = self._arange[:0]
-        self._write(self.cfg.max_bs, q, per, none, none, self._empty_pages())
+        return (0, none, none, self._empty_pages(), None, None, self._for)
 
     def _view(self, bs: int, for_phase: Phase) -> LocalView:
         return self._memo((bs, for_phase), lambda: self._make_view(bs, for_phase))

@@ -6,6 +6,7 @@ docs/design.md, Verify.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -14,14 +15,10 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
-from ..update import reference as ref
 from ..views import PagedView, VerifyView
 from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
-
-#: the fused launches' inputs, in the order :meth:`VerifyPhase.update_` passes them
-_NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "num_real", "tree_mask")
 
 
 class VerifyPhase(PhaseBase):
@@ -35,6 +32,8 @@ class VerifyPhase(PhaseBase):
     """
 
     phase = Phase.VERIFY
+    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
+             "tree_mask", "width")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -93,56 +92,37 @@ class VerifyPhase(PhaseBase):
                                  ("req_pool_indices", rpi, 0, 0)],
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens")], tree_mask=mask))
         add = 0 if self.tree else nd
-        if self.fused:
-            # --- writes start here (both launches' inputs were checked above) ---
-            self._run((bs, blk, table.shape, table.stride(0), num_real is None,
-                       None if mask is None else mask.stride()),
-                      lambda: self._launches_for(bs, seq_lens, rpi, table, blk, num_real, mask,
-                                                 add),
-                      (n, seq_lens, rpi, table, num_real, mask))
-        else:
-            width = self._width(host, add, cfg.page_size, cfg.max_pages)
-            pages = ref.gather_pages(table, rpi, cfg.page_size, width, block_size=blk)
-            expand = None if mask is None else ref.tree_expand(mask, seq_lens, rpi, table, blk)
-            # --- writes start here ---
-            self._write_part(self._p, bs, seq_lens, pages, add=add)
-            if expand is not None:
-                self._write_expand(bs, *expand)
+        width = self._width(host, add, cfg.page_size, cfg.max_pages)
+        # --- writes start here (every part's inputs were checked above) ---
+        self._run((bs, blk, table.shape, table.stride(0), num_real is None,
+                   None if mask is None else mask.stride()), bs,
+                  (n, seq_lens, rpi, table, blk, num_real, mask, width))
         self._mark(bs)
         return self._view(bs, self._max_k(host, add, n, bs, cfg.max_context_len))
 
-    def _launches_for(self, bs: int, seq_lens: Tensor, rpi: Tensor, table: Tensor,
-                      blk: int | None, num_real: Tensor | None, mask: Tensor | None, add: int
-                      ) -> tuple[Any, ...]:
-        """The fused launches of one batch shape: the prefix part, then the tree expand part."""
-        out = [self._paged_launch(self._p, bs, seq_lens, rpi, table, blk, extra=add,
-                                  num_real=num_real).take(_NAMES)]
-        if mask is not None and self._e is not None:
-            out.append(self._tt().tree_expand_launch(
+    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The prefix part (chain: causal over ``seq_lens + N``), then the tree expand part."""
+        _, seq_lens, rpi, table, blk, num_real, mask, width = vals
+        out = [self._paged_launch(ops, self._p, bs, seq_lens, rpi, table, blk,
+                                  extra=0 if self.tree else self.cfg.num_draft_tokens,
+                                  num_real=num_real, width=width)]
+        if self._e is not None:
+            out.append(ops.tree_expand_launch(
                 self._e, bs=bs, tree_mask=mask, seq_lens=seq_lens, req_pool_indices=rpi,
-                req_to_token=table, pad_len=self._expand_pad, pad_id=self._expand_pad_id,
-                num_real=num_real, block_size=blk).take(_NAMES))
+                req_to_token=table, pad_len=self._expand_pad,
+                pad_id=self.cfg.pad_page * self.cfg.page_size, num_real=num_real,
+                block_size=blk))
         return tuple(out)
+
+    def _capture_vals(self) -> tuple[Any, ...]:
+        none, nd = self._arange[:0], self.cfg.num_draft_tokens
+        mask = torch.empty((0, nd, nd), dtype=torch.bool, device=self._dev) if self.tree else None
+        return (0, none, none, self._empty_pages(), None, None, mask, 0)
 
     @property
     def _expand_pad(self) -> int:
         """Keys of a padded expand row: at most N, so it stays inside the part's width."""
         return min(self.cfg.pad_seq_len, self.cfg.num_draft_tokens)
-
-    @property
-    def _expand_pad_id(self) -> int:
-        """The pad page's first token slot (expand rows are token-slot rows)."""
-        return self.cfg.pad_page * self.cfg.page_size
-
-    def _write_expand(self, bs: int, lens: Tensor, slots: Tensor) -> None:
-        if self._e is not None:
-            self._write_part(self._e, bs * self.cfg.num_draft_tokens, lens, slots, page_size=1,
-                             pad_len=self._expand_pad, pad_id=self._expand_pad_id)
-
-    def _write_capture_state(self) -> None:
-        bs = self.cfg.max_bs
-        self._write_part(self._p, bs, self._arange[:0], self._empty_pages())
-        self._write_expand(bs, self._arange[:0], self._empty_pages())
 
     def _view(self, bs: int, max_k: int) -> VerifyView:
         return self._memo((bs, max_k), lambda: self._make_view(bs, max_k))

@@ -1,273 +1,375 @@
-"""Reference update path: vectorised torch on any device, no loop over rows, no host sync.
+"""Reference update path: the part updates of :mod:`.triton`, in plain torch (any device).
 
-Each function writes the *whole read region* of its buffers for ``bs`` rows (padded rows included)
-and nothing the caller has not validated. Writes go in place into arena slices (``out=``, ``copy_``,
-``fill_``); the few temporaries are ``[n, width]`` page blocks. The gather from the caller's
-``req_to_token`` happens before any write, so an indexing error leaves the pool untouched.
+This module and :mod:`.triton` expose the same functions with the same signatures, one per kind
+of part: :func:`paged_update_` (decode, verify chain, draft chain steps, a draft tree's prefix
+pass, draft extend and extend with their query parts, encoder cross and decoder rows),
+:func:`tree_expand_update_` (verify tree), :func:`draft_tree_expand_update_` (every step of a
+draft tree round) and :func:`local_update_` (chunked local attention), each with a ``*_launch``
+twin that binds every argument once and is replayed per update with new inputs (see
+:class:`Call`). A phase picks the module once (``pool.impl``) and has no other branch: both write
+the same bytes in every read region (docs/design.md, The contract).
 
-Request tables come in two kinds, read through one helper (:func:`table_slots`): a token-level
-``req_to_token [rows, >= C]`` (the token slot of every position) and a page-level block table
-``[rows, >= ceil(C / B)]`` of pages of ``B`` tokens (``block_size=B``), whose token slot at
-position ``t`` is ``table[r, t // B] * B + t % B``. The same update over either writes the same
-bytes.
+What differs is only how: the reference path is vectorised torch (a few small ops per part, no
+loop over rows, no host sync), gathers the caller's table into temporaries *before* its first
+write, and has no capturable mode (``num_real`` is refused: it needs the fused kernels' device
+count). Two arguments are hints one path uses and the other does not need:
+
+* ``width`` (:func:`paged_update_`): page columns any real row needs, from host lengths. The
+  reference path gathers only that many; the fused kernels loop over each row's own live pages.
+* ``keep`` (:func:`paged_update_`): the incremental page table. The reference path writes every
+  live page anyway (the same bytes: kept pages hold the same ids).
+
+The torch building blocks live in :mod:`.reference_ops` (re-exported here).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..errors import CapacityError, InputError
+from .reference_ops import (
+    PagedBuffers,
+    cumsum_,
+    draft_expand,
+    extend_tokens,
+    gather_pages,
+    lengths_,
+    local_rows,
+    paged_,
+    table_slots,
+    table_width,
+    tree_expand,
+)
 
-@dataclass(frozen=True, slots=True)
-class PagedBuffers:
-    """Full-size buffers of one paged part (see ``specs.paged_specs``); layout-less ones are None."""
+__all__ = [
+    "Call", "PagedBuffers", "cumsum_", "draft_expand", "draft_tree_expand_launch",
+    "draft_tree_expand_update_", "extend_tokens", "gather_pages", "keep_flags", "lengths_",
+    "local_launch", "local_rows", "local_update_", "paged_", "paged_launch", "paged_update_",
+    "table_slots", "table_width", "tree_expand", "tree_expand_launch", "tree_expand_update_",
+]
 
-    cache_seqlens: Tensor
-    cu_seqlens_k: Tensor
-    page_table: Tensor | None
-    kv_indptr: Tensor | None
-    kv_indices: Tensor | None
-    kv_last_page_len: Tensor | None
+class Call:
+    """One reference part update with its arguments bound, replayable with new inputs.
 
-
-def table_width(table: Tensor, block_size: int | None = None) -> int:
-    """Token positions a request table covers: its columns, times ``block_size`` for a block
-    table (see the module docstring)."""
-    return table.shape[1] * (block_size or 1)
-
-
-def table_slots(table: Tensor, rows: Tensor, cols: Tensor, block_size: int | None = None
-                ) -> Tensor:
-    """Token slots of request rows ``rows`` at token positions ``cols`` (broadcast together,
-    both already inside the table): ``table[rows, cols]`` for a token-level table, else
-    ``table[rows, cols // B] * B + cols % B`` for a block table of pages of ``B = block_size``
-    tokens. Every gather of this module reads the caller's table through here."""
-    if block_size is None:
-        return table[rows, cols]
-    return table[rows, cols // block_size] * block_size + cols % block_size
-
-
-def gather_pages(
-    req_to_token: Tensor,
-    req_pool_indices: Tensor,
-    page_size: int,
-    width: int,
-    token_offset: Tensor | None = None,
-    out: Tensor | None = None,
-    block_size: int | None = None,
-) -> Tensor:
-    """Page ids ``[n, width]`` of pages ``0..width-1`` of each request (a temporary, or ``out``).
-
-    Page ``p`` of request ``r`` is ``req_to_token[r, off + p*P] // P``. Columns past a row's live
-    pages hold whatever the table holds there; they are outside every read region and the writers
-    below never copy them into one. ``token_offset [n]`` shifts each row (decoder rows after their
-    encoder tokens); shifted columns are clamped into the table. Request rows are clamped into
-    the table too (as on the fused path): an out-of-range ``req_pool_indices`` value, which only a
-    sync could detect, gives wrong page ids, never an indexing error.
-
-    ``out`` (the part's ``page_table[:n, :width]``, when ``page_size > 1``) takes the page ids
-    directly, saving the copy :func:`paged_` would make (it skips a ``pages`` that is its own
-    table slice). Nothing here can raise on values, so writing the table first is safe.
-    ``block_size``: ``req_to_token`` is a page-level block table (module docstring).
+    The same protocol as :class:`attnpool.update.triton_checks.Launch` (``take``, ``__call__``,
+    ``bound``), so a phase caches and replays either path's parts the same way. ``dyn`` are the
+    per-update inputs (tensors and host hints), by parameter name.
     """
-    rows = req_pool_indices.clamp(0, req_to_token.shape[0] - 1)
-    if token_offset is None and block_size is None:
-        cols = req_to_token[:, : width * page_size : page_size]
-        tok = cols.index_select(0, rows)
-    else:
-        idx = torch.arange(width, device=req_to_token.device) * page_size
-        if token_offset is not None:
-            idx = idx[None, :] + token_offset[:, None]
-        idx = idx.clamp_(0, table_width(req_to_token, block_size) - 1)
-        tok = table_slots(req_to_token, rows[:, None], idx, block_size)
-    if page_size == 1:
-        return tok
-    if out is not None:
-        return torch.div(tok, page_size, rounding_mode="floor", out=out)
-    return torch.div(tok, page_size, rounding_mode="floor")
+
+    __slots__ = ("b", "dyn", "fn", "kw", "map")
+
+    def __init__(self, fn: Callable[..., None], b: PagedBuffers, kw: dict[str, Any],
+                 dyn: tuple[str, ...]) -> None:
+        self.fn, self.b, self.kw = fn, b, kw
+        self.dyn = tuple(k for k in dyn if kw.get(k) is not None)
+        self.map: tuple[tuple[str, int], ...] = ()
+
+    def take(self, names: tuple[str, ...], **alias: str) -> Call:
+        """Read the inputs from value tuples laid out as ``names`` (``alias``: parameter -> the
+        name it has there); the binding call's tensors are released, as a launch's are."""
+        self.map = tuple((k, names.index(alias.get(k, k))) for k in self.dyn)
+        for k, _ in self.map:
+            self.kw[k] = None
+        return self
+
+    def __call__(self, vals: tuple[object, ...] | None = None) -> None:
+        """Run the update, with the inputs of :meth:`take` read from ``vals`` (None: as built)."""
+        if vals is None:
+            self.fn(self.b, **self.kw)
+            return
+        kw = self.kw.copy()
+        for k, i in self.map:
+            kw[k] = vals[i]
+        self.fn(self.b, **kw)
+
+    def bound(self, vals: tuple[object, ...]) -> Callable[[], object]:
+        """The update with ``vals`` fixed: a no-argument callable."""
+        kw = self.kw.copy()
+        for k, i in self.map:
+            kw[k] = vals[i]
+        return partial(self.fn, self.b, **kw)
 
 
-def lengths_(dst: Tensor, src: Tensor, add: int, bs: int, pad: int, max_len: int = 2**31 - 1
-             ) -> None:
-    """``dst[:n] = clamp(src + add, 0, max_len)`` (int32); ``dst[n:bs] = pad`` (the padded length).
-
-    The clamp never changes an in-contract length. It bounds an out-of-contract device value
-    (which only a sync could detect) so the rest of the update, and every kernel reading the
-    view, stays inside the part's buffers: wrong metadata, never a stray index.
-    """
-    n = src.shape[0]
-    if not add and src.dtype == dst.dtype:
-        torch.clamp(src, 0, max_len, out=dst[:n])  # one op for int32 inputs
-    else:
-        if add:
-            torch.add(src, add, out=dst[:n])
-        else:
-            dst[:n].copy_(src)
-        dst[:n].clamp_(0, max_len)  # (a value past int32 has wrapped by now; the clamp bounds it)
-    if n < bs:  # (an empty fill is still a dispatched op)
-        dst[n:bs].fill_(pad)
+def _no_num_real(num_real: Tensor | None) -> None:
+    if num_real is not None:
+        raise InputError("num_real (a capturable update) needs the fused path, impl=TRITON; "
+                         "the reference path got one")
 
 
-def cumsum_(dst: Tensor, lens: Tensor) -> None:
-    """``dst[0] = 0``, ``dst[1:len+1] = cumsum(lens)`` in place (int32)."""
-    dst[:1].zero_()
-    torch.cumsum(lens, 0, dtype=dst.dtype, out=dst[1 : lens.shape[0] + 1])
+def _arange(b: PagedBuffers, size: int, like: Tensor) -> Tensor:
+    """``0, 1, ..., size-1``: the pool's constant when the part carries it, else a temporary."""
+    if b.arange is not None and b.arange.shape[0] >= size:
+        return b.arange
+    return torch.arange(size, dtype=torch.int32, device=like.device)
 
 
-def paged_(
+def _step(b: PagedBuffers, d: int, table: bool) -> PagedBuffers:
+    """Step ``d`` of stacked ``[S, ...]`` per-step buffers; the shared table only if ``table``."""
+    def at(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[d]
+
+    return PagedBuffers(b.cache_seqlens[d], b.cu_seqlens_k[d], b.page_table if table else None,
+                        at(b.kv_indptr), at(b.kv_indices), at(b.kv_last_page_len), b.arange)
+
+
+def paged_update_(
     b: PagedBuffers,
     *,
     bs: int,
-    pages: Tensor,
+    seq_lens: Tensor,
+    req_pool_indices: Tensor,
+    req_to_token: Tensor,
+    extra: int,
     page_size: int,
+    pad_seq_len: int,
     pad_page: int,
-    pad_pages: int,
-    arange: Tensor,
-) -> None:
-    """Write ``cu_seqlens_k`` and the page layouts of ``bs`` rows from ``cache_seqlens[:bs]``.
-
-    ``pages [n, W]`` are the real rows' page ids (``W`` covers every real row's live pages); rows
-    ``n..bs`` are padding. ``arange`` is the pool's constant ``0, 1, 2, ...`` (no temporary needed
-    for column numbers). Padded FlashInfer rows own no pages (``kv_indptr`` repeats) and have
-    ``kv_last_page_len = 1``; padded page-table rows read ``pad_page`` in their first
-    ``pad_pages`` columns.
-    """
-    n, width = pages.shape
-    if arange.shape[0] < max(width, bs) + 1:
-        raise RuntimeError(f"arange constant too short: {arange.shape[0]} < {max(width, bs) + 1}")
-    lens = b.cache_seqlens[:bs]
-    cumsum_(b.cu_seqlens_k, lens)
-    if b.page_table is not None:
-        if pages.data_ptr() != b.page_table.data_ptr():  # (not gathered in place)
-            b.page_table[:n, :width].copy_(pages)
-        if n < bs:
-            b.page_table[n:bs, :pad_pages].fill_(pad_page)
-    if b.kv_indptr is not None and b.kv_indices is not None and b.kv_last_page_len is not None:
-        real = lens[:n]
-        npages = torch.div(real + (page_size - 1), page_size, rounding_mode="floor")
-        cumsum_(b.kv_indptr, npages)
-        if n < bs:
-            b.kv_indptr[n + 1 : bs + 1].copy_(b.kv_indptr[n : n + 1].expand(bs - n))
-        cols = arange[:width]
-        pos = b.kv_indptr[:n, None] + cols[None, :]
-        # Lanes past a row's live pages go to the scratch slot at the end of kv_indices, so the
-        # scatter needs no host-side compaction.
-        pos = torch.where(cols[None, :] < npages[:, None], pos, b.kv_indices.shape[0] - 1)
-        b.kv_indices.scatter_(0, pos.reshape(-1).long(), pages.reshape(-1).to(b.kv_indices.dtype))
-        # (len - 1) % P + 1, and 1 for an empty row (a draft tree prefix shorter than a page)
-        torch.remainder((real - 1).clamp_(min=0), page_size, out=b.kv_last_page_len[:n])
-        b.kv_last_page_len[:n].add_(1)
-        if n < bs:
-            b.kv_last_page_len[n:bs].fill_(1)
-
-
-def tree_expand(
-    tree_mask: Tensor, seq_lens: Tensor, req_pool_indices: Tensor, req_to_token: Tensor,
+    token_offset: Tensor | None = None,
+    num_real: Tensor | None = None,
+    keep: Tensor | None = None,
+    q_lens: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    pad_q: int = 1,
+    steps: int = 1,
+    full_pages: bool = False,
+    max_len: int | None = None,
+    max_q: int | None = None,
+    q_total: int | None = None,
+    positions: Tensor | None = None,
+    out_slots: Tensor | None = None,
     block_size: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Verify tree expand rows: ``(lens [n*N], slots [n*N, N])`` temporaries.
+    width: int | None = None,
+) -> None:
+    """Write one paged part's read region for ``bs`` rows: :func:`attnpool.update.triton.
+    paged_update_`'s semantics (every argument as documented there), in torch.
 
-    Row ``i*N + j`` lists the token slots ``req_to_token[r_i, seq_lens[i] + k]`` of the draft
-    tokens ``k`` that ``tree_mask[i, j, k]`` allows (ancestors and itself), allowed first in
-    increasing ``k``; its length is the allowed count. A stable sort on "not allowed" orders the
-    columns without any host sync.
+    The caller's inputs are trusted (the phases check them; see the module docstring for
+    ``width`` and ``keep``). Page ids are gathered first, straight into the page table when the
+    part has one; nothing here can fail on values (rows and columns are clamped into the table),
+    so that first write is safe.
     """
-    n, nd, _ = tree_mask.shape
-    lens = tree_mask.sum(-1, dtype=torch.int32).reshape(n * nd)
-    order = torch.argsort((~tree_mask).to(torch.uint8), dim=-1, stable=True)
-    cols = (seq_lens.to(torch.int64)[:, None, None] + order).clamp_(
-        0, table_width(req_to_token, block_size) - 1)
-    rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
-    slots = table_slots(req_to_token, rows[:, None, None], cols, block_size)
-    return lens, slots.reshape(n * nd, nd)
+    _no_num_real(num_real)
+    p, pt = page_size, b.page_table
+    if max_len is None:
+        cols = pt.shape[1] if pt is not None else -(-table_width(req_to_token, block_size) // p)
+        max_len = cols * p
+    cap = pt.shape[1] if pt is not None else -(-max_len // p)
+    w = cap if width is None else min(width, cap)
+    n = seq_lens.shape[0]
+    out = None if pt is None or p == 1 else pt[:n, :w]
+    pages = gather_pages(req_to_token, req_pool_indices, p, w, token_offset, out, block_size)
+    if steps > 1:
+        _steps_(b, bs, seq_lens, pages, extra, steps, p, pad_seq_len, pad_page, max_len)
+        return
+    lengths_(b.cache_seqlens, seq_lens, extra, bs, pad_seq_len, max_len)
+    if full_pages and n:  # a draft tree's prefix pass: whole pages only
+        real = b.cache_seqlens[:n]
+        real.div_(p, rounding_mode="floor").mul_(p)
+    if q_lens is not None and cu_seqlens_q is not None:
+        _queries_(b, bs, q_lens, cu_seqlens_q, pad_q, max_q, q_total)
+    if positions is not None or out_slots is not None:
+        _tokens_(seq_lens, extra, q_lens, req_pool_indices, req_to_token, block_size,
+                 token_offset, positions, out_slots)
+    paged_(b, bs=bs, pages=pages, page_size=p, pad_page=pad_page,
+           pad_pages=-(-pad_seq_len // p), arange=_arange(b, max(w, bs) + 1, seq_lens))
 
 
-def draft_expand(
+def _steps_(b: PagedBuffers, bs: int, seq_lens: Tensor, pages: Tensor, extra: int, steps: int,
+            p: int, pad_len: int, pad_page: int, max_len: int) -> None:
+    """Chain draft steps: step ``d`` holds ``clamp(seq + extra) + d`` (the clamp leaves room for
+    the last step, as the fused kernel's), its own cumsum; the shared table once, for the last."""
+    n = seq_lens.shape[0]
+    base = b.cache_seqlens[0]
+    lengths_(base, seq_lens, extra, bs, pad_len, max(max_len - (steps - 1), 0))
+    arange = _arange(b, max(pages.shape[1], bs) + 1, seq_lens)
+    for d in range(steps):
+        step = _step(b, d, table=d == steps - 1)
+        if d:
+            torch.add(base[:n], d, out=step.cache_seqlens[:n])
+            if n < bs:
+                step.cache_seqlens[n:bs].fill_(pad_len)
+        paged_(step, bs=bs, pages=pages if d == steps - 1 else pages[:, :0], page_size=p,
+               pad_page=pad_page, pad_pages=-(-pad_len // p), arange=arange)
+
+
+def _queries_(b: PagedBuffers, bs: int, q_lens: Tensor, cu: Tensor, pad_q: int,
+              max_q: int | None, q_total: int | None) -> None:
+    """The query part: ``cu = [0, cumsum(q_lens)]`` (clamped into ``[0, max_q]``), then padded
+    rows: with ``q_total`` all end at ``max(q_total, real total)`` (the first takes the slack),
+    else ``pad_q`` queries each, continuing from the real total (device values, no sync)."""
+    n = q_lens.shape[0]
+    cumsum_(cu, q_lens if max_q is None else q_lens.clamp(0, max_q))
+    if n == bs:
+        return
+    if q_total is not None:
+        # (max(T, total) keeps it non-decreasing if the caller broke sum <= T)
+        torch.clamp(cu[n : n + 1].expand(bs - n), min=q_total, out=cu[n + 1 : bs + 1])
+        return
+    pad = _arange(b, bs - n + 1, q_lens)[1 : bs - n + 1]
+    torch.add(pad if pad_q == 1 else pad * pad_q, cu[n : n + 1], out=cu[n + 1 : bs + 1])
+
+
+def _tokens_(seq_lens: Tensor, extra: int, q_lens: Tensor | None, rpi: Tensor, table: Tensor,
+             block_size: int | None, token_offset: Tensor | None, positions: Tensor | None,
+             out_slots: Tensor | None) -> None:
+    """Packed query tokens' positions and KV slots (:func:`extend_tokens`), then their pads."""
+    if q_lens is None:
+        raise InputError("positions / out_slots need q_lens and q_total (the extend query part)")
+    size = max(0 if positions is None else positions.shape[0],
+               0 if out_slots is None else out_slots.shape[0])
+    lens = seq_lens + extra if extra else seq_lens
+    pos, slots = extend_tokens(lens, q_lens, rpi, table, size, block_size, token_offset)
+    if positions is not None:
+        positions.copy_(pos[: positions.shape[0]])
+    if out_slots is not None:
+        out_slots.copy_(slots[: out_slots.shape[0]])
+
+
+def paged_launch(b: PagedBuffers, **kw: Any) -> Call:
+    """:func:`paged_update_` with its arguments bound (see :class:`Call`)."""
+    return Call(paged_update_, b, kw, _PAGED_DYN)
+
+
+_PAGED_DYN = ("seq_lens", "req_pool_indices", "req_to_token", "token_offset", "num_real", "keep",
+              "q_lens", "out_slots", "width")
+
+
+def tree_expand_update_(
+    e: PagedBuffers,
+    *,
+    bs: int,
+    tree_mask: Tensor,
+    seq_lens: Tensor,
+    req_pool_indices: Tensor,
+    req_to_token: Tensor,
+    pad_len: int,
+    pad_id: int,
+    num_real: Tensor | None = None,
+    block_size: int | None = None,
+) -> None:
+    """The verify tree *expand* part: :func:`attnpool.update.triton.tree_expand_update_`'s
+    semantics, from :func:`tree_expand` written with page size 1."""
+    _no_num_real(num_real)
+    nd = tree_mask.shape[1]
+    lens, slots = tree_expand(tree_mask, seq_lens, req_pool_indices, req_to_token, block_size)
+    rows = bs * nd
+    lengths_(e.cache_seqlens, lens, 0, rows, pad_len, nd)
+    paged_(e, bs=rows, pages=slots, page_size=1, pad_page=pad_id, pad_pages=pad_len,
+           arange=_arange(e, max(nd, rows) + 1, seq_lens))
+
+
+def tree_expand_launch(e: PagedBuffers, **kw: Any) -> Call:
+    """:func:`tree_expand_update_` with its arguments bound (see :class:`Call`)."""
+    return Call(tree_expand_update_, e, kw, _TREE_DYN)
+
+
+_TREE_DYN = ("tree_mask", "seq_lens", "req_pool_indices", "req_to_token", "num_real")
+
+
+def draft_tree_expand_update_(
+    e: PagedBuffers,
+    *,
+    bs: int,
     seq_lens: Tensor,
     req_pool_indices: Tensor,
     req_to_token: Tensor,
     out_cache_loc: Tensor,
     page_size: int,
+    pad_len: int,
+    pad_id: int,
+    num_real: Tensor | None = None,
     block_size: int | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Draft tree prefix/expand split: ``(full [n], partial [n*K], slots [n*K, P-1+S])``.
-
-    ``full = seq_lens`` rounded down to whole pages (the shared prefix pass); row ``i*K + k``
-    lists the ``partial = seq_lens - full`` token slots of the last, partial prefix page, then
-    branch ``k``'s draft slots ``out_cache_loc[i, 0..S-1, k]``. Step ``d`` reads ``partial + d``.
-    """
-    n, steps, topk = out_cache_loc.shape
-    width = page_size - 1 + steps
-    seq = seq_lens.to(torch.int64)
-    full = torch.div(seq, page_size, rounding_mode="floor") * page_size
-    part = seq - full
-    c = torch.arange(width, device=seq.device)
-    tok_col = (full[:, None] + c[None, :]).clamp_(0, table_width(req_to_token, block_size) - 1)
-    rows = req_pool_indices.to(torch.int64).clamp(0, req_to_token.shape[0] - 1)
-    prefix_slots = table_slots(req_to_token, rows[:, None], tok_col, block_size)  # [n, W]
-    s_idx = (c[None, :] - part[:, None]).clamp_(0, steps - 1)  # [n, W]
-    drafts = out_cache_loc.gather(1, s_idx[:, :, None].expand(n, width, topk))  # [n, W, K]
-    is_prefix = (c[None, :] < part[:, None])[:, :, None]
-    slots = torch.where(is_prefix, prefix_slots[:, :, None].to(drafts.dtype), drafts)
-    slots = slots.permute(0, 2, 1).reshape(n * topk, width)
-    return full, part.repeat_interleave(topk), slots
+) -> None:
+    """Every step's draft tree expand rows: :func:`attnpool.update.triton.
+    draft_tree_expand_update_`'s semantics (``e`` stacked ``[S, ...]`` per step, one shared
+    table), from :func:`draft_expand`: step ``d`` (1-based) reads ``partial + d`` keys."""
+    _no_num_real(num_real)
+    _, part, slots = draft_expand(seq_lens, req_pool_indices, req_to_token, out_cache_loc,
+                                  page_size, block_size)
+    steps, topk = out_cache_loc.shape[1], out_cache_loc.shape[2]
+    rows, width = bs * topk, slots.shape[1]
+    arange = _arange(e, max(width, rows) + 1, seq_lens)
+    for d in range(steps):
+        last = d == steps - 1
+        step = _step(e, d, table=last)
+        lengths_(step.cache_seqlens, part, d + 1, rows, pad_len, width)
+        # (every step's CSR lists the slots; the shared table is written once, by the last)
+        paged_(step, bs=rows, pages=slots, page_size=1, pad_page=pad_id, pad_pages=pad_len,
+               arange=arange)
 
 
-def local_rows(
-    kv_lens: Tensor, num_queries: int, chunk: int, rows_per_request: int, pad_seq_len: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Chunked local attention virtual rows: ``(q_lens, kv_lens, token_offset, valid)``, each
-    ``[n*V]``.
-
-    The request's last ``num_queries`` positions ``L-q .. L-1`` are split by chunk: row ``v``
-    covers chunk ``c = (L-q)//A + v`` with queries ``max(cA, L-q) .. min((c+1)A, L)-1`` and keys
-    ``cA .. min((c+1)A, L)-1`` (so ``kv_len = (L-1) % A + 1`` in decode). Rows past the last
-    chunk have no queries and the padded length.
-    """
-    seq = kv_lens.to(torch.int64)
-    v = torch.arange(rows_per_request, device=seq.device)
-    c = torch.div(seq - num_queries, chunk, rounding_mode="floor")[:, None] + v[None, :]
-    last = torch.div(seq - 1, chunk, rounding_mode="floor")[:, None]
-    valid = c <= last
-    start = c * chunk
-    q_end = torch.minimum(start + chunk, seq[:, None])
-    q_start = torch.maximum(start, (seq - num_queries)[:, None])
-    q_lens = torch.where(valid, q_end - q_start, 0)
-    kv = torch.where(valid, q_end - start, pad_seq_len)
-    off = torch.where(valid, start, 0)
-    return q_lens.reshape(-1), kv.reshape(-1), off.reshape(-1), valid.reshape(-1)
+def draft_tree_expand_launch(e: PagedBuffers, **kw: Any) -> Call:
+    """:func:`draft_tree_expand_update_` with its arguments bound (see :class:`Call`)."""
+    return Call(draft_tree_expand_update_, e, kw, _DRAFT_DYN)
 
 
-def extend_tokens(
+_DRAFT_DYN = ("seq_lens", "req_pool_indices", "req_to_token", "out_cache_loc", "num_real")
+
+
+def local_update_(
+    b: PagedBuffers,
+    *,
+    cu_seqlens_q: Tensor,
+    bs: int,
     seq_lens: Tensor,
-    extend_lens: Tensor,
     req_pool_indices: Tensor,
     req_to_token: Tensor,
-    num_tokens: int,
+    extra: int,
+    num_queries: int,
+    rows_per_request: int,
+    chunk: int,
+    page_size: int,
+    pad_len: int,
+    pad_page: int,
+    num_real: Tensor | None = None,
     block_size: int | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Per packed query token of an extend batch: ``(positions, slots)``, each ``[num_tokens]``
-    int64 temporaries.
+) -> None:
+    """Chunked local attention's virtual rows: :func:`attnpool.update.triton.local_update_`'s
+    semantics, from :func:`local_rows` (pages gathered from each row's chunk start; rows past a
+    request's last chunk read the pad page)."""
+    _no_num_real(num_real)
+    per, q, p = rows_per_request, num_queries, page_size
+    kv = seq_lens + extra if extra else seq_lens
+    q_lens, kv_lens, off, valid = local_rows(kv, q, chunk, per, pad_len)
+    if b.page_table is not None:
+        width = b.page_table.shape[1]
+    else:
+        width = -(-min(chunk, table_width(req_to_token, block_size)) // p)
+    pages = gather_pages(req_to_token, req_pool_indices.repeat_interleave(per), p, width, off,
+                         block_size=block_size)
+    pages = torch.where(valid[:, None], pages, pad_page)
+    # --- writes start here ---
+    rows, real = bs * per, q_lens.shape[0]
+    arange = _arange(b, max(width, rows) + 1, seq_lens)
+    cumsum_(cu_seqlens_q, q_lens)
+    # Padded requests: their first row takes the q queries, the others none, so request
+    # i's queries start at cu[i*V] = i*q as in the caller's packed query buffer.
+    pad = torch.div(arange[: rows - real], per, rounding_mode="floor").add_(1).mul_(q)
+    torch.add(pad, cu_seqlens_q[real : real + 1], out=cu_seqlens_q[real + 1 : rows + 1])
+    lengths_(b.cache_seqlens, kv_lens, 0, rows, pad_len, width * p)
+    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=-(-pad_len // p),
+           arange=arange)
 
-    Token ``cu[i] + j`` (``cu = [0, cumsum(extend_lens)]``, ``j < extend_lens[i]``) of request
-    ``i`` is at position ``p = seq_lens[i] - extend_lens[i] + j`` and its KV slot is
-    ``req_to_token[req_pool_indices[i], p]``; tokens past ``sum(extend_lens)`` get position 0
-    and slot -1. A ``searchsorted`` over the cumsum finds each token's request, no host sync.
-    """
-    dev = seq_lens.device
-    n = seq_lens.shape[0]
-    t = torch.arange(num_tokens, device=dev)
-    if n == 0:
-        return torch.zeros_like(t), torch.full_like(t, -1)  # ok: no real token; padded values
-    ext = extend_lens.to(torch.int64)
-    ends = torch.cumsum(ext, 0)
-    row = torch.searchsorted(ends, t, right=True)
-    real = row < n
-    row = row.clamp_(max=n - 1)
-    pos = seq_lens.to(torch.int64)[row] - ends[row] + t
-    pos = torch.where(real, pos, 0)
-    slots = table_slots(req_to_token, req_pool_indices.to(torch.int64)[row], pos,
-                        block_size).to(torch.int64)
-    return pos, torch.where(real, slots, -1)
+
+def local_launch(b: PagedBuffers, **kw: Any) -> Call:
+    """:func:`local_update_` with its arguments bound (see :class:`Call`)."""
+    return Call(local_update_, b, kw, _LOCAL_DYN)
+
+
+_LOCAL_DYN = ("seq_lens", "req_pool_indices", "req_to_token", "num_real")
+
+
+def keep_flags(prev_ids: list[Any] | None, ids: list[Any], bs: int) -> list[int]:
+    """Host-side ``keep`` values for :func:`paged_update_`: 1 where row ``i`` serves the same
+    request as at the previous update, 0 for new requests, padded rows and when there was no
+    previous update. ``ids`` are host ids unique per live request: not ``req_pool_indices``, whose
+    slots are reused by new requests. The caller copies the flags into its ``[bs]`` device tensor
+    (a ``non_blocking`` copy; from pinned memory it also leaves the host free at once)."""
+    if len(ids) > bs:
+        raise CapacityError(f"ids must have <= bs={bs} values, got {len(ids)}")
+    prev = list(prev_ids) if prev_ids is not None else []
+    return [int(i < len(prev) and prev[i] == x) for i, x in enumerate(ids)] + [0] * (bs - len(ids))

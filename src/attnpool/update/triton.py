@@ -43,7 +43,6 @@ positions shift whenever an earlier row's page count changes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -52,7 +51,7 @@ from torch import Tensor
 from ..config import is_int
 from ..errors import CapacityError, InputError, LayoutError
 from . import triton_checks as ck
-from .reference import PagedBuffers
+from .reference import PagedBuffers, keep_flags
 from .triton_draft import draft_tree_expand_launch, draft_tree_expand_update_
 
 __all__ = [
@@ -92,6 +91,7 @@ def paged_launch(
     positions: Tensor | None = None,
     out_slots: Tensor | None = None,
     block_size: int | None = None,
+    width: int | None = None,
 ) -> ck.Launch:
     """Check one paged part's update and assemble its launch (see :func:`paged_update_`).
 
@@ -133,6 +133,9 @@ def paged_launch(
         block_size: ``req_to_token`` is a page-level block table of pages of this many tokens
             (its token slot at position ``t`` is ``table[r, t // B] * B + t % B``); None: a
             token-level table. Same bytes as the equivalent token-level table.
+        width: a host bound on the page columns any real row needs; only the reference path
+            uses it (to gather fewer columns): each program here loops over its own row's live
+            pages. Accepted so both paths take the same arguments.
     """
     dev = b.cache_seqlens.device
     ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
@@ -358,14 +361,3 @@ def local_launch(
     dyn = ck.dyn(n=(11, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
                  req_to_token=(2, table), num_real=(3, num_real))
     return ck.Launch(ck.kernels().local_kernel, (rows,), args, kw, dyn)
-
-
-def keep_flags(prev_ids: Sequence[int] | None, ids: Sequence[int], bs: int) -> list[int]:
-    """Host-side ``keep`` values for :func:`paged_update_`: 1 where row ``i`` serves the same
-    request as at the previous update, 0 for new requests, padded rows and when there was no
-    previous update. ``ids`` are host ids unique per live request: not ``req_pool_indices``, whose
-    slots are reused by new requests. The caller copies the flags into its ``[bs]`` device tensor
-    (a ``non_blocking`` copy; from pinned memory it also leaves the host free at once)."""
-    ck.need(len(ids) <= bs, CapacityError, f"ids must have <= bs={bs} values, got {len(ids)}")
-    prev = list(prev_ids) if prev_ids is not None else []
-    return [int(i < len(prev) and prev[i] == x) for i, x in enumerate(ids)] + [0] * (bs - len(ids))
