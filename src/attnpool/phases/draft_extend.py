@@ -10,9 +10,9 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import CapacityError
+from ..inputs import check_bs, host_lens
 from ..update import reference as ref
 from ..views import DraftExtendView
-from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
 

@@ -8,9 +8,9 @@ from torch import Tensor
 
 from ..arena import Arena
 from ..config import Phase
+from ..inputs import check_bs, host_lens
 from ..update import reference as ref
 from ..views import DecodeView, EncoderView, PagedView
-from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
 from .decode import DecodePhase
