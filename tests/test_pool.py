@@ -116,7 +116,7 @@ def test_lean_import() -> None:
 
 # Each module may import only modules of a lower rank (docs/design.md, Module layering: top to bottom).
 RANK = {
-    "errors": 0, "config": 1, "specs": 2, "kv_config": 2, "kv_quant": 2, "arena": 3,
+    "errors": 0, "config": 1, "inputs": 2, "specs": 2, "kv_config": 2, "kv_quant": 2, "arena": 3,
     "views": 4, "check": 5, "update": 6,
     "phases": 7, "pool": 8, "adapters": 9, "graphs": 10, "kv": 10, "lora": 10, "baseline": 10,
     "paging": 10, "integrations": 11, "demo": 11, "bench_report": 10, "bench": 11,

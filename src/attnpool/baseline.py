@@ -33,7 +33,7 @@ from torch import Tensor
 from .arena import plan_arena
 from .config import PoolConfig
 from .errors import InputError
-from .phases._checks import check_bs
+from .inputs import check_bs
 
 
 class Fill(enum.Enum):

@@ -32,9 +32,9 @@ from .arena import sentinel
 from .check import ReadRegionError
 from .config import Impl, is_int, resolve_impl
 from .errors import CapacityError, InputError, LayoutError, PoolError
+from .inputs import check_count, check_tensor
 from .kv_config import PAD_PAGE, KVCacheConfig, KVKind, KVLayout, align
 from .kv_quant import MODEL_DTYPES, check_scales, dequantize, is_fp8, store_reference_
-from .phases._checks import check_tensor
 
 __all__ = ["KVCacheConfig", "KVCachePool", "KVKind", "KVLayout", "store_reference_"]
 
@@ -105,10 +105,7 @@ class KVCachePool:
 
     # ---- slot mapping --------------------------------------------------------------------------
     def _check_bs(self, bs: object) -> int:
-        if not is_int(bs) or not 1 <= bs <= self.cfg.max_tokens:
-            raise CapacityError(f"bs must be an int in [1, max_tokens={self.cfg.max_tokens}], "
-                                f"got {bs!r}")
-        return bs
+        return check_count(bs, self.cfg.max_tokens, "max_tokens")
 
     def slot_view(self, bs: int) -> Tensor:
         """``slot_mapping[:bs]`` for capture: elements never written yet are set to ``-1`` first,
@@ -138,7 +135,7 @@ class KVCachePool:
     # ---- stores --------------------------------------------------------------------------------
     def _check_tensor(self, name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]
                       ) -> Tensor:
-        """The phases' tensor check against the storage's device (``"cpu:0"`` and ``"cuda"``
+        """The shared tensor check against the storage's device (``"cpu:0"`` and ``"cuda"``
         resolve to what tensors report); strided 1-D inputs are fine here (the stores read
         them through their stride)."""
         return check_tensor(name, t, None, ndim, dtypes, device=self.storage.device,

@@ -41,6 +41,7 @@ from .arena import sentinel
 from .check import ReadRegionError
 from .config import is_int, resolve_device
 from .errors import CapacityError, InputError, LayoutError, PoolError
+from .inputs import check_count
 
 ALIGN = 256
 
@@ -217,9 +218,7 @@ class LoRABatchPool:
 
     # ---- views ---------------------------------------------------------------------------------
     def _check_bs(self, bs: object) -> int:
-        if not is_int(bs) or not 1 <= bs <= self.cfg.max_bs:
-            raise CapacityError(f"bs must be an int in [1, max_bs={self.cfg.max_bs}], got {bs!r}")
-        return bs
+        return check_count(bs, self.cfg.max_bs, "max_bs")
 
     def _view(self, bs: int) -> LoRABatchView:
         v = self._views.get(bs)

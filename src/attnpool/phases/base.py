@@ -13,10 +13,10 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import INT_DTYPES, Impl, Phase, resolve_impl
 from ..errors import CapacityError, InputError, PoolError
+from ..inputs import check_block_table, check_bs, check_req_to_token, check_tensor
 from ..update import reference as ref
 from ..update.reference import PagedBuffers
 from ..views import PagedView, Stamp
-from ._checks import check_block_table, check_bs, check_req_to_token, check_tensor
 from ._validate import Values, validate
 from .bound import BoundUpdate
 

@@ -12,8 +12,8 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
+from ..inputs import check_bs, host_lens
 from ..views import DecodeView
-from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
 

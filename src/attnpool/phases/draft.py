@@ -14,10 +14,10 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
+from ..inputs import check_bs, host_lens
 from ..specs import draft_expand_width
 from ..update.reference import PagedBuffers
 from ..views import DraftStepView, DraftView, PagedView
-from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
 

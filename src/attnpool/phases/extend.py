@@ -14,8 +14,8 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import CapacityError
+from ..inputs import check_bs, host_lens
 from ..views import ExtendView
-from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
 

@@ -11,9 +11,9 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
+from ..inputs import check_bs, host_lens
 from ..specs import local_rows_per_request
 from ..views import LocalView
-from ._checks import check_bs, host_lens
 from ._validate import Values
 from .base import PhaseBase, part_view
 

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from ..config import is_int
 from ..errors import CapacityError, InputError, LayoutError
+from ..inputs import check_tensor
 from . import triton_checks as ck
 from .reference import PagedBuffers, keep_flags
 from .triton_draft import draft_tree_expand_launch, draft_tree_expand_update_
@@ -248,12 +249,11 @@ def tree_expand_launch(
     ``block_size`` as in :func:`paged_launch` (the expand rows are token slots either way).
     """
     dev = e.cache_seqlens.device
-    if not isinstance(tree_mask, Tensor):
-        raise InputError(f"tree_mask must be a torch.Tensor, got {type(tree_mask).__name__}")
-    ck.need(tree_mask.dim() == 3 and tree_mask.shape[1] == tree_mask.shape[2] >= 1, InputError,
-          f"tree_mask must be [n, N, N], got {tuple(tree_mask.shape)}")
-    ck.need(tree_mask.dtype == torch.bool, InputError, f"tree_mask must be bool, got {tree_mask.dtype}")
-    ck.need(tree_mask.device == dev, InputError, f"tree_mask must be on {dev}, got {tree_mask.device}")
+    tree_mask = check_tensor("tree_mask", tree_mask, None, 3, (torch.bool,), device=dev,
+                             contiguous=False)
+    if not tree_mask.shape[1] == tree_mask.shape[2] >= 1:
+        raise InputError(f"tree_mask must be [n, N, N] with N >= 1, got shape "
+                         f"{tuple(tree_mask.shape)}")
     n, nd = tree_mask.shape[0], tree_mask.shape[1]
     ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
     if num_real is not None:

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..config import is_int
 from ..errors import CapacityError, InputError
+from ..inputs import check_tensor
 from . import triton_checks as ck
 from .reference import PagedBuffers
 
@@ -60,13 +61,11 @@ def draft_tree_expand_launch(
     """
     dev = e.cache_seqlens.device
     ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
-    if not isinstance(out_cache_loc, Tensor):
-        raise InputError(f"out_cache_loc must be a torch.Tensor, got {type(out_cache_loc).__name__}")
-    loc = out_cache_loc
-    ck.need(loc.dim() == 3 and loc.shape[1] >= 1 and loc.shape[2] >= 1, InputError,
-            f"out_cache_loc must be [n, S, K] with S, K >= 1, got {tuple(loc.shape)}")
-    ck.need(loc.dtype in ck.INT, InputError, f"out_cache_loc must be int32/int64, got {loc.dtype}")
-    ck.need(loc.device == dev, InputError, f"out_cache_loc must be on {dev}, got {loc.device}")
+    loc = check_tensor("out_cache_loc", out_cache_loc, None, 3, ck.INT, device=dev,
+                       contiguous=False)
+    if loc.shape[1] < 1 or loc.shape[2] < 1:
+        raise InputError(f"out_cache_loc must be [n, S, K] with S, K >= 1, got shape "
+                         f"{tuple(loc.shape)}")
     n, steps, topk = loc.shape
     if num_real is not None:
         ck.need(n == bs, InputError, f"with num_real, out_cache_loc must have bs={bs} rows, got {n}")

@@ -1,8 +1,18 @@
-"""Input validation shared by every phase: no device sync, raise before any write.
+"""The one place that checks caller tensors: used by the phases, the KV and LoRA pools and the
+fused update wrappers, so a bad argument gets the same message whichever entry point it reaches.
 
-Each check names the expected and the actual value. What cannot be checked without reading device
-memory (values of ``seq_lens``, ``req_pool_indices``) is checked from ``seq_lens_cpu`` when the
-caller passes it, and otherwise documented as the caller's contract.
+It sits low in the layering (it imports only ``config`` and ``errors``) so every module above may
+use it: ``update/`` sits below ``phases/``, and ``kv.py`` beside it, so neither may import a
+phase's helpers. The rules every check here keeps:
+
+- no device sync: only tensor metadata is read (shape, dtype, device, strides), never values;
+- raise before any write: callers check every input first, so a rejected call changes nothing;
+- messages name the expected and the actual value, and are built only when a check fails (the
+  accepted case is one expression of attribute reads).
+
+What cannot be checked without reading device memory (values of ``seq_lens``,
+``req_pool_indices``) is checked from ``seq_lens_cpu`` when the caller passes it, and otherwise
+documented as the caller's contract.
 """
 
 from __future__ import annotations
@@ -13,8 +23,8 @@ from numbers import Integral
 import torch
 from torch import Tensor
 
-from ..config import INT_DTYPES, PoolConfig, is_int
-from ..errors import CapacityError, InputError
+from .config import INT_DTYPES, PoolConfig, is_int
+from .errors import CapacityError, InputError
 
 
 def check_bs(cfg: PoolConfig, bs: int, n: int | None = None) -> None:
@@ -27,6 +37,14 @@ def check_bs(cfg: PoolConfig, bs: int, n: int | None = None) -> None:
         raise CapacityError(f"bs must be in [1, max_bs={cfg.max_bs}], got {bs}")
     if n is not None and n > bs:
         raise CapacityError(f"real rows n must be <= bs={bs}, got n={n}")
+
+
+def check_count(bs: object, hi: int, bound: str) -> int:
+    """``bs`` a real int in ``[1, hi]`` (``bound`` names ``hi`` in the message), else a
+    CapacityError: the batch-size check of pools sized by one bound (KV tokens, LoRA rows)."""
+    if is_int(bs) and 1 <= bs <= hi:
+        return bs
+    raise CapacityError(f"bs must be an int in [1, {bound}={hi}], got {bs!r}")
 
 
 def check_tensor(
@@ -68,27 +86,34 @@ def check_tensor(
     return t
 
 
-def check_req_to_token(t: object, cfg: PoolConfig, device: torch.device | None = None) -> Tensor:
-    """``[num_req_slots, >= max_context_len]`` int, rows contiguous (kernels index it row-major)."""
-    return _table("req_to_token", t, cfg, cfg.max_context_len, "max_context_len", device)
-
-
-def check_block_table(t: object, cfg: PoolConfig, device: torch.device | None = None) -> Tensor:
-    """``[num_rows, >= max_pages]`` int page ids, rows contiguous (kernels index it row-major)."""
-    return _table("block_table", t, cfg, cfg.max_pages, "max_pages", device)
-
-
-def _table(name: str, t: object, cfg: PoolConfig, cols: int, what: str,
-           device: torch.device | None) -> Tensor:
-    t = check_tensor(name, t, cfg, 2, device=device)
+def check_table(name: str, t: object, device: torch.device, cols: int = 1, what: str = "",
+                cfg: PoolConfig | None = None) -> Tensor:
+    """A request table ``[>= 1, >= cols]`` of ints on ``device``, rows contiguous (kernels index
+    it row-major). Needs no config: ``what`` names the bound ``cols`` comes from in the message,
+    and ``cfg``, when given, adds the sizes it was derived from."""
+    t = check_tensor(name, t, None, 2, device=device)
+    if t.shape[0] >= 1 and t.shape[1] >= cols and t.stride(1) == 1:
+        return t
     if t.shape[0] < 1:
         raise InputError(f"{name} must have >= 1 row, got shape {tuple(t.shape)}")
     if t.shape[1] < cols:
-        raise InputError(f"{name} must have >= {what}={cols} columns (max_context_len="
-                         f"{cfg.max_context_len}, page_size={cfg.page_size}), got {t.shape[1]}")
-    if t.stride(1) != 1:
-        raise InputError(f"{name} rows must be contiguous (stride(1)=1), got {t.stride()}")
-    return t
+        bound = f"{what}={cols}" if what else str(cols)
+        src = ("" if cfg is None else
+               f" (max_context_len={cfg.max_context_len}, page_size={cfg.page_size})")
+        raise InputError(f"{name} must have >= {bound} columns{src}, got {t.shape[1]}")
+    raise InputError(f"{name} rows must be contiguous (stride(1)=1), got {t.stride()}")
+
+
+def check_req_to_token(t: object, cfg: PoolConfig, device: torch.device | None = None) -> Tensor:
+    """``[num_req_slots, >= max_context_len]`` int token slots (:func:`check_table`)."""
+    return check_table("req_to_token", t, cfg.torch_device if device is None else device,
+                       cfg.max_context_len, "max_context_len", cfg)
+
+
+def check_block_table(t: object, cfg: PoolConfig, device: torch.device | None = None) -> Tensor:
+    """``[num_rows, >= max_pages]`` int page ids (:func:`check_table`)."""
+    return check_table("block_table", t, cfg.torch_device if device is None else device,
+                       cfg.max_pages, "max_pages", cfg)
 
 
 def host_lens(
