@@ -85,6 +85,8 @@ class PhaseBase:
         self._views: dict[Hashable, Any] = {}
         #: the launches of the update being bound (:meth:`bind`), else None
         self._rec: list[Callable[[], object]] | None = None
+        #: the config's sizes every update reads (``max_pages`` is a computed property)
+        self._max_len, self._max_pages = self.cfg.max_context_len, self.cfg.max_pages
         #: ``arange[:n]`` per n: the rows of a block table given without ``req_pool_indices``
         self._in_order: dict[int, Tensor] = {}
 
@@ -95,9 +97,9 @@ class PhaseBase:
         then :meth:`_not_ours`. The accepted case is one expression of attribute reads; the
         detailed checks (and their messages) run only when it fails."""
         lo, hi = self._span
+        # (a 1-D tensor is contiguous iff its stride is 1 or it has at most one element)
         if (type(t) is Tensor and t.dim() == ndim and t.dtype in dtypes and t.device == self._dev
-                and (rows is None or t.shape[0] == rows)
-                and (ndim != 1 or t.shape[0] <= 1 or t.stride(0) == 1)
+                and (rows is None or t.shape[0] == rows) and (ndim != 1 or t.is_contiguous())
                 and not lo <= t.data_ptr() < hi):
             return t
         return self._not_ours(name, check_tensor(name, t, self.cfg, ndim, dtypes, rows, self._dev))
@@ -105,7 +107,7 @@ class PhaseBase:
     def _req_to_token(self, t: object) -> Tensor:
         lo, hi = self._span
         if (type(t) is Tensor and t.dim() == 2 and t.dtype in INT_DTYPES and t.device == self._dev
-                and t.shape[0] >= 1 and t.shape[1] >= self.cfg.max_context_len
+                and t.shape[0] >= 1 and t.shape[1] >= self._max_len
                 and t.stride(1) == 1 and not lo <= t.data_ptr() < hi):
             return t
         return self._not_ours("req_to_token", check_req_to_token(t, self.cfg, self._dev))
@@ -113,7 +115,7 @@ class PhaseBase:
     def _block_table(self, t: object) -> Tensor:
         lo, hi = self._span
         if (type(t) is Tensor and t.dim() == 2 and t.dtype in INT_DTYPES and t.device == self._dev
-                and t.shape[0] >= 1 and t.shape[1] >= self.cfg.max_pages
+                and t.shape[0] >= 1 and t.shape[1] >= self._max_pages
                 and t.stride(1) == 1 and not lo <= t.data_ptr() < hi):
             return t
         return self._not_ours("block_table", check_block_table(t, self.cfg, self._dev))
@@ -335,11 +337,13 @@ class PhaseBase:
             return bound
         return max(max(host, default=0) + add, self.cfg.pad_seq_len if n < bs else 0)
 
-    def _width(self, host: list[int] | None, add: int, page_size: int, cap: int) -> int:
-        """Page columns the real rows need (from host lengths), else the part's capacity."""
+    def _width(self, host: list[int] | None, add: int = 0) -> int:
+        """Page columns of a page-level part the real rows need (from host lengths, ``add``
+        tokens more), else the part's capacity ``max_pages``: the reference path gathers only
+        those (see :func:`attnpool.update.reference.paged_update_`)."""
         if host is None:
-            return cap
-        return min(cap, -(-(max(host, default=0) + add) // page_size))
+            return self._max_pages
+        return min(self._max_pages, -(-(max(host, default=0) + add) // self.cfg.page_size))
 
 
 V = TypeVar("V", bound=PagedView)

@@ -124,7 +124,7 @@ class DecodePhase(PhaseBase):
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
         flags = self._keep_flags(ids, bs)
         keep = None if flags is None else self._keep[:bs]
-        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+        width = self._width(host)
         # --- writes start here (a part's first build repeats the checks above) ---
         if keep is not None and flags is not None:
             keep.copy_(flags, non_blocking=True)

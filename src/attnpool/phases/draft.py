@@ -121,7 +121,7 @@ class DraftPhase(PhaseBase):
                                  f"req_to_token, got one with topk={cfg.topk}")
         else:
             loc = self._tensor("out_cache_loc", out_cache_loc, 3, rows=n)
-            if tuple(loc.shape[1:]) != (steps, cfg.topk):
+            if loc.shape[1] != steps or loc.shape[2] != cfg.topk:
                 raise InputError(f"out_cache_loc must be [n, {steps}, {cfg.topk}], "
                                  f"got {tuple(loc.shape)}")
         if self.validate:  # (the values are only gathered when they are read)
@@ -129,7 +129,7 @@ class DraftPhase(PhaseBase):
                                 [("seq_lens", seq_lens, 1, cfg.max_context_len - steps),
                                  ("req_pool_indices", rpi, 0, 0)],
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
-        width = self._width(host, 0 if self.tree else steps, cfg.page_size, cfg.max_pages)
+        width = self._width(host, 0 if self.tree else steps)
         # --- writes start here (every part's inputs were checked above) ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None,
                    None if loc is None else loc.stride()), bs,

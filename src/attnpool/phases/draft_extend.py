@@ -91,7 +91,7 @@ class DraftExtendPhase(PhaseBase):
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
                                  ("accept_lens_cpu", accept_lens_cpu, "accept_lens")],
                                 at_most=[("accept_lens", "seq_lens")]))
-        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+        width = self._width(host)
         # --- writes start here ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None), bs,
                   (n, seq_lens, rpi, table, blk, num_real, acc, width, 1))

@@ -95,9 +95,8 @@ class EncoderPhase(PhaseBase):
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
                                  ("encoder_lens_cpu", encoder_lens_cpu, "encoder_lens")],
                                 sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len)))
-        cap = -(-cfg.max_encoder_len // cfg.page_size)
-        enc_width = self._width(enc_host, 0, cfg.page_size, cap)
-        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+        # (the cross part caps its width at its own capacity, ceil(max_encoder_len / P))
+        enc_width, width = self._width(enc_host), self._width(host)
         # --- writes start here (both parts' inputs were checked above) ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None), bs,
                   (n, seq_lens, rpi, table, blk, num_real, enc, width, enc_width))

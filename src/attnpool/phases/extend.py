@@ -111,7 +111,7 @@ class ExtendPhase(PhaseBase):
                                  ("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
                                 at_most=[("extend_lens", "seq_lens")],
                                 sum_at_most=("extend_lens", t_max)))
-        width = self._width(host, 0, cfg.page_size, cfg.max_pages)
+        width = self._width(host)
         # --- writes start here ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None,
                    None if slots is None else slots.shape[0]), bs,

@@ -82,7 +82,7 @@ class VerifyPhase(PhaseBase):
         mask: Tensor | None = None
         if self.tree:
             mask = self._tensor("tree_mask", tree_mask, 3, dtypes=(torch.bool,), rows=n)
-            if tuple(mask.shape[1:]) != (nd, nd):
+            if mask.shape[1] != nd or mask.shape[2] != nd:
                 raise InputError(f"tree_mask must be [n, {nd}, {nd}], got {tuple(mask.shape)}")
         elif tree_mask is not None:
             raise InputError(f"tree_mask is only for topk > 1, got one with topk={cfg.topk}")
@@ -92,7 +92,7 @@ class VerifyPhase(PhaseBase):
                                  ("req_pool_indices", rpi, 0, 0)],
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens")], tree_mask=mask))
         add = 0 if self.tree else nd
-        width = self._width(host, add, cfg.page_size, cfg.max_pages)
+        width = self._width(host, add)
         # --- writes start here (every part's inputs were checked above) ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None,
                    None if mask is None else mask.stride()), bs,
