@@ -7,7 +7,7 @@ stream order, not on locks, for an update to land before the replay that reads i
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 from .arena import Arena, ArenaPlan
 from .check import check_view
@@ -47,12 +47,12 @@ class BufferPool:
         self.poisoned = poison
         self.arena = Arena(cfg, poison=poison)
         #: only the phases the config enables exist
-        self._phases: dict[Phase, PhaseBase] = {p: PHASE_TYPES[p](self.arena) for p in cfg.phases}
+        self._phases: dict[Phase, PhaseBase[Any]] = {p: PHASE_TYPES[p](self.arena) for p in cfg.phases}
         for ph in self._phases.values():
             ph.validate = bool(validate)
 
     # ---- phases --------------------------------------------------------------------------------
-    def phase(self, phase: Phase | str) -> PhaseBase:
+    def phase(self, phase: Phase | str) -> PhaseBase[Any]:
         """The phase object for ``phase`` (a :class:`Phase` or its value, e.g. ``"decode"``);
         :class:`MissingPhaseError` if the config lacks it."""
         if isinstance(phase, str) and not isinstance(phase, Phase):

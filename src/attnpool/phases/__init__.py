@@ -1,5 +1,7 @@
 """One module per phase; each exposes ``view(bs)`` and ``update_(...)`` over the pool's arena."""
 
+from typing import Any
+
 from ..config import Phase
 from .base import PhaseBase
 from .bound import BoundUpdate
@@ -13,7 +15,7 @@ from .verify import VerifyPhase
 
 #: the class of every phase: the pool builds each enabled phase from here (a new phase adds its
 #: module, its row here and its row in ``config.PHASE_FACTS``)
-PHASE_TYPES: dict[Phase, type[PhaseBase]] = {
+PHASE_TYPES: dict[Phase, type[PhaseBase[Any]]] = {
     Phase.DECODE: DecodePhase,
     Phase.VERIFY: VerifyPhase,
     Phase.DRAFT: DraftPhase,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 from types import ModuleType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -13,7 +13,7 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import INT_DTYPES, Impl, Phase, resolve_impl
 from ..errors import CapacityError, InputError, PoolError
-from ..inputs import check_block_table, check_bs, check_req_to_token, check_tensor
+from ..inputs import check_block_table, check_bs, check_req_to_token, check_tensor, host_lens
 from ..update import reference as ref
 from ..update.reference import PagedBuffers
 from ..views import PagedView, Stamp
@@ -25,6 +25,8 @@ _MAX_LAUNCHES = 1024
 #: cached views per phase before the cache is dropped
 _MAX_VIEWS = 4096
 T = TypeVar("T")
+#: a phase's view type (``DecodeView`` for ``pool.decode`` etc.)
+ViewT = TypeVar("ViewT")
 
 
 def _triton() -> ModuleType:
@@ -40,7 +42,7 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-class PhaseBase:
+class PhaseBase(Generic[ViewT]):
     """Base of ``pool.<phase>`` objects.
 
     Capture safety: ``view(bs)`` hands out slices whose read region must already hold valid values,
@@ -89,6 +91,17 @@ class PhaseBase:
         self._max_len, self._max_pages = self.cfg.max_context_len, self.cfg.max_pages
         #: ``arange[:n]`` per n: the rows of a block table given without ``req_pool_indices``
         self._in_order: dict[int, Tensor] = {}
+
+    def view(self, bs: int) -> ViewT:
+        """The ``bs``-row view for capture: valid padded values (the capture state, written
+        first when the bytes do not hold it: see the class docstring) and static host bounds."""
+        check_bs(self.cfg, bs)
+        self._ready(bs)
+        return self._capture_view(bs)
+
+    def _capture_view(self, bs: int) -> ViewT:
+        """The view :meth:`view` hands out once its bytes are valid (static host bounds)."""
+        raise NotImplementedError
 
     # ---- input checks ----------------------------------------------------------------------------
     def _tensor(self, name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] = INT_DTYPES,
@@ -198,7 +211,20 @@ class PhaseBase:
         self.arena.recorded = True
         return seq_lens, n
 
-    def bind(self, bs: int, **inputs: Any) -> BoundUpdate[Any]:
+    def _inputs(self, bs: int, seq_lens: object, num_real: object, req_pool_indices: object,
+                req_to_token: object, block_table: object,
+                seq_lens_cpu: Tensor | Sequence[int] | None, hi: int,
+                *host: Tensor | Sequence[int] | None,
+                ) -> tuple[Tensor, int, Tensor, Tensor, int | None, list[int] | None]:
+        """The input pass every update starts with: ``bs`` and ``seq_lens`` (:meth:`_batch`;
+        ``host``: the phase's other host copies, refused with ``num_real``), the request table
+        (:meth:`_rows_table`) and the host lengths, each in ``[1, hi]``. Returns ``(seq_lens,
+        n, rows, table, block, host lengths or None)``."""
+        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu, *host)
+        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
+        return seq_lens, n, rpi, table, blk, host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, hi)
+
+    def bind(self, bs: int, **inputs: Any) -> BoundUpdate[ViewT]:
         """``update_(bs, **inputs)`` once, bound for cheap replays (see :mod:`.bound`).
 
         ``inputs`` are the engine's static tensors (keywords of this phase's ``update_``); the

@@ -12,13 +12,12 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
-from ..inputs import check_bs, host_lens
 from ..views import DecodeView
 from ._validate import Values
 from .base import PhaseBase, part_view
 
 
-class DecodePhase(PhaseBase):
+class DecodePhase(PhaseBase[DecodeView]):
     """``pool.decode``: ``view(bs)`` for capture, ``update_(...)`` before each replay.
 
     Row ``i < n`` is request ``req_pool_indices[i]`` with ``cache_seqlens[i] = seq_lens[i]`` and
@@ -51,10 +50,8 @@ class DecodePhase(PhaseBase):
         #: (request ids, arena epoch) right after the last decode update, for ``request_ids``.
         self._last: tuple[list[Hashable], int] | None = None
 
-    def view(self, bs: int) -> DecodeView:
+    def _capture_view(self, bs: int) -> DecodeView:
         """The ``bs``-row view for capture: valid padded values, static host bounds."""
-        check_bs(self.cfg, bs)
-        self._ready(bs)
         return self._view(bs, self.cfg.max_context_len)
 
     def update_(
@@ -103,9 +100,9 @@ class DecodePhase(PhaseBase):
             the refilled view (same tensors as ``view(bs)``; host ints reflect this batch).
         """
         cfg = self.cfg
-        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
-        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
-        host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
+        seq_lens, n, rpi, table, blk, host = self._inputs(
+            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
+            cfg.max_context_len)
         ids = None
         if request_ids is not None:
             if num_real is not None:

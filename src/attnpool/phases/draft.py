@@ -14,7 +14,6 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
-from ..inputs import check_bs, host_lens
 from ..specs import draft_expand_width
 from ..update.reference import PagedBuffers
 from ..views import DraftStepView, DraftView, PagedView
@@ -22,7 +21,7 @@ from ._validate import Values
 from .base import PhaseBase, part_view
 
 
-class DraftPhase(PhaseBase):
+class DraftPhase(PhaseBase[DraftView]):
     """``pool.draft``: one update writes the metadata of every draft step of a round.
 
     Engines capture all S steps in one graph, so the steps coexist: they share one page table
@@ -75,10 +74,8 @@ class DraftPhase(PhaseBase):
             self._e_table, *(None if t is None else t[d] for t in csr),
         )
 
-    def view(self, bs: int) -> DraftView:
+    def _capture_view(self, bs: int) -> DraftView:
         """All steps' views for ``bs`` requests, for capture (valid padded values)."""
-        check_bs(self.cfg, bs)
-        self._ready(bs)
         return self._view(bs, None, 0)
 
     def update_(
@@ -111,9 +108,9 @@ class DraftPhase(PhaseBase):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg, steps = self.cfg, self.cfg.spec_steps
-        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
-        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
-        host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - steps)
+        seq_lens, n, rpi, table, blk, host = self._inputs(
+            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
+            cfg.max_context_len - steps)
         loc: Tensor | None = None
         if not self.tree:
             if out_cache_loc is not None:

@@ -11,13 +11,13 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import CapacityError
-from ..inputs import check_bs, host_lens
+from ..inputs import host_lens
 from ..views import DraftExtendView
 from ._validate import Values
 from .base import PhaseBase, part_view
 
 
-class DraftExtendPhase(PhaseBase):
+class DraftExtendPhase(PhaseBase[DraftExtendView]):
     """``pool.draft_extend``: request ``i`` runs ``accept_lens[i]`` queries (1..N) causally over
     ``cache_seqlens = seq_lens`` (which include those tokens).
 
@@ -41,9 +41,7 @@ class DraftExtendPhase(PhaseBase):
         self._b = self._paged()
         self._cu_q = arena.buffer(self.phase, "cu_seqlens_q")
 
-    def view(self, bs: int) -> DraftExtendView:
-        check_bs(self.cfg, bs)
-        self._ready(bs)
+    def _capture_view(self, bs: int) -> DraftExtendView:
         return self._view(bs, self.cfg.max_context_len)
 
     def update_(
@@ -72,10 +70,10 @@ class DraftExtendPhase(PhaseBase):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg = self.cfg
-        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu, accept_lens_cpu)
+        seq_lens, n, rpi, table, blk, host = self._inputs(
+            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
+            cfg.max_context_len, accept_lens_cpu)
         acc = self._tensor("accept_lens", accept_lens, 1, rows=n)
-        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
-        host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
         acc_host = host_lens("accept_lens_cpu", accept_lens_cpu, n, 1, cfg.num_draft_tokens)
         if host is not None and acc_host is not None:
             # the accepted tokens are part of the KV: a request cannot run more queries than keys

@@ -10,13 +10,13 @@ from torch import Tensor
 
 from ..arena import Arena
 from ..config import Phase
-from ..inputs import check_bs, host_lens
+from ..inputs import host_lens
 from ..views import DecodeView, EncoderView, PagedView
 from ._validate import Values
 from .base import PhaseBase, part_view
 
 
-class EncoderPhase(PhaseBase):
+class EncoderPhase(PhaseBase[EncoderView]):
     """``pool.encoder``: each request's table row (``req_to_token`` or ``block_table``) holds its
     encoder tokens first, then its decoder tokens. One update writes both parts of a decode step:
 
@@ -45,11 +45,9 @@ class EncoderPhase(PhaseBase):
         self._dec = self._paged(phase=Phase.DECODE)
         self._pad = min(self.cfg.pad_seq_len, self.cfg.max_encoder_len)
 
-    def view(self, bs: int) -> EncoderView:
+    def _capture_view(self, bs: int) -> EncoderView:
         """Both parts' ``bs``-row view for capture (the decoder part's capture state is written
         into the decode phase's buffers under this phase's ownership)."""
-        check_bs(self.cfg, bs)
-        self._ready(bs)
         return self._both(bs, self.cfg.max_encoder_len, self.cfg.max_context_len)
 
     def update_(
@@ -78,11 +76,11 @@ class EncoderPhase(PhaseBase):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg = self.cfg
-        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu, encoder_lens_cpu)
+        seq_lens, n, rpi, table, blk, host = self._inputs(
+            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
+            cfg.max_context_len, encoder_lens_cpu)
         enc = self._tensor("encoder_lens", encoder_lens, 1, rows=n)
-        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
         enc_host = host_lens("encoder_lens_cpu", encoder_lens_cpu, n, 1, cfg.max_encoder_len)
-        host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
         if host is not None and enc_host is not None:
             host_lens("encoder_lens_cpu + seq_lens_cpu",
                       [a + b for a, b in zip(enc_host, host, strict=True)], n, 2,

@@ -14,13 +14,13 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import CapacityError
-from ..inputs import check_bs, host_lens
+from ..inputs import host_lens
 from ..views import ExtendView
 from ._validate import Values
 from .base import PhaseBase, part_view
 
 
-class ExtendPhase(PhaseBase):
+class ExtendPhase(PhaseBase[ExtendView]):
     """``pool.extend``: request ``i`` appends ``extend_lens[i]`` tokens to a cached prefix of
     ``seq_lens[i] - extend_lens[i]`` tokens; its queries attend causally over ``cache_seqlens =
     seq_lens`` (the caller stores the new tokens' K/V before attention).
@@ -45,11 +45,9 @@ class ExtendPhase(PhaseBase):
         #: T: packed query tokens of one batch, and the query total of a padded one.
         self.max_tokens = arena.cfg.max_extend_tokens
 
-    def view(self, bs: int) -> ExtendView:
+    def _capture_view(self, bs: int) -> ExtendView:
         """The ``bs``-row view for capture: every row padded, static host bounds
         (``max_seqlen_q = T``, ``max_seqlen_k = max_context_len``)."""
-        check_bs(self.cfg, bs)
-        self._ready(bs)
         return self._view(bs, self.max_tokens, self.cfg.max_context_len)
 
     def update_(
@@ -95,10 +93,10 @@ class ExtendPhase(PhaseBase):
             the refilled :class:`attnpool.ExtendView` (same tensors as ``view(bs)``).
         """
         cfg, t_max = self.cfg, self.max_tokens
-        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu, extend_lens_cpu)
+        seq_lens, n, rpi, table, blk, host = self._inputs(
+            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
+            cfg.max_context_len, extend_lens_cpu)
         ext = self._tensor("extend_lens", extend_lens, 1, rows=n)
-        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
-        host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len)
         ehost = host_lens("extend_lens_cpu", extend_lens_cpu, n, 1, cfg.max_context_len)
         total = self._check_host(host, ehost)
         slots = None if out_slots is None else self._out_slots(out_slots, total)

@@ -11,14 +11,14 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
-from ..inputs import check_bs, host_lens
+from ..inputs import check_bs
 from ..specs import local_rows_per_request
 from ..views import LocalView
 from ._validate import Values
 from .base import PhaseBase, part_view
 
 
-class LocalPhase(PhaseBase):
+class LocalPhase(PhaseBase[LocalView]):
     """``pool.local``: the chunked-local-attention view that goes with a decode or verify step.
 
     Each request's queries are split into virtual rows, one per chunk of size A their positions
@@ -89,9 +89,9 @@ class LocalPhase(PhaseBase):
         """
         cfg = self.cfg
         q, extra, per = self._shape(for_phase)
-        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
-        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
-        host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - extra)
+        seq_lens, n, rpi, table, blk, _ = self._inputs(
+            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
+            cfg.max_context_len - extra)
         if self.validate:  # (the values are only gathered when they are read)
             self._values(Values(n, num_real, table.shape[0],
                                 [("seq_lens", seq_lens, 1, cfg.max_context_len - extra),

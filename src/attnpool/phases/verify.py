@@ -15,13 +15,12 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
-from ..inputs import check_bs, host_lens
 from ..views import PagedView, VerifyView
 from ._validate import Values
 from .base import PhaseBase, part_view
 
 
-class VerifyPhase(PhaseBase):
+class VerifyPhase(PhaseBase[VerifyView]):
     """``pool.verify``: chain verify is one causal pass over ``seq_lens + N``; tree verify is a
     non-causal prefix pass over ``seq_lens`` plus an expand pass over the allowed draft tokens,
     merged by log-sum-exp (see :class:`attnpool.VerifyView`).
@@ -42,10 +41,8 @@ class VerifyPhase(PhaseBase):
         self._e = self._paged("expand_") if self.tree else None
         self._cu_q = arena.buffer(None, "arange_n")
 
-    def view(self, bs: int) -> VerifyView:
+    def _capture_view(self, bs: int) -> VerifyView:
         """The ``bs``-request view for capture (valid padded values, static bounds)."""
-        check_bs(self.cfg, bs)
-        self._ready(bs)
         return self._view(bs, self.cfg.max_context_len)
 
     def update_(
@@ -76,9 +73,9 @@ class VerifyPhase(PhaseBase):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg, nd = self.cfg, self.cfg.num_draft_tokens
-        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu)
-        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
-        host = host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, cfg.max_context_len - nd)
+        seq_lens, n, rpi, table, blk, host = self._inputs(
+            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
+            cfg.max_context_len - nd)
         mask: Tensor | None = None
         if self.tree:
             mask = self._tensor("tree_mask", tree_mask, 3, dtypes=(torch.bool,), rows=n)

@@ -104,14 +104,15 @@ def lengths_(dst: Tensor, src: Tensor, add: int, bs: int, pad: int, max_len: int
     view, stays inside the part's buffers: wrong metadata, never a stray index.
     """
     n = src.shape[0]
+    real = dst[:n]
     if not add and src.dtype == dst.dtype:
-        torch.clamp(src, 0, max_len, out=dst[:n])  # one op for int32 inputs
+        torch.clamp(src, 0, max_len, out=real)  # one op for int32 inputs
     else:
         if add:
-            torch.add(src, add, out=dst[:n])
+            torch.add(src, add, out=real)
         else:
-            dst[:n].copy_(src)
-        dst[:n].clamp_(0, max_len)  # (a value past int32 has wrapped by now; the clamp bounds it)
+            real.copy_(src)
+        real.clamp_(0, max_len)  # (a value past int32 has wrapped by now; the clamp bounds it)
     if n < bs:  # (an empty fill is still a dispatched op)
         dst[n:bs].fill_(pad)
 
