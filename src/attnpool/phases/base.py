@@ -16,7 +16,6 @@ from ..errors import CapacityError, InputError, PoolError
 from ..inputs import check_block_table, check_bs, check_req_to_token, check_tensor, host_lens
 from ..update import reference as ref
 from ..update.reference import PagedBuffers
-from ..views import PagedView, Stamp
 from ._validate import Values, validate
 from .bound import BoundUpdate
 
@@ -371,37 +370,3 @@ class PhaseBase(Generic[ViewT]):
             return self._max_pages
         return min(self._max_pages, -(-(max(host, default=0) + add) // self.cfg.page_size))
 
-
-V = TypeVar("V", bound=PagedView)
-
-
-def part_view(
-    b: PagedBuffers,
-    rows: int,
-    cu_seqlens_q: Tensor,
-    *,
-    max_q: int,
-    max_k: int,
-    page_size: int,
-    causal: bool,
-    stamp: Stamp,
-    cls: type[V] = PagedView,  # type: ignore[assignment]
-    **extra: Any,
-) -> V:
-    """A view (``cls``, a :class:`PagedView`) of the first ``rows`` rows of a part's buffers."""
-    return cls(
-        bs=rows,
-        cache_seqlens=b.cache_seqlens[:rows],
-        cu_seqlens_q=cu_seqlens_q[: rows + 1],
-        cu_seqlens_k=b.cu_seqlens_k[: rows + 1],
-        page_table=None if b.page_table is None else b.page_table[:rows],
-        kv_indptr=None if b.kv_indptr is None else b.kv_indptr[: rows + 1],
-        kv_indices=b.kv_indices,
-        kv_last_page_len=None if b.kv_last_page_len is None else b.kv_last_page_len[:rows],
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
-        page_size=page_size,
-        causal=causal,
-        stamp=stamp,
-        **extra,
-    )

@@ -14,7 +14,8 @@ from ..config import Phase
 from ..errors import InputError
 from ..views import DecodeView
 from ._validate import Values
-from .base import PhaseBase, part_view
+from ._views import part_view
+from .base import PhaseBase
 
 
 class DecodePhase(PhaseBase[DecodeView]):

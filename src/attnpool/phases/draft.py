@@ -18,7 +18,8 @@ from ..specs import draft_expand_width
 from ..update.reference import PagedBuffers
 from ..views import DraftStepView, DraftView, PagedView
 from ._validate import Values
-from .base import PhaseBase, part_view
+from ._views import part_view
+from .base import PhaseBase
 
 
 class DraftPhase(PhaseBase[DraftView]):

@@ -13,7 +13,8 @@ from ..config import Phase
 from ..inputs import host_lens
 from ..views import DecodeView, EncoderView, PagedView
 from ._validate import Values
-from .base import PhaseBase, part_view
+from ._views import part_view
+from .base import PhaseBase
 
 
 class EncoderPhase(PhaseBase[EncoderView]):

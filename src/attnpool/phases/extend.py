@@ -17,7 +17,8 @@ from ..errors import CapacityError
 from ..inputs import host_lens
 from ..views import ExtendView
 from ._validate import Values
-from .base import PhaseBase, part_view
+from ._views import part_view
+from .base import PhaseBase
 
 
 class ExtendPhase(PhaseBase[ExtendView]):

@@ -15,7 +15,8 @@ from ..inputs import check_bs
 from ..specs import local_rows_per_request
 from ..views import LocalView
 from ._validate import Values
-from .base import PhaseBase, part_view
+from ._views import part_view
+from .base import PhaseBase
 
 
 class LocalPhase(PhaseBase[LocalView]):
