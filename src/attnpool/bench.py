@@ -272,6 +272,22 @@ def rounds_for(fn: Callable[[], object], budget_s: float, lo: int, hi: int) -> i
     return max(lo, min(hi, int(budget_s / dt)))
 
 
+def interleaved(fns: list[Callable[[], object]], device: torch.device, suite: Suite
+                ) -> list[list[float]]:
+    """Per-call times of each of ``fns``, one call of each per round in turn (the rounds that
+    fit the suite's budget for the slowest). Each is warmed first (caches, compilation)."""
+    fns = [synced(fn, device) for fn in fns]
+    rounds = min((rounds_for(fn, suite.budget_s, suite.min_rounds, suite.max_rounds)
+                  for fn in fns), default=0)
+    out: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, ts in zip(fns, out, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return out
+
+
 # ---- runner -----------------------------------------------------------------------------------
 class _Progress:
     """A plain-text progress bar on stderr (no dependency): redrawn in place on a terminal, a
@@ -304,16 +320,15 @@ def run(suite: Suite, device: torch.device, progress: bool = True) -> dict[str, 
     memory: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
 
-    def measure(group: str, case: str, impl: str, fn: Callable[[], object], cfg: PoolConfig,
-                **extra: Any) -> None:
-        fn, ts = synced(fn, device), []
-        for _ in range(rounds_for(fn, suite.budget_s, suite.min_rounds, suite.max_rounds)):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
+    def record(group: str, case: str, impl: str, ts: list[float], cfg: PoolConfig,
+               **extra: Any) -> None:
         results.append({"group": group, "case": case, "impl": impl,
                         "median_s": statistics.median(ts), "min_s": min(ts), "rounds": len(ts),
                         "config": config_info(cfg), **extra})
+
+    def measure(group: str, case: str, impl: str, fn: Callable[[], object], cfg: PoolConfig,
+                **extra: Any) -> None:
+        record(group, case, impl, interleaved([fn], device, suite)[0], cfg, **extra)
 
     for name in suite.init_configs:
         cfg = PoolConfig(device=device, **suite.configs[name])
@@ -326,15 +341,21 @@ def run(suite: Suite, device: torch.device, progress: bool = True) -> dict[str, 
             bar.step(f"init {name} {ii.name}")
             measure("init", name, ii.name, ii.prepare(cfg), cfg, nbytes=ii.nbytes(cfg))
     for case in cases:
+        # Every path of a case is timed in the same rounds, alternating, so a change of the
+        # machine's load while the case runs reaches the baseline and attnpool alike.
         x = make_inputs(case, device)
+        run_now: list[tuple[str, Callable[[], object]]] = []
         for ui in UPDATE_IMPLS:
             bar.step(f"update {case.name} {ui.name}")
             why = ui.skip(case, device)
             if why is not None:
                 skipped.append({"case": case.name, "impl": ui.name, "reason": why})
                 continue
-            measure("update", case.name, ui.name, ui.prepare(case, x, device),
-                    case.config(device), part=case.name.rsplit("-bs", 1)[0], bs=case.bs, n=case.n)
+            run_now.append((ui.name, ui.prepare(case, x, device)))
+        times = interleaved([fn for _, fn in run_now], device, suite)
+        for (name, _), ts in zip(run_now, times, strict=True):
+            record("update", case.name, name, ts, case.config(device),
+                   part=case.name.rsplit("-bs", 1)[0], bs=case.bs, n=case.n)
     return {"machine": machine_info(device), "results": results, "memory": memory,
             "ratios": ratios(results), "skipped": skipped}
 

@@ -125,13 +125,23 @@ def stubbed_launches(device: torch.device) -> Iterator[None]:
 def units(fn: Callable[[], object], device: torch.device, rounds: int = 25, number: int = 20
           ) -> float:
     """``fn``'s host time in units of ``t.fill_(1)`` (8 elements), interleaved, min of rounds."""
+    return units_of({"fn": fn}, device, rounds, number)["fn"]
+
+
+def units_of(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 25,
+             number: int = 20) -> dict[str, float]:
+    """:func:`units` of several calls, all timed in the same rounds in turn (with the unit op):
+    a change of the machine's load reaches every column of a row alike, so their ratios hold."""
     t = torch.zeros(8, device=device)  # ok: the unit op's operand, once per case
-    fn()  # first call: builds caches / compiles; not what a step costs
-    ts, us = [], []
+    for fn in fns.values():
+        fn()  # first call: builds caches / compiles; not what a step costs
+    us: list[float] = []
+    ts: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         us.append(timeit.timeit(lambda: t.fill_(1), number=number * 10) / (number * 10))
-        ts.append(timeit.timeit(fn, number=number) / number)
-    return min(ts) / min(us)
+        for k, fn in fns.items():
+            ts[k].append(timeit.timeit(fn, number=number) / number)
+    return {k: min(v) / min(us) for k, v in ts.items()}
 
 
 @dataclass(frozen=True)
@@ -171,17 +181,14 @@ def run(device: torch.device, triton: bool, batch_sizes: tuple[int, ...] = BATCH
     rows = []
     for label, phase, topk in PARTS:
         for bs in batch_sizes:
-            cost: dict[str, float | None] = {}
-            for col in COLUMNS:
-                if col in ("fused eager", "bound") and not triton:
-                    cost[col] = None
-                    continue
-                ctx = stubbed_launches(device) if col in ("fused eager", "bound") else (
-                    contextlib.nullcontext())
-                with ctx:
-                    fn = _case(label, phase, topk, bs, col, device)
-                    cost[col] = None if fn is None else units(fn, device)
-            rows.append(Row(label, bs, cost))
+            # Every column of a row is timed in the same rounds (units_of). The stubs only
+            # replace the fused kernels; the reference and classic columns never launch one.
+            with stubbed_launches(device) if triton else contextlib.nullcontext():
+                fns = {col: fn for col in COLUMNS
+                       if (triton or col not in ("fused eager", "bound"))
+                       and (fn := _case(label, phase, topk, bs, col, device)) is not None}
+                got = units_of(fns, device)
+            rows.append(Row(label, bs, {col: got.get(col) for col in COLUMNS}))
     return rows
 
 

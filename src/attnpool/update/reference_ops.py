@@ -90,9 +90,29 @@ def gather_pages(
         tok = table_slots(req_to_token, rows[:, None], idx, block_size)
     if page_size == 1:
         return tok
+    return floor_div(tok, page_size, out)
+
+
+#: 0-dim shift amounts per (bits, dtype): a Python int shift is wrapped into a tensor and cast
+#: on every call, which costs more than the shift itself on a small tensor
+_SHIFTS: dict[tuple[int, torch.dtype], Tensor] = {}
+
+
+def floor_div(t: Tensor, d: int, out: Tensor | None = None) -> Tensor:
+    """``floor(t / d)`` for ints, into ``out`` when given. A power of two is an arithmetic right
+    shift (the same bytes as the floor division, negative values included, about three times
+    faster on CPU for a large block); any other ``d`` divides."""
+    if d & (d - 1) == 0:
+        key = (d.bit_length() - 1, t.dtype)
+        shift = _SHIFTS.get(key)
+        if shift is None:  # (a host scalar: usable with a tensor on any device)
+            shift = _SHIFTS[key] = torch.tensor(key[0], dtype=t.dtype)
+        if out is not None:
+            return torch.bitwise_right_shift(t, shift, out=out)
+        return torch.bitwise_right_shift(t, shift)
     if out is not None:
-        return torch.div(tok, page_size, rounding_mode="floor", out=out)
-    return torch.div(tok, page_size, rounding_mode="floor")
+        return torch.div(t, d, rounding_mode="floor", out=out)
+    return torch.div(t, d, rounding_mode="floor")
 
 
 def lengths_(dst: Tensor, src: Tensor, add: int, bs: int, pad: int, max_len: int = 2**31 - 1
