@@ -160,7 +160,7 @@ def paged_update_(
     cap = pt.shape[1] if pt is not None else -(-max_len // p)
     w = cap if width is None else min(width, cap)
     n = seq_lens.shape[0]
-    out = None if pt is None or p == 1 else pt[:n, :w]
+    out = None if pt is None else pt[:n, :w]
     pages = gather_pages(req_to_token, req_pool_indices, p, w, token_offset, out, block_size)
     if steps > 1:
         _steps_(b, bs, seq_lens, pages, extra, steps, p, pad_seq_len, pad_page, max_len)

@@ -73,14 +73,17 @@ def gather_pages(
     the table too (as on the fused path): an out-of-range ``req_pool_indices`` value, which only a
     sync could detect, gives wrong page ids, never an indexing error.
 
-    ``out`` (the part's ``page_table[:n, :width]``, when ``page_size > 1``) takes the page ids
-    directly, saving the copy :func:`paged_` would make (it skips a ``pages`` that is its own
-    table slice). Nothing here can raise on values, so writing the table first is safe.
-    ``block_size``: ``req_to_token`` is a page-level block table (module docstring).
+    ``out`` (the part's ``page_table[:n, :width]``) takes the page ids directly, saving the copy
+    :func:`paged_` would make (it skips a ``pages`` that is its own table slice); with page size 1
+    only when the table has ``out``'s dtype (the gather is then the only op). Nothing here can
+    raise on values, so writing the table first is safe. ``block_size``: ``req_to_token`` is a
+    page-level block table (module docstring).
     """
     rows = req_pool_indices.clamp(0, req_to_token.shape[0] - 1)
     if token_offset is None and block_size is None:
         cols = req_to_token[:, : width * page_size : page_size]
+        if page_size == 1 and out is not None and out.dtype == cols.dtype:
+            return torch.index_select(cols, 0, rows, out=out)
         tok = cols.index_select(0, rows)
     else:
         idx = torch.arange(width, device=req_to_token.device) * page_size
