@@ -1,0 +1,258 @@
+"""The reference path's part updates, in plain torch: what :mod:`.reference`'s ``*_launch``
+functions bind and run (the semantics of :mod:`.triton`'s fused kernels, same bytes in every
+read region). The caller's inputs are trusted here: the phases check them first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..errors import InputError
+from .reference_ops import (
+    PagedBuffers,
+    cumsum_,
+    draft_expand,
+    extend_tokens,
+    gather_pages,
+    lengths_,
+    local_rows,
+    paged_,
+    table_width,
+    tree_expand,
+)
+
+
+def _no_num_real(num_real: Tensor | None) -> None:
+    if num_real is not None:
+        raise InputError("num_real (a capturable update) needs the fused path, impl=TRITON; "
+                         "the reference path got one")
+
+
+def _arange(b: PagedBuffers, size: int, like: Tensor) -> Tensor:
+    """``0, 1, ..., size-1``: the pool's constant when the part carries it, else a temporary."""
+    if b.arange is not None and b.arange.shape[0] >= size:
+        return b.arange
+    return torch.arange(size, dtype=torch.int32, device=like.device)
+
+
+def _step(b: PagedBuffers, d: int, table: bool) -> PagedBuffers:
+    """Step ``d`` of stacked ``[S, ...]`` per-step buffers; the shared table only if ``table``."""
+    def at(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[d]
+
+    return PagedBuffers(b.cache_seqlens[d], b.cu_seqlens_k[d], b.page_table if table else None,
+                        at(b.kv_indptr), at(b.kv_indices), at(b.kv_last_page_len), b.arange)
+
+
+def paged_part_(
+    b: PagedBuffers,
+    *,
+    bs: int,
+    seq_lens: Tensor,
+    req_pool_indices: Tensor,
+    req_to_token: Tensor,
+    extra: int,
+    page_size: int,
+    pad_seq_len: int,
+    pad_page: int,
+    token_offset: Tensor | None = None,
+    num_real: Tensor | None = None,
+    keep: Tensor | None = None,
+    q_lens: Tensor | None = None,
+    cu_seqlens_q: Tensor | None = None,
+    pad_q: int = 1,
+    steps: int = 1,
+    full_pages: bool = False,
+    max_len: int | None = None,
+    max_q: int | None = None,
+    q_total: int | None = None,
+    positions: Tensor | None = None,
+    out_slots: Tensor | None = None,
+    block_size: int | None = None,
+    width: int | None = None,
+) -> None:
+    """Write one paged part's read region for ``bs`` rows: :func:`attnpool.update.triton.
+    paged_update_`'s semantics (every argument as documented there), in torch.
+
+    The caller's inputs are trusted (the phases check them; see the module docstring for
+    ``width`` and ``keep``). Page ids are gathered first, straight into the page table when the
+    part has one; nothing here can fail on values (rows and columns are clamped into the table),
+    so that first write is safe.
+    """
+    _no_num_real(num_real)
+    p, pt = page_size, b.page_table
+    if max_len is None:
+        cols = pt.shape[1] if pt is not None else -(-table_width(req_to_token, block_size) // p)
+        max_len = cols * p
+    cap = pt.shape[1] if pt is not None else -(-max_len // p)
+    w = cap if width is None else min(width, cap)
+    n = seq_lens.shape[0]
+    out = None if pt is None else pt[:n, :w]
+    pages = gather_pages(req_to_token, req_pool_indices, p, w, token_offset, out, block_size)
+    if steps > 1:
+        _steps_(b, bs, seq_lens, pages, extra, steps, p, pad_seq_len, pad_page, max_len)
+        return
+    lengths_(b.cache_seqlens, seq_lens, extra, bs, pad_seq_len, max_len)
+    if full_pages and n:  # a draft tree's prefix pass: whole pages only
+        real = b.cache_seqlens[:n]
+        real.div_(p, rounding_mode="floor").mul_(p)
+    if q_lens is not None and cu_seqlens_q is not None:
+        _queries_(b, bs, q_lens, cu_seqlens_q, pad_q, max_q, q_total)
+    if positions is not None or out_slots is not None:
+        _tokens_(seq_lens, extra, q_lens, req_pool_indices, req_to_token, block_size,
+                 token_offset, positions, out_slots)
+    paged_(b, bs=bs, pages=pages, page_size=p, pad_page=pad_page,
+           pad_pages=-(-pad_seq_len // p), arange=_arange(b, max(w, bs) + 1, seq_lens))
+
+
+def _steps_(b: PagedBuffers, bs: int, seq_lens: Tensor, pages: Tensor, extra: int, steps: int,
+            p: int, pad_len: int, pad_page: int, max_len: int) -> None:
+    """Chain draft steps: step ``d`` holds ``clamp(seq + extra) + d`` (the clamp leaves room for
+    the last step, as the fused kernel's), its own cumsum; the shared table once, for the last."""
+    n = seq_lens.shape[0]
+    base = b.cache_seqlens[0]
+    lengths_(base, seq_lens, extra, bs, pad_len, max(max_len - (steps - 1), 0))
+    arange = _arange(b, max(pages.shape[1], bs) + 1, seq_lens)
+    for d in range(steps):
+        step = _step(b, d, table=d == steps - 1)
+        if d:
+            torch.add(base[:n], d, out=step.cache_seqlens[:n])
+            if n < bs:
+                step.cache_seqlens[n:bs].fill_(pad_len)
+        paged_(step, bs=bs, pages=pages if d == steps - 1 else pages[:, :0], page_size=p,
+               pad_page=pad_page, pad_pages=-(-pad_len // p), arange=arange)
+
+
+def _queries_(b: PagedBuffers, bs: int, q_lens: Tensor, cu: Tensor, pad_q: int,
+              max_q: int | None, q_total: int | None) -> None:
+    """The query part: ``cu = [0, cumsum(q_lens)]`` (clamped into ``[0, max_q]``), then padded
+    rows: with ``q_total`` all end at ``max(q_total, real total)`` (the first takes the slack),
+    else ``pad_q`` queries each, continuing from the real total (device values, no sync)."""
+    n = q_lens.shape[0]
+    cumsum_(cu, q_lens if max_q is None else q_lens.clamp(0, max_q))
+    if n == bs:
+        return
+    if q_total is not None:
+        # (max(T, total) keeps it non-decreasing if the caller broke sum <= T)
+        torch.clamp(cu[n : n + 1].expand(bs - n), min=q_total, out=cu[n + 1 : bs + 1])
+        return
+    pad = _arange(b, bs - n + 1, q_lens)[1 : bs - n + 1]
+    torch.add(pad if pad_q == 1 else pad * pad_q, cu[n : n + 1], out=cu[n + 1 : bs + 1])
+
+
+def _tokens_(seq_lens: Tensor, extra: int, q_lens: Tensor | None, rpi: Tensor, table: Tensor,
+             block_size: int | None, token_offset: Tensor | None, positions: Tensor | None,
+             out_slots: Tensor | None) -> None:
+    """Packed query tokens' positions and KV slots (:func:`extend_tokens`), then their pads."""
+    if q_lens is None:
+        raise InputError("positions / out_slots need q_lens and q_total (the extend query part)")
+    size = max(0 if positions is None else positions.shape[0],
+               0 if out_slots is None else out_slots.shape[0])
+    lens = seq_lens + extra if extra else seq_lens
+    pos, slots = extend_tokens(lens, q_lens, rpi, table, size, block_size, token_offset)
+    if positions is not None:
+        positions.copy_(pos[: positions.shape[0]])
+    if out_slots is not None:
+        out_slots.copy_(slots[: out_slots.shape[0]])
+
+
+def tree_expand_part_(
+    e: PagedBuffers,
+    *,
+    bs: int,
+    tree_mask: Tensor,
+    seq_lens: Tensor,
+    req_pool_indices: Tensor,
+    req_to_token: Tensor,
+    pad_len: int,
+    pad_id: int,
+    num_real: Tensor | None = None,
+    block_size: int | None = None,
+) -> None:
+    """The verify tree *expand* part: :func:`attnpool.update.triton.tree_expand_update_`'s
+    semantics, from :func:`tree_expand` written with page size 1."""
+    _no_num_real(num_real)
+    nd = tree_mask.shape[1]
+    lens, slots = tree_expand(tree_mask, seq_lens, req_pool_indices, req_to_token, block_size)
+    rows = bs * nd
+    lengths_(e.cache_seqlens, lens, 0, rows, pad_len, nd)
+    paged_(e, bs=rows, pages=slots, page_size=1, pad_page=pad_id, pad_pages=pad_len,
+           arange=_arange(e, max(nd, rows) + 1, seq_lens))
+
+
+def draft_tree_expand_part_(
+    e: PagedBuffers,
+    *,
+    bs: int,
+    seq_lens: Tensor,
+    req_pool_indices: Tensor,
+    req_to_token: Tensor,
+    out_cache_loc: Tensor,
+    page_size: int,
+    pad_len: int,
+    pad_id: int,
+    num_real: Tensor | None = None,
+    block_size: int | None = None,
+) -> None:
+    """Every step's draft tree expand rows: :func:`attnpool.update.triton.
+    draft_tree_expand_update_`'s semantics (``e`` stacked ``[S, ...]`` per step, one shared
+    table), from :func:`draft_expand`: step ``d`` (1-based) reads ``partial + d`` keys."""
+    _no_num_real(num_real)
+    _, part, slots = draft_expand(seq_lens, req_pool_indices, req_to_token, out_cache_loc,
+                                  page_size, block_size)
+    steps, topk = out_cache_loc.shape[1], out_cache_loc.shape[2]
+    rows, width = bs * topk, slots.shape[1]
+    arange = _arange(e, max(width, rows) + 1, seq_lens)
+    for d in range(steps):
+        last = d == steps - 1
+        step = _step(e, d, table=last)
+        lengths_(step.cache_seqlens, part, d + 1, rows, pad_len, width)
+        # (every step's CSR lists the slots; the shared table is written once, by the last)
+        paged_(step, bs=rows, pages=slots, page_size=1, pad_page=pad_id, pad_pages=pad_len,
+               arange=arange)
+
+
+def local_part_(
+    b: PagedBuffers,
+    *,
+    cu_seqlens_q: Tensor,
+    bs: int,
+    seq_lens: Tensor,
+    req_pool_indices: Tensor,
+    req_to_token: Tensor,
+    extra: int,
+    num_queries: int,
+    rows_per_request: int,
+    chunk: int,
+    page_size: int,
+    pad_len: int,
+    pad_page: int,
+    num_real: Tensor | None = None,
+    block_size: int | None = None,
+) -> None:
+    """Chunked local attention's virtual rows: :func:`attnpool.update.triton.local_update_`'s
+    semantics, from :func:`local_rows` (pages gathered from each row's chunk start; rows past a
+    request's last chunk read the pad page)."""
+    _no_num_real(num_real)
+    per, q, p = rows_per_request, num_queries, page_size
+    kv = seq_lens + extra if extra else seq_lens
+    q_lens, kv_lens, off, valid = local_rows(kv, q, chunk, per, pad_len)
+    if b.page_table is not None:
+        width = b.page_table.shape[1]
+    else:
+        width = -(-min(chunk, table_width(req_to_token, block_size)) // p)
+    pages = gather_pages(req_to_token, req_pool_indices.repeat_interleave(per), p, width, off,
+                         block_size=block_size)
+    pages = torch.where(valid[:, None], pages, pad_page)
+    # --- writes start here ---
+    rows, real = bs * per, q_lens.shape[0]
+    arange = _arange(b, max(width, rows) + 1, seq_lens)
+    cumsum_(cu_seqlens_q, q_lens)
+    # Padded requests: their first row takes the q queries, the others none, so request
+    # i's queries start at cu[i*V] = i*q as in the caller's packed query buffer.
+    pad = torch.div(arange[: rows - real], per, rounding_mode="floor").add_(1).mul_(q)
+    torch.add(pad, cu_seqlens_q[real : real + 1], out=cu_seqlens_q[real + 1 : rows + 1])
+    lengths_(b.cache_seqlens, kv_lens, 0, rows, pad_len, width * p)
+    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=-(-pad_len // p),
+           arange=arange)
