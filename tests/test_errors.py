@@ -10,6 +10,7 @@ import torch
 
 import attnpool
 from attnpool import BufferPool, CapacityError, Impl, InputError, Layout, PoolConfig, PoolError
+from attnpool.update import reference_ops
 
 from batches import make_batch
 
@@ -114,6 +115,47 @@ def test_out_of_range_request_index_gives_bounded_metadata(impl: Impl) -> None:
                                   req_pool_indices=torch.full_like(t[1], rows - 1))
     pages = -(-int(t[0].max()) // pool.cfg.page_size)
     assert torch.equal(got[:4, :pages], clamped.page_table[:4, :pages])
+
+
+@pytest.mark.parametrize("impl", [Impl.REFERENCE, pytest.param(Impl.TRITON, marks=pytest.mark.triton)])
+def test_local_csr_past_its_capacity_stays_in_bounds(impl: Impl) -> None:
+    """A chunk longer than the context and a request table wider than it: lengths past the
+    context (out of contract, only a sync could see them) would list more pages than the local
+    CSR holds. Both paths drop the excess lanes (wrong metadata, never an IndexError half-way
+    through the update, never a byte outside the local part's buffers)."""
+    cfg = PoolConfig(max_bs=2, max_context_len=64, page_size=16, device="cpu", impl=impl,
+                     attention_chunk_size=128, layout=Layout.FLASHINFER)
+    pool = BufferPool(cfg)
+    table = torch.arange(2 * 256, dtype=torch.int32).view(2, 256)
+    rows = torch.tensor([0, 1])
+    pool.local.update_(2, seq_lens=torch.tensor([60, 60]), req_pool_indices=rows,
+                       req_to_token=table)
+    own = [(p.offset, p.offset + p.nbytes) for p in pool.plan.placements
+           if p.spec.phase is attnpool.Phase.LOCAL]
+    outside = torch.ones(pool.nbytes, dtype=torch.bool)
+    for lo, hi in own:
+        outside[lo:hi] = False
+    before = pool.arena.storage.clone()
+    view = pool.local.update_(2, seq_lens=torch.tensor([100, 100]), req_pool_indices=rows,
+                              req_to_token=table)
+    assert torch.equal(pool.arena.storage[outside], before[outside])
+    assert view.kv_indptr is not None and view.kv_indices is not None
+    assert int(view.kv_indptr[-1]) >= 0
+
+
+def test_reference_page_ids_do_not_depend_on_the_default_device() -> None:
+    """The reference path's first update may run under ``torch.device(...)`` (an engine building
+    a model): later updates of any pool still work and write the same bytes."""
+    pool, t = _setup()
+    want = pool.decode.update_(6, seq_lens=t[0], req_pool_indices=t[1], req_to_token=t[2])
+    want_pt = want.page_table.clone()
+    fresh = BufferPool(pool.cfg)
+    reference_ops._SHIFTS.clear()  # (so the first update below makes its cached shift again)
+    with torch.device("meta"):
+        got = fresh.decode.update_(6, seq_lens=t[0], req_pool_indices=t[1], req_to_token=t[2])
+    assert torch.equal(got.page_table[:4], want_pt[:4])
+    again = fresh.decode.update_(6, seq_lens=t[0], req_pool_indices=t[1], req_to_token=t[2])
+    assert torch.equal(again.page_table[:4], want_pt[:4])
 
 
 def test_not_a_config() -> None:

@@ -109,7 +109,7 @@ def floor_div(t: Tensor, d: int, out: Tensor | None = None) -> Tensor:
         key = (d.bit_length() - 1, t.dtype)
         shift = _SHIFTS.get(key)
         if shift is None:  # (a host scalar: usable with a tensor on any device)
-            shift = _SHIFTS[key] = torch.tensor(key[0], dtype=t.dtype)
+            shift = _SHIFTS[key] = torch.tensor(key[0], dtype=t.dtype, device="cpu")
         if out is not None:
             return torch.bitwise_right_shift(t, shift, out=out)
         return torch.bitwise_right_shift(t, shift)
@@ -183,8 +183,11 @@ def paged_(
         cols = arange[:width]
         pos = b.kv_indptr[:n, None] + cols[None, :]
         # Lanes past a row's live pages go to the scratch slot at the end of kv_indices, so the
-        # scatter needs no host-side compaction.
-        pos = torch.where(cols[None, :] < npages[:, None], pos, b.kv_indices.shape[0] - 1)
+        # scatter needs no host-side compaction; so do lanes past the CSR's capacity, which only
+        # out-of-contract lengths reach (as the fused kernels mask them: wrong metadata, never
+        # an indexing error half-way through the update).
+        scratch = b.kv_indices.shape[0] - 1
+        pos = torch.where((cols[None, :] < npages[:, None]) & (pos < scratch), pos, scratch)
         b.kv_indices.scatter_(0, pos.reshape(-1).long(), pages.reshape(-1).to(b.kv_indices.dtype))
         # (len - 1) % P + 1, and 1 for an empty row (a draft tree prefix shorter than a page)
         torch.remainder((real - 1).clamp_(min=0), page_size, out=b.kv_last_page_len[:n])
