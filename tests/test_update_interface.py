@@ -28,7 +28,15 @@ def test_both_modules_expose_the_same_part_functions(part: str) -> None:
     a = inspect.signature(getattr(ref, part + "_launch")).parameters
     b = inspect.signature(getattr(triton_update, part + "_launch")).parameters
     assert list(a.values()) == list(b.values())
-    assert ref.keep_flags is triton_update.keep_flags
+
+
+def test_keep_flags_take_the_same_arguments_and_the_reference_path_keeps_nothing() -> None:
+    """The incremental page table is a fused-path saving: the reference path writes every live
+    page (the same bytes), so its flags are all 0 and a phase copies none."""
+    assert (inspect.signature(ref.keep_flags).parameters.keys()
+            == inspect.signature(triton_update.keep_flags).parameters.keys())
+    assert triton_update.keep_flags([3, 5], [3, 5], 3) == [1, 1, 0]
+    assert ref.keep_flags([3, 5], [3, 5], 3) == [0, 0, 0]
 
 
 def _branches_on_path(tree: ast.AST) -> list[str]:

@@ -29,8 +29,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from torch import Tensor
-
 from ..errors import CapacityError
 from .reference_ops import (
     PagedBuffers,
@@ -102,8 +100,31 @@ class Call:
         return partial(self.fn, self.b, **kw)
 
 
-_PAGED_DYN = ("seq_lens", "req_pool_indices", "req_to_token", "token_offset", "num_real", "keep",
-              "q_lens", "out_slots", "width")
+def _launcher(name: str, part: Callable[..., None], dyn: tuple[str, ...]
+              ) -> Callable[..., Call]:
+    """The reference ``*_launch`` of ``part``: its arguments (keywords, exactly those of
+    :mod:`.triton`'s launch of the same name, which ``inspect.signature`` shows: it follows
+    ``__wrapped__`` to the part) bound in a :class:`Call`. ``dyn``: the per-update inputs."""
+    def launch(b: PagedBuffers, **kw: Any) -> Call:
+        return Call(part, b, kw, dyn)
+
+    launch.__name__ = launch.__qualname__ = name
+    launch.__doc__ = (f"Bind one update of the part (:func:`{part.__name__}` says what it "
+                      f"writes); the same arguments as :func:`attnpool.update.triton.{name}`.")
+    launch.__wrapped__ = part  # type: ignore[attr-defined]
+    return launch
+
+
+#: the ``*_launch`` functions, one per kind of part (the fused module's names and arguments)
+paged_launch = _launcher("paged_launch", paged_part_, (
+    "seq_lens", "req_pool_indices", "req_to_token", "token_offset", "num_real", "keep", "q_lens",
+    "out_slots", "width"))
+tree_expand_launch = _launcher("tree_expand_launch", tree_expand_part_, (
+    "tree_mask", "seq_lens", "req_pool_indices", "req_to_token", "num_real"))
+draft_tree_expand_launch = _launcher("draft_tree_expand_launch", draft_tree_expand_part_, (
+    "seq_lens", "req_pool_indices", "req_to_token", "out_cache_loc", "num_real"))
+local_launch = _launcher("local_launch", local_part_, (
+    "seq_lens", "req_pool_indices", "req_to_token", "num_real"))
 
 
 def paged_update_(b: PagedBuffers, **kw: Any) -> None:
@@ -111,71 +132,9 @@ def paged_update_(b: PagedBuffers, **kw: Any) -> None:
     paged_launch(b, **kw)()
 
 
-def paged_launch(
-    b: PagedBuffers,
-    *,
-    bs: int,
-    seq_lens: Tensor,
-    req_pool_indices: Tensor,
-    req_to_token: Tensor,
-    extra: int,
-    page_size: int,
-    pad_seq_len: int,
-    pad_page: int,
-    token_offset: Tensor | None = None,
-    num_real: Tensor | None = None,
-    keep: Tensor | None = None,
-    q_lens: Tensor | None = None,
-    cu_seqlens_q: Tensor | None = None,
-    pad_q: int = 1,
-    steps: int = 1,
-    full_pages: bool = False,
-    max_len: int | None = None,
-    max_q: int | None = None,
-    q_total: int | None = None,
-    positions: Tensor | None = None,
-    out_slots: Tensor | None = None,
-    block_size: int | None = None,
-    width: int | None = None,
-) -> Call:
-    """Bind one update of the part (see :func:`paged_part_` for what it writes): the same
-    arguments as :func:`attnpool.update.triton.paged_launch`, replayed per update with new
-    inputs (:class:`Call`)."""
-    kw = dict(locals())
-    del kw["b"]
-    return Call(paged_part_, b, kw, _PAGED_DYN)
-
-
-_TREE_DYN = ("tree_mask", "seq_lens", "req_pool_indices", "req_to_token", "num_real")
-
-
 def tree_expand_update_(e: PagedBuffers, **kw: Any) -> None:
     """:func:`tree_expand_launch` with the same arguments, run once."""
     tree_expand_launch(e, **kw)()
-
-
-def tree_expand_launch(
-    e: PagedBuffers,
-    *,
-    bs: int,
-    tree_mask: Tensor,
-    seq_lens: Tensor,
-    req_pool_indices: Tensor,
-    req_to_token: Tensor,
-    pad_len: int,
-    pad_id: int,
-    num_real: Tensor | None = None,
-    block_size: int | None = None,
-) -> Call:
-    """Bind one update of the part (see :func:`tree_expand_part_` for what it writes): the same
-    arguments as :func:`attnpool.update.triton.tree_expand_launch`, replayed per update with new
-    inputs (:class:`Call`)."""
-    kw = dict(locals())
-    del kw["e"]
-    return Call(tree_expand_part_, e, kw, _TREE_DYN)
-
-
-_DRAFT_DYN = ("seq_lens", "req_pool_indices", "req_to_token", "out_cache_loc", "num_real")
 
 
 def draft_tree_expand_update_(e: PagedBuffers, **kw: Any) -> None:
@@ -183,69 +142,15 @@ def draft_tree_expand_update_(e: PagedBuffers, **kw: Any) -> None:
     draft_tree_expand_launch(e, **kw)()
 
 
-def draft_tree_expand_launch(
-    e: PagedBuffers,
-    *,
-    bs: int,
-    seq_lens: Tensor,
-    req_pool_indices: Tensor,
-    req_to_token: Tensor,
-    out_cache_loc: Tensor,
-    page_size: int,
-    pad_len: int,
-    pad_id: int,
-    num_real: Tensor | None = None,
-    block_size: int | None = None,
-) -> Call:
-    """Bind one update of the part (see :func:`draft_tree_expand_part_` for what it writes): the
-    same arguments as :func:`attnpool.update.triton.draft_tree_expand_launch`, replayed per update
-    with new inputs (:class:`Call`)."""
-    kw = dict(locals())
-    del kw["e"]
-    return Call(draft_tree_expand_part_, e, kw, _DRAFT_DYN)
-
-
-_LOCAL_DYN = ("seq_lens", "req_pool_indices", "req_to_token", "num_real")
-
-
 def local_update_(b: PagedBuffers, **kw: Any) -> None:
     """:func:`local_launch` with the same arguments, run once."""
     local_launch(b, **kw)()
 
 
-def local_launch(
-    b: PagedBuffers,
-    *,
-    cu_seqlens_q: Tensor,
-    bs: int,
-    seq_lens: Tensor,
-    req_pool_indices: Tensor,
-    req_to_token: Tensor,
-    extra: int,
-    num_queries: int,
-    rows_per_request: int,
-    chunk: int,
-    page_size: int,
-    pad_len: int,
-    pad_page: int,
-    num_real: Tensor | None = None,
-    block_size: int | None = None,
-) -> Call:
-    """Bind one update of the part (see :func:`local_part_` for what it writes): the same
-    arguments as :func:`attnpool.update.triton.local_launch`, replayed per update with new
-    inputs (:class:`Call`)."""
-    kw = dict(locals())
-    del kw["b"]
-    return Call(local_part_, b, kw, _LOCAL_DYN)
-
-
 def keep_flags(prev_ids: list[Any] | None, ids: list[Any], bs: int) -> list[int]:
-    """Host-side ``keep`` values for :func:`paged_update_`: 1 where row ``i`` serves the same
-    request as at the previous update, 0 for new requests, padded rows and when there was no
-    previous update. ``ids`` are host ids unique per live request: not ``req_pool_indices``, whose
-    slots are reused by new requests. The caller copies the flags into its ``[bs]`` device tensor
-    (a ``non_blocking`` copy; from pinned memory it also leaves the host free at once)."""
+    """Host-side ``keep`` values, as :func:`attnpool.update.triton.keep_flags` takes them, all 0:
+    the reference path keeps no page (every row writes all its live pages: the same bytes), so a
+    caller that asks it skips the flags' host tensor and copy."""
     if len(ids) > bs:
         raise CapacityError(f"ids must have <= bs={bs} values, got {len(ids)}")
-    prev = list(prev_ids) if prev_ids is not None else []
-    return [int(i < len(prev) and prev[i] == x) for i, x in enumerate(ids)] + [0] * (bs - len(ids))
+    return [0] * bs

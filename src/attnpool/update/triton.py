@@ -43,6 +43,7 @@ positions shift whenever an earlier row's page count changes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ from ..config import is_int
 from ..errors import CapacityError, InputError, LayoutError
 from ..inputs import check_tensor
 from . import triton_checks as ck
-from .reference import PagedBuffers, keep_flags
+from .reference import PagedBuffers
 from .triton_draft import draft_tree_expand_launch, draft_tree_expand_update_
 
 __all__ = [
@@ -361,3 +362,15 @@ def local_launch(
     dyn = ck.dyn(n=(11, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
                  req_to_token=(2, table), num_real=(3, num_real))
     return ck.Launch(ck.kernels().local_kernel, (rows,), args, kw, dyn)
+
+
+def keep_flags(prev_ids: Sequence[int] | None, ids: Sequence[int], bs: int) -> list[int]:
+    """Host-side ``keep`` values for :func:`paged_update_`: 1 where row ``i`` serves the same
+    request as at the previous update, 0 for new requests, padded rows and when there was no
+    previous update. ``ids`` are host ids unique per live request: not ``req_pool_indices``, whose
+    slots are reused by new requests. The caller copies the flags into its ``[bs]`` device tensor
+    (a ``non_blocking`` copy; from pinned memory it also leaves the host free at once)."""
+    if len(ids) > bs:
+        raise CapacityError(f"ids must have <= bs={bs} values, got {len(ids)}")
+    prev = list(prev_ids) if prev_ids is not None else []
+    return [int(i < len(prev) and prev[i] == x) for i, x in enumerate(ids)] + [0] * (bs - len(ids))
