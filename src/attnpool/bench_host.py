@@ -133,14 +133,20 @@ def units_of(fns: dict[str, Callable[[], object]], device: torch.device, rounds:
     """:func:`units` of several calls, all timed in the same rounds in turn (with the unit op):
     a change of the machine's load reaches every column of a row alike, so their ratios hold."""
     t = torch.zeros(8, device=device)  # ok: the unit op's operand, once per case
-    for fn in fns.values():
+    calls: dict[str, int] = {}
+    for k, fn in fns.items():
         fn()  # first call: builds caches / compiles; not what a step costs
+        # Calls per timed batch: at least ``number``, and enough for the batch to last about
+        # half a millisecond, so the cold first call after another column's (much larger)
+        # work is amortised alike for a cheap column and an expensive one.
+        once = timeit.timeit(fn, number=5) / 5
+        calls[k] = max(number, min(1000, int(5e-4 / max(once, 1e-9))))
     us: list[float] = []
     ts: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         us.append(timeit.timeit(lambda: t.fill_(1), number=number * 10) / (number * 10))
         for k, fn in fns.items():
-            ts[k].append(timeit.timeit(fn, number=number) / number)
+            ts[k].append(timeit.timeit(fn, number=calls[k]) / calls[k])
     return {k: min(v) / min(us) for k, v in ts.items()}
 
 

@@ -88,6 +88,7 @@ class PhaseBase(Generic[ViewT]):
         self._rec: list[Callable[[], object]] | None = None
         #: the config's sizes every update reads (``max_pages`` is a computed property)
         self._max_len, self._max_pages = self.cfg.max_context_len, self.cfg.max_pages
+        self._max_bs = self.cfg.max_bs
         #: ``arange[:n]`` per n: the rows of a block table given without ``req_pool_indices``
         self._in_order: dict[int, Tensor] = {}
 
@@ -192,7 +193,8 @@ class PhaseBase(Generic[ViewT]):
         seq_lens = self._tensor("seq_lens", seq_lens, 1)
         n = seq_lens.shape[0]
         if num_real is None:
-            check_bs(self.cfg, bs, n)
+            if not (type(bs) is int and n <= bs <= self._max_bs and bs >= 1):
+                check_bs(self.cfg, bs, n)  # (raises, naming what is wrong)
             return seq_lens, n
         if not self.fused:
             raise InputError(f"num_real (a capturable update) needs the fused path, impl=TRITON; "
@@ -221,6 +223,8 @@ class PhaseBase(Generic[ViewT]):
         n, rows, table, block, host lengths or None)``."""
         seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu, *host)
         rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
+        if seq_lens_cpu is None:
+            return seq_lens, n, rpi, table, blk, None
         return seq_lens, n, rpi, table, blk, host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, hi)
 
     def bind(self, bs: int, **inputs: Any) -> BoundUpdate[ViewT]:

@@ -157,7 +157,8 @@ class DecodePhase(PhaseBase[DecodeView]):
 
     # ---- internals ----------------------------------------------------------------------------
     def _view(self, bs: int, max_seqlen_k: int) -> DecodeView:
-        return self._memo((bs, max_seqlen_k), lambda: self._make_view(bs, max_seqlen_k))
+        key = (bs, max_seqlen_k)
+        return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, max_seqlen_k))
 
     def _make_view(self, bs: int, max_seqlen_k: int) -> DecodeView:
         return part_view(self._b, bs, self._arange, max_q=1, max_k=max_seqlen_k,

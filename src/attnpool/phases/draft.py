@@ -164,7 +164,7 @@ class DraftPhase(PhaseBase[DraftView]):
 
     def _view(self, bs: int, host: list[int] | None, n: int) -> DraftView:
         key = (bs, None) if host is None else (bs, tuple(host), n)
-        return self._memo(key, lambda: self._make_view(bs, host, n))
+        return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, host, n))
 
     def _make_view(self, bs: int, host: list[int] | None, n: int) -> DraftView:
         cfg, c = self.cfg, self.cfg.max_context_len

@@ -114,7 +114,8 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
                 self.cfg.num_draft_tokens)
 
     def _view(self, bs: int, max_k: int) -> DraftExtendView:
-        return self._memo((bs, max_k), lambda: self._make_view(bs, max_k))
+        key = (bs, max_k)
+        return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, max_k))
 
     def _make_view(self, bs: int, max_k: int) -> DraftExtendView:
         return part_view(self._b, bs, self._cu_q, max_q=self.cfg.num_draft_tokens, max_k=max_k,

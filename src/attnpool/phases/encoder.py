@@ -108,7 +108,8 @@ class EncoderPhase(PhaseBase[EncoderView]):
     def _both(self, bs: int, max_k: int, dec_k: int) -> EncoderView:
         """The view of both parts; the decoder part carries this phase's stamp (its bytes are
         this phase's write, not a decode update's)."""
-        return self._memo(("enc", bs, max_k, dec_k), lambda: EncoderView(
+        key = ("enc", bs, max_k, dec_k)
+        return self._views.get(key) or self._memo(key, lambda: EncoderView(
             bs, self._view(bs, max_k),
             part_view(self._dec, bs, self._arange, max_q=1, max_k=dec_k,
                       page_size=self.cfg.page_size, causal=True, cls=DecodeView,
@@ -130,7 +131,8 @@ class EncoderPhase(PhaseBase[EncoderView]):
         return (0, none, none, self._empty_pages(), None, None, none, 0, 0)
 
     def _view(self, bs: int, max_k: int) -> PagedView:
-        return self._memo((bs, max_k), lambda: self._make_view(bs, max_k))
+        key = (bs, max_k)
+        return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, max_k))
 
     def _make_view(self, bs: int, max_k: int) -> PagedView:
         return part_view(self._b, bs, self._arange, max_q=1, max_k=max_k,

@@ -162,7 +162,8 @@ class ExtendPhase(PhaseBase[ExtendView]):
         return (0, none, none, self._empty_pages(), None, None, none, None, 0)
 
     def _view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
-        return self._memo((bs, max_q, max_k), lambda: self._make_view(bs, max_q, max_k))
+        key = (bs, max_q, max_k)
+        return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, max_q, max_k))
 
     def _make_view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
         return part_view(self._b, bs, self._cu_q, max_q=max_q, max_k=max_k,

@@ -132,7 +132,8 @@ class LocalPhase(PhaseBase[LocalView]):
         return (0, none, none, self._empty_pages(), None, None, self._for)
 
     def _view(self, bs: int, for_phase: Phase) -> LocalView:
-        return self._memo((bs, for_phase), lambda: self._make_view(bs, for_phase))
+        key = (bs, for_phase)
+        return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, for_phase))
 
     def _make_view(self, bs: int, for_phase: Phase) -> LocalView:
         q, _, per = self._shape(for_phase)

@@ -123,7 +123,8 @@ class VerifyPhase(PhaseBase[VerifyView]):
         return min(self.cfg.pad_seq_len, self.cfg.num_draft_tokens)
 
     def _view(self, bs: int, max_k: int) -> VerifyView:
-        return self._memo((bs, max_k), lambda: self._make_view(bs, max_k))
+        key = (bs, max_k)
+        return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, max_k))
 
     def _make_view(self, bs: int, max_k: int) -> VerifyView:
         cfg, nd = self.cfg, self.cfg.num_draft_tokens
