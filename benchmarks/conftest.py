@@ -1,6 +1,6 @@
 """Shared fixtures of the benchmark suite (pytest-benchmark).
 
-The cases and the implementations compared come from :mod:`attnpool.bench`, so
+The cases and the implementations compared come from :mod:`attnpool.tools.bench`, so
 ``pytest benchmarks --benchmark-only`` and ``python -m attnpool bench`` measure the same things.
 Every benchmark records the machine (device, torch version) and the pool config in ``extra_info``;
 at the end of the run the ``attnpool / baseline`` median ratios are printed (the headline figures).
@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from attnpool import PoolConfig, bench
+from attnpool import PoolConfig
+from attnpool.tools import bench
 
 _RESULTS: list[dict[str, Any]] = []
 

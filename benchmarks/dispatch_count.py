@@ -180,8 +180,8 @@ def count(fn: Callable[[], object], device: torch.device,
 def update_counts(device: torch.device | None = None) -> list[tuple[str, str, Counts]]:
     """Counts per (case, update path) for the update cases of ``attnpool bench --quick``; the
     fused path too on CPU when the Triton interpreter can run it (counts only, never timed)."""
-    from attnpool import bench
     from attnpool.config import triton_usable
+    from attnpool.tools import bench
 
     dev = device or torch.device("cpu")
     rows = []
@@ -279,7 +279,7 @@ def _table(rows: list[tuple[str, str, Counts]]) -> None:
 
 
 def main() -> None:
-    from attnpool import bench
+    from attnpool.tools import bench
 
     dev = bench.device_of("auto")
     if dev.type == "cpu":

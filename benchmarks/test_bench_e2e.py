@@ -1,6 +1,6 @@
 """End to end: a transformers model generating through attnpool vs transformers' own paths.
 
-The methods and the workload come from :mod:`attnpool.bench_e2e` (``attnpool bench --e2e``
+The methods and the workload come from :mod:`attnpool.tools.bench_e2e` (``attnpool bench --e2e``
 measures the same): :class:`~attnpool.integrations.transformers.PagedGenerator`, transformers'
 continuous batching (``generate_batch``) and ``model.generate`` on left-padded batches, on the
 same tiny random Llama and prompts (the quick case, so the suite stays short; the CLI's default
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from attnpool import bench_e2e
+from attnpool.tools import bench_e2e
 
 pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Host cost per update of every phase part (:mod:`attnpool.bench_host`): fused eager and bound
+"""Host cost per update of every phase part (:mod:`attnpool.tools.bench_host`): fused eager and bound
 updates with the Triton launch stubbed, the reference path, and the classic per-op replay (the
 baseline, decode and chain verify), in one run. Each benchmark times the update and records its
 cost in units of one small torch op (``t.fill_(1)``, measured interleaved) in ``extra_info``.
@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from attnpool import Impl, bench_host
+from attnpool import Impl
+from attnpool.tools import bench_host
 
 TRITON = importlib.util.find_spec("triton") is not None
 CASES = [(label, phase, topk, bs, col) for label, phase, topk in bench_host.PARTS

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from attnpool import PoolConfig, bench
+from attnpool import PoolConfig
+from attnpool.tools import bench
 
 
 @pytest.mark.parametrize("impl", bench.INIT_IMPLS, ids=lambda i: i.name.replace(" ", "-"))

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from attnpool import BufferPool, PoolConfig, bench, plan_arena
-from attnpool.baseline import Fill, alloc_per_buffer
+from attnpool import BufferPool, PoolConfig, plan_arena
+from attnpool.tools import bench
+from attnpool.tools.baseline import Fill, alloc_per_buffer
 
 
 def _allocated(device: torch.device, make: Any) -> int:

@@ -1,8 +1,8 @@
 """Metadata update per step: the classic per-op replay vs attnpool's update paths.
 
-Cases come from :data:`attnpool.bench.FULL` (bs 1/8/64/160/256 with 1/8 of each batch padded,
+Cases come from :data:`attnpool.tools.bench.FULL` (bs 1/8/64/160/256 with 1/8 of each batch padded,
 mixed context lengths up to 32K, page sizes 1 and 16, decode and chain verify); paths from
-:data:`attnpool.bench.UPDATE_IMPLS`. Each benchmark also records the update's aten op counts
+:data:`attnpool.tools.bench.UPDATE_IMPLS`. Each benchmark also records the update's aten op counts
 (launches, host syncs, temporaries; see ``dispatch_count.py``) in ``extra_info``.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from attnpool import bench
+from attnpool.tools import bench
 
 from dispatch_count import count
 

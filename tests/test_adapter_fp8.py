@@ -35,7 +35,7 @@ from attnpool import (
 from attnpool.adapters import flash_attn as fa
 from attnpool.adapters import flashinfer as fi
 from attnpool.adapters import fp8, sdpa
-from attnpool.kv_quant import dequantize
+from attnpool.kv.quant import dequantize
 
 from batches import make_batch
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import attnpool
 from attnpool import BufferPool, PoolConfig, plan_arena
-from attnpool.baseline import ClassicPaged, ClassicView, Fill, alloc_per_buffer
+from attnpool.tools.baseline import ClassicPaged, ClassicView, Fill, alloc_per_buffer
 
 from batches import make_batch
 
@@ -131,7 +131,7 @@ def test_classic_rejects_bad_input_before_writing() -> None:
 
 def test_op_counts_classic_reads_the_host_attnpool_syncs_nothing() -> None:
     """The counts BENCHMARKS.md quotes: neither path syncs; the classic one reads host lengths."""
-    from attnpool import bench
+    from attnpool.tools import bench
 
     dc = _dispatch_count()
     dev = torch.device("cpu")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from attnpool import bench, cli
+from attnpool.tools import bench, cli
 
 TINY = bench.Suite(
     init_configs=("tiny",),
@@ -99,7 +99,7 @@ def test_host_cost_table_covers_every_part_and_restores_the_kernels() -> None:
 
     import torch
 
-    from attnpool import bench_host
+    from attnpool.tools import bench_host
 
     triton = importlib.util.find_spec("triton") is not None
     rows = bench_host.run(torch.device("cpu"), triton, batch_sizes=(1,))

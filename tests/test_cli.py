@@ -84,7 +84,7 @@ BAD_ARGS = [
 def test_bad_argument_is_one_line_and_exit_2(args: tuple[str, ...], words: tuple[str, ...],
                                             capsys: pytest.CaptureFixture[str]) -> None:
     # in-process: cli.main is what `python -m attnpool` exits with (checked by subprocess below)
-    from attnpool import cli
+    from attnpool.tools import cli
 
     code = cli.main(list(args))
     out = capsys.readouterr()
@@ -102,7 +102,7 @@ def test_demo_cuda_without_a_gpu_is_one_line() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: --device cuda is valid here")
     _one_line_error(_run("demo", "--device", "cuda", "--steps", "2"), "--device cuda", "CUDA")
-    from attnpool import cli
+    from attnpool.tools import cli
 
     assert cli.main(["bench", "--quick", "--device", "cuda:0"]) == 2
 
@@ -111,7 +111,7 @@ def test_bench_unwritable_output_fails_before_the_run(tmp_path: pathlib.Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     # paths no user (root included) can write: a missing folder, a folder, a file's child
     (tmp_path / "file").write_text("")
-    from attnpool import bench, cli
+    from attnpool.tools import bench, cli
 
     def no_run(*args: object, **kwargs: object) -> int:
         raise AssertionError("the benchmark ran before its output path was checked")
@@ -130,7 +130,7 @@ def test_bench_unwritable_output_fails_before_the_run(tmp_path: pathlib.Path,
 
 
 def test_writable_check_leaves_no_file(tmp_path: pathlib.Path) -> None:
-    from attnpool import cli
+    from attnpool.tools import cli
 
     target = tmp_path / "r.json"
     cli._writable("--json", str(target))
@@ -142,7 +142,7 @@ def test_writable_check_leaves_no_file(tmp_path: pathlib.Path) -> None:
 
 def test_help_is_fast_to_start_and_lists_every_command() -> None:
     # --help must not import torch (what made it take seconds): checked, not timed
-    code = ("import sys\nfrom attnpool import cli\ntry:\n    cli.main(['--help'])\n"
+    code = ("import sys\nfrom attnpool.tools import cli\ntry:\n    cli.main(['--help'])\n"
             "except SystemExit:\n    pass\nprint('torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=False)
@@ -154,7 +154,7 @@ def test_help_is_fast_to_start_and_lists_every_command() -> None:
 
 
 def test_plan_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
-    from attnpool import cli
+    from attnpool.tools import cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(["plan", "--help"])
@@ -201,8 +201,8 @@ def test_readme_names_the_two_commands() -> None:
 
 def test_demo_kernel_name_follows_the_resolved_backend() -> None:
     from attnpool import Layout
-    from attnpool.demo_hf import kernel_name
     from attnpool.integrations.hf_attention import Backend
+    from attnpool.tools.demo_hf import kernel_name
 
     assert kernel_name(Backend.SDPA, Layout.FLASH_ATTN) == (
         "PyTorch SDPA (attnpool.adapters.sdpa) reading the pool's FLASH_ATTN layout")

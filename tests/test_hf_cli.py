@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from attnpool import bench_e2e, cli
+from attnpool.tools import bench_e2e, cli
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -7,8 +7,8 @@ import sys
 
 
 def test_import_attnpool_does_not_import_transformers() -> None:
-    code = ("import sys, attnpool, attnpool.integrations, attnpool.paging, attnpool.bench_e2e, "
-            "attnpool.cli, attnpool.demo\n"
+    code = ("import sys, attnpool, attnpool.integrations, attnpool.kv.paging, attnpool.tools.bench_e2e, "
+            "attnpool.tools.cli, attnpool.tools.demo\n"
             "assert 'transformers' not in sys.modules, 'transformers imported'\n"
             "import attnpool.integrations.transformers\n"
             "assert 'transformers' in sys.modules\n")

@@ -1,6 +1,6 @@
 """Pages: page 0 is never handed out, a page has one owner, a request that does not fit waits.
 
-Unit tests of :class:`attnpool.paging.PageAllocator`, then the generator under a KV cache too
+Unit tests of :class:`attnpool.kv.paging.PageAllocator`, then the generator under a KV cache too
 small for ``max_bs`` requests at once: requests wait for pages, every admission is checked
 against the live requests' pages, and the outputs still equal ``model.generate`` (with the cache
 poisoned, so a request reading pages another one overwrote, or never wrote, would show).
@@ -12,7 +12,7 @@ import pytest
 
 from attnpool import CapacityError, InputError
 from attnpool.integrations.transformers import PagedGenerator
-from attnpool.paging import Allocation, PageAllocator
+from attnpool.kv.paging import Allocation, PageAllocator
 
 import hf_tiny
 

@@ -355,16 +355,16 @@ def test_poison_checks_find_unwritten() -> None:
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_cuda_auto_store_is_fused_and_equals_reference(layout: KVLayout,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from attnpool.update import triton_kv
+    from attnpool.kv import store_kernels
 
     calls: list[int] = []
-    real = triton_kv.store_
+    real = store_kernels.store_
 
     def counted(*a: object, **kw: object) -> None:
         calls.append(1)
         real(*a, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(triton_kv, "store_", counted)
+    monkeypatch.setattr(store_kernels, "store_", counted)
     cfg = KVCacheConfig(num_pages=64, page_size=16, max_tokens=256, num_layers=2,
                         num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, layout=layout,
                         device="cuda")

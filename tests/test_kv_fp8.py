@@ -12,7 +12,7 @@ import torch
 from attnpool import BufferPool, Impl, Layout, PagedView, PoolConfig, PoolError
 from attnpool.adapters.sdpa import attention
 from attnpool.kv import KVCacheConfig, KVCachePool, KVKind, KVLayout
-from attnpool.kv_quant import FP8, dequantize
+from attnpool.kv.quant import FP8, dequantize
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 MODEL = [torch.float16, torch.bfloat16, torch.float32]

@@ -5,9 +5,10 @@ flashinfer; adapters and fused kernels import them lazily. The public names belo
 first use (PEP 562), so ``import attnpool`` (and ``python -m attnpool --help``) does not even
 import torch until a name is used; ``from attnpool import BufferPool`` works as usual.
 
-Module layering (imports only point down this list, never up): ``errors``, ``config``, ``specs``,
-``arena``, ``views``, ``check``, ``update``, ``phases``, ``pool``, then ``adapters``, ``graphs``,
-``kv``, ``lora`` and ``cli`` on top.
+Layout (imports only point down this list, never up; docs/design.md, Layout): the core
+(``errors``, ``config``, ``inputs``, ``specs``, ``arena``, ``views``, ``check``), ``update/``,
+``phases/``, ``pool``, ``kv/``, then ``lora``, ``graphs``, ``adapters/``, ``integrations/`` and
+``tools/`` (the command line, demos and benchmarks) on top.
 """
 
 from __future__ import annotations

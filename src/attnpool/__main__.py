@@ -1,7 +1,7 @@
-"""``python -m attnpool``: the command line (:mod:`attnpool.cli`)."""
+"""``python -m attnpool``: the command line (:mod:`attnpool.tools.cli`)."""
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

@@ -2,7 +2,7 @@
 fused update wrappers, so a bad argument gets the same message whichever entry point it reaches.
 
 It sits low in the layering (it imports only ``config`` and ``errors``) so every module above may
-use it: ``update/`` sits below ``phases/``, and ``kv.py`` beside it, so neither may import a
+use it: ``update/`` sits below ``phases/``, and ``kv/`` above the pool, and neither may import a
 phase's helpers. The rules every check here keeps:
 
 - no device sync: only tensor metadata is read (shape, dtype, device, strides), never values;

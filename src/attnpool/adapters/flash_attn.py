@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, LayoutError
-from ..kv_quant import check_scales, is_fp8
+from ..kv.quant import check_scales, is_fp8
 from ..pool import BufferPool
 from ..views import DraftExtendView, DraftStepView, LocalView, PagedView, VerifyView
 from .flash_attn_load import FA3_MODULES as FA3_MODULES

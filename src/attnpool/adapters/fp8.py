@@ -1,7 +1,7 @@
 """fp8 KV caches in the adapters: which adapter reads one how, and the scale arguments they take.
 
 A cache written by :meth:`attnpool.KVCachePool.store_kv_` with ``k_scale`` / ``v_scale`` holds
-``x / scale`` in fp8 (:mod:`attnpool.kv_quant`); reading it means multiplying back. Scales are
+``x / scale`` in fp8 (:mod:`attnpool.kv.quant`); reading it means multiplying back. Scales are
 float32 device tensors of 1 element (per tensor) or ``H_kv`` elements (per KV head).
 
 =================  ==================  =========================  ================================
@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, LayoutError
-from ..kv_quant import FP8, check_scales, is_fp8
+from ..kv.quant import FP8, check_scales, is_fp8
 
 #: The one fp8 dtype FA3 computes in (q, k and v alike).
 FA3_FP8 = torch.float8_e4m3fn
@@ -79,7 +79,7 @@ def quantize_q(q: Tensor, h_kv: int, q_scale: Tensor | None, dtype: torch.dtype 
                ) -> Tensor:
     """Queries ``[n, H, D]`` in fp8 for a kernel that takes q in the cache's dtype (FA3):
     ``clamp(q / q_scale, -max, max)`` in float32, cast with round to nearest even, the store's
-    rule (:func:`attnpool.kv_quant.quantize`) so an outlier saturates instead of becoming NaN.
+    rule (:func:`attnpool.kv.quant.quantize`) so an outlier saturates instead of becoming NaN.
 
     ``q_scale`` has 1 or ``h_kv`` elements (query head ``h`` uses KV head ``h // (H // h_kv)``'s,
     FA3's ``q_descale`` convention); None means 1. Allocates the fp8 copy (a graph captures it).

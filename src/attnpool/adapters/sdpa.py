@@ -48,7 +48,7 @@ from torch import Tensor
 
 from ..config import Layout
 from ..errors import InputError, LayoutError
-from ..kv_quant import check_scales
+from ..kv.quant import check_scales
 from ..views import DraftStepView, PagedView, VerifyView
 from .sdpa_plan import Plan, build, gather_kv, group_q, packed_heads_q, scatter, ungroup
 
@@ -253,7 +253,7 @@ def paged_attention(
         softmax_scale: default ``1 / sqrt(D)``.
         layout: which of the view's layouts to read (default: the page table when present).
         k_scale, v_scale: for an fp8 cache, float32 ``[1]`` or ``[H_kv]`` scales: the gathered rows
-            are dequantized (``stored * scale``, :func:`attnpool.kv_quant.dequantize`) first.
+            are dequantized (``stored * scale``, :func:`attnpool.kv.quant.dequantize`) first.
 
     Returns:
         :class:`Attn` ``(out [q.shape[0], H, D], lse [q.shape[0], H])``. Every row of the view is

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..config import Layout
 from ..errors import InputError, LayoutError
-from ..kv_quant import dequantize
+from ..kv.quant import dequantize
 from ..views import DecodeView, PagedView
 
 

@@ -3,7 +3,7 @@
 Per call of :meth:`PagedGenerator.generate`:
 
 * **Admission** (FIFO): a waiting prompt joins when a ``req_to_token`` row and every KV page it
-  can need are free (:class:`attnpool.paging.PageAllocator`), at most ``max_bs`` run at once and a
+  can need are free (:class:`attnpool.kv.paging.PageAllocator`), at most ``max_bs`` run at once and a
   prefill batch holds at most ``max_prefill_tokens`` tokens. A prompt that does not fit waits for
   running requests to finish and return their pages.
 * **Prefill** of the joining prompts: one packed forward through ``pool.extend`` (queries causal
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ..config import PoolConfig
 from ..errors import CapacityError, InputError
-from ..paging import PageAllocator
+from ..kv.paging import PageAllocator
 from ..pool import BufferPool
 from . import hf_spec
 from .hf_attention import Backend

@@ -24,19 +24,40 @@ next proposals). Acceptance counts go to :class:`~attnpool.integrations.hf_state
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from ..pool import BufferPool
 from .hf_attention import as_decode
-from .hf_state import Request
-
-if TYPE_CHECKING:
-    from .hf_generator import PagedGenerator
+from .hf_runner import ModelRunner
+from .hf_state import GenerationStats, Request
 
 
-def _draft_steps(gen: PagedGenerator, running: list[Request], rows: list[int]) -> list[Tensor]:
+class RoundHost(Protocol):
+    """What a round needs from the generator that runs it (``PagedGenerator`` is one).
+
+    Spelled out here so that this module never imports the generator back: the generator calls
+    :func:`spec_round` with itself, and the import points one way.
+    """
+
+    pool: BufferPool
+    target: ModelRunner
+    draft: ModelRunner | None
+    req_to_token: Tensor
+    num_draft_tokens: int
+    stats: GenerationStats
+
+    def slots(self, r: Request, start: int, count: int) -> list[int]: ...
+
+    def host_block(self, rows: Sequence[Sequence[int]]) -> Tensor: ...
+
+    def _metadata(self, t0: float) -> None: ...
+
+
+def _draft_steps(gen: RoundHost, running: list[Request], rows: list[int]) -> list[Tensor]:
     """Proposals ``d_1 .. d_N`` as ``N`` device tensors ``[n]`` (``d_1`` from the host)."""
     draft, n, steps = gen.draft, len(running), gen.num_draft_tokens - 1
     assert draft is not None
@@ -63,7 +84,7 @@ def _draft_steps(gen: PagedGenerator, running: list[Request], rows: list[int]) -
     return props
 
 
-def _verify(gen: PagedGenerator, running: list[Request], rows: list[int],
+def _verify(gen: RoundHost, running: list[Request], rows: list[int],
             props: list[Tensor]) -> list[list[int]]:
     """Target verify; per request the committed tokens ``t_1 .. t_{m+1}`` (host ints)."""
     n, nq = len(running), gen.num_draft_tokens + 1
@@ -87,7 +108,7 @@ def _verify(gen: PagedGenerator, running: list[Request], rows: list[int],
     return [row[: row[-1] + 1] for row in res]
 
 
-def _draft_extend(gen: PagedGenerator, live: list[Request], new: list[list[int]]) -> None:
+def _draft_extend(gen: RoundHost, live: list[Request], new: list[list[int]]) -> None:
     """The draft reads each request's committed tokens; its last logits are the next ``d_1``."""
     draft = gen.draft
     assert draft is not None
@@ -116,7 +137,7 @@ def _draft_extend(gen: PagedGenerator, live: list[Request], new: list[list[int]]
         r.draft_len, r.proposal = s, p
 
 
-def spec_round(gen: PagedGenerator, running: list[Request]) -> None:
+def spec_round(gen: RoundHost, running: list[Request]) -> None:
     """One round for every running request (see the module docstring)."""
     rows = [r.alloc.row for r in running if r.alloc is not None]
     props = _draft_steps(gen, running, rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..paging import Allocation
+from ..kv.paging import Allocation
 
 
 @dataclass

@@ -28,13 +28,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .arena import sentinel
-from .check import ReadRegionError
-from .config import Impl, is_int, resolve_impl
-from .errors import CapacityError, InputError, LayoutError, PoolError
-from .inputs import check_count, check_tensor
-from .kv_config import PAD_PAGE, KVCacheConfig, KVKind, KVLayout, align
-from .kv_quant import MODEL_DTYPES, check_scales, dequantize, is_fp8, store_reference_
+from ..arena import sentinel
+from ..check import ReadRegionError
+from ..config import Impl, is_int, resolve_impl
+from ..errors import CapacityError, InputError, LayoutError, PoolError
+from ..inputs import check_count, check_tensor
+from .config import PAD_PAGE, KVCacheConfig, KVKind, KVLayout, align
+from .quant import MODEL_DTYPES, check_scales, dequantize, is_fp8, store_reference_
 
 __all__ = ["KVCacheConfig", "KVCachePool", "KVKind", "KVLayout", "store_reference_"]
 
@@ -194,11 +194,11 @@ class KVCachePool:
             self._check_range(slots)
         p, ns = self.cfg.page_size, self.cfg.num_slots
         if fused:
-            from .update import triton_kv
+            from . import store_kernels
 
             a, b = pairs if len(pairs) == 2 else (pairs[0], (pairs[0][0][:, :, :0], pairs[0][1]))
             sc = None if scales is None else (scales[0], scales[-1])
-            triton_kv.store_((a, b), slots, p, ns, sc)
+            store_kernels.store_((a, b), slots, p, ns, sc)
         else:
             store_reference_(pairs, slots, p, ns, scales)
 
@@ -211,7 +211,7 @@ class KVCachePool:
 
         fp8 cache: ``k``, ``v`` are float16/bfloat16/float32 and ``k_scale``, ``v_scale`` (float32,
         1 or ``H`` elements, on the cache's device) are required; the store writes
-        ``clamp(x / scale, +-fp8 max)`` rounded to nearest even (:mod:`attnpool.kv_quant`). Other
+        ``clamp(x / scale, +-fp8 max)`` rounded to nearest even (:mod:`attnpool.kv.quant`). Other
         caches refuse scales. ``check_scales`` reads the scales to the host once per call (one
         small sync) to refuse ``<= 0``, NaN and inf before anything is written; it is skipped while
         a CUDA graph is being captured. Pass ``False`` on a hot path once the scales are known good.
@@ -306,7 +306,7 @@ class KVCachePool:
         and ``slot_mapping`` holds the tokens of the pool's largest forward (``max_bs`` times
         the most query rows per request, or ``max_extend_tokens``). Raises :class:`LayoutError`
         or :class:`CapacityError` naming both values."""
-        from .config import PoolConfig  # local: this hunk stays self-contained
+        from ..config import PoolConfig  # local: this hunk stays self-contained
 
         if not isinstance(pool_cfg, PoolConfig):
             raise InputError(f"expected a PoolConfig, got {type(pool_cfg).__name__}")

@@ -15,7 +15,7 @@ Columns, per phase part and batch size (``n = bs`` real rows):
   way (on CUDA a bound call is one graph replay instead);
 * ``reference``: ``update_`` on the reference path (real torch ops), given the host copy of the
   lengths as the classic replay is (so both write only the live page columns);
-* ``classic``: the engine-style per-op replay (:class:`attnpool.baseline.ClassicPaged`; decode
+* ``classic``: the engine-style per-op replay (:class:`attnpool.tools.baseline.ClassicPaged`; decode
   and chain verify only).
 
 The fused columns need triton installed; on a machine without CUDA they set
@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
+from ..config import Impl, Layout, Phase, PoolConfig
+from ..pool import BufferPool
 from .baseline import ClassicPaged
-from .config import Impl, Layout, Phase, PoolConfig
-from .pool import BufferPool
 
 #: (label, phase attribute, topk): every part kind a pool updates
 PARTS = (("decode", "decode", 1), ("verify chain", "verify", 1), ("verify tree", "verify", 2),
@@ -101,7 +101,7 @@ def _noop(*args: object, **kw: object) -> None:
 @contextlib.contextmanager
 def stubbed_launches(device: torch.device) -> Iterator[None]:
     """Every fused kernel replaced by :class:`_NoLaunch` (restored on exit)."""
-    from .update import triton_draft_kernels, triton_kernels
+    from ..update import triton_draft_kernels, triton_kernels
 
     saved: list[tuple[object, str, object]] = []
     env = os.environ.get("TRITON_INTERPRET")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .errors import InputError
+from ..errors import InputError
 
 #: The fp8 cache dtypes and, per dtype, ``(finite max, mantissa bits, min normal exponent)``.
 FP8: dict[torch.dtype, tuple[float, int, int]] = {

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .arena import plan_arena
-from .config import PoolConfig
-from .errors import InputError
-from .inputs import check_bs
+from ..arena import plan_arena
+from ..config import PoolConfig
+from ..errors import InputError
+from ..inputs import check_bs
 
 
 class Fill(enum.Enum):

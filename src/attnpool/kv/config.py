@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import is_int, resolve_device
-from .errors import PoolError
+from ..config import is_int, resolve_device
+from ..errors import PoolError
 
 
 class KVLayout(enum.Enum):
@@ -60,7 +60,7 @@ class KVCacheConfig:
         kind: :class:`KVKind` (MHA needs ``num_kv_heads`` and ``head_dim``; MLA needs
             ``kv_lora_rank`` and may have ``rope_dim``, with one head and ``head_dim = 0``).
         dtype: element type, a floating type. ``float8_e4m3fn`` / ``float8_e5m2`` make a quantized
-            cache: stores take model-dtype K/V plus scales and quantize (:mod:`attnpool.kv_quant`).
+            cache: stores take model-dtype K/V plus scales and quantize (:mod:`attnpool.kv.quant`).
         layout: page order (:class:`KVLayout`); irrelevant for MLA's single head.
         device: ``"cpu"``, ``"cuda"``, a ``torch.device``, or ``"auto"``.
     """

@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
+from ..integrations.tiny import random_prompts, tiny_llama
 from .bench import device_of, machine_info
-from .integrations.tiny import random_prompts, tiny_llama
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ _GENERATORS: dict[tuple[int, E2ECase], tuple[Any, Any]] = {}
 
 
 def run_attnpool(model: Any, prompts: list[list[int]], case: E2ECase) -> Run:
-    from .integrations.transformers import PagedGenerator
+    from ..integrations.transformers import PagedGenerator
 
     key = (id(model), case)
     if key not in _GENERATORS or _GENERATORS[key][0] is not model:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .adapters.sdpa import attention
-from .config import Layout, PoolConfig
-from .pool import BufferPool
+from ..adapters.sdpa import attention
+from ..config import Layout, PoolConfig
+from ..pool import BufferPool
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16)
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 3, 4, 2, 16, 64

@@ -93,8 +93,8 @@ def _plan(a: argparse.Namespace) -> int:
         raise UsageError(f"--max-bs * --context must be <= 2**31 - 1 "
                          f"(cu_seqlens_k is int32), got {a.max_bs} * {a.context} = "
                          f"{a.max_bs * a.context}")
-    from .arena import plan_arena
-    from .config import Layout, PoolConfig
+    from ..arena import plan_arena
+    from ..config import Layout, PoolConfig
 
     layout = {"flash_attn": Layout.FLASH_ATTN, "flashinfer": Layout.FLASHINFER,
               "both": Layout.BOTH}[a.layout]
@@ -253,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except ValueError as e:
         # attnpool.PoolError (a ValueError): a config the library refuses, reported before work
-        from .errors import PoolError
+        from ..errors import PoolError
 
         if not isinstance(e, PoolError):
             raise

@@ -11,7 +11,7 @@ serves NHD and HND caches; the last dimension of every tensor must have stride 1
 computed in int64: a cache of many GiB overflows int32 element offsets.
 
 fp8 caches (``QUANT``): each element becomes ``x / scale`` (float32, correctly rounded division),
-clamped to the finite fp8 range, like the torch reference in :mod:`attnpool.kv_quant`. The rounding
+clamped to the finite fp8 range, like the torch reference in :mod:`attnpool.kv.quant`. The rounding
 to the fp8 grid is done here in float32 arithmetic, not left to the float32 -> fp8 cast, because
 casts differ between backends (the Triton interpreter flushes fp8 subnormals and turns NaN into a
 finite byte): adding and subtracting ``2^(e + 23 - mbits)``, with ``e`` the value's exponent floored
@@ -122,7 +122,7 @@ def store_(
     if scales is None:
         args += [slots, 0, slots, 0]  # unused: QUANT is off
     else:
-        from ..kv_quant import FP8
+        from .quant import FP8
 
         fmax, mbits, emin = FP8[d1.dtype]
         fp8 = tl.float8e4nv if d1.dtype == torch.float8_e4m3fn else tl.float8e5

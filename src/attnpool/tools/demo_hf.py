@@ -14,10 +14,10 @@ import time
 
 import torch
 
+from ..config import Layout
+from ..integrations.hf_attention import Backend
+from ..integrations.tiny import random_prompts, tiny_llama
 from .bench import device_of
-from .config import Layout
-from .integrations.hf_attention import Backend
-from .integrations.tiny import random_prompts, tiny_llama
 
 #: the model: 2 layers, 4 query / 2 KV heads of 32, vocabulary 512
 LAYERS, HIDDEN, HEADS, KV_HEADS, VOCAB = 2, 128, 4, 2, 512
@@ -38,7 +38,7 @@ def kernel_name(backend: Backend, layout: Layout) -> str:
 
 def run_hf_demo(device: str = "auto", steps: int = 40, seed: int = 0) -> int:
     """Generate ``steps`` new tokens per prompt; returns 0, or exits when a check fails."""
-    from .integrations.transformers import PagedGenerator
+    from ..integrations.transformers import PagedGenerator
 
     dev = device_of(device)
     threads = torch.get_num_threads()

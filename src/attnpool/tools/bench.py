@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .arena import plan_arena
+from ..arena import plan_arena
+from ..config import Impl, PoolConfig
+from ..errors import PoolError
+from ..pool import BufferPool
 from .baseline import ClassicPaged, Fill, per_buffer_allocator
 from .bench_report import format_report, plot
-from .config import Impl, PoolConfig
-from .errors import PoolError
-from .pool import BufferPool
 
 K = 1024
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import CapacityError, InputError
+from ..errors import CapacityError, InputError
 
 
 @dataclass(frozen=True, slots=True)
