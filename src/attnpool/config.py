@@ -46,6 +46,10 @@ class PhaseFacts:
             rows), so it owns the overlay too after an update.
         rows: query rows one request contributes to a forward (at most; extend: the batch's
             token budget ``max_extend_tokens``).
+        window_queries: with a sliding window, the most query positions one row of the phase's
+            window part spans (``q_max``: 1 decode, N verify and draft extend, S chain draft
+            steps, T extend), which sizes the window page table; None: the phase has no window
+            part (encoder and local attention read their own KV ranges).
     """
 
     enabled: Callable[[PoolConfig], bool]
@@ -53,6 +57,7 @@ class PhaseFacts:
     overlaid: bool
     writes_decode: bool
     rows: Callable[[PoolConfig], int]
+    window_queries: Callable[[PoolConfig], int] | None = None
 
 
 def _one(cfg: PoolConfig) -> int:
@@ -63,19 +68,20 @@ def _one(cfg: PoolConfig) -> int:
 #: prefill (extend) forward never carries decode, verify or draft rows of the same pool (an engine
 #: that mixes them runs the decode rows as one-token extends), so extend is overlaid too.
 PHASE_FACTS: dict[Phase, PhaseFacts] = {
-    Phase.DECODE: PhaseFacts(lambda c: True, "always on", True, False, _one),
+    Phase.DECODE: PhaseFacts(lambda c: True, "always on", True, False, _one, _one),
     Phase.VERIFY: PhaseFacts(lambda c: c.num_draft_tokens > 0, "num_draft_tokens > 0", True,
-                             False, lambda c: c.num_draft_tokens),
+                             False, lambda c: c.num_draft_tokens, lambda c: c.num_draft_tokens),
     Phase.DRAFT: PhaseFacts(lambda c: c.spec_steps > 0, "spec_steps > 0", True, False,
-                            lambda c: c.topk),
+                            lambda c: c.topk, lambda c: c.spec_steps),
     Phase.DRAFT_EXTEND: PhaseFacts(lambda c: c.num_draft_tokens > 0, "num_draft_tokens > 0",
-                                   True, False, lambda c: c.num_draft_tokens),
+                                   True, False, lambda c: c.num_draft_tokens,
+                                   lambda c: c.num_draft_tokens),
     Phase.ENCODER: PhaseFacts(lambda c: c.max_encoder_len > 0, "max_encoder_len > 0", False,
                               True, _one),
     Phase.LOCAL: PhaseFacts(lambda c: c.attention_chunk_size is not None,
                             "attention_chunk_size set", False, False, _one),
     Phase.EXTEND: PhaseFacts(lambda c: c.max_extend_tokens > 0, "max_extend_tokens > 0", True,
-                             False, lambda c: c.max_extend_tokens),
+                             False, lambda c: c.max_extend_tokens, lambda c: c.max_extend_tokens),
 }
 
 #: Phases that never run in the same forward: their buffers overlay the same arena bytes.
@@ -189,6 +195,14 @@ class PoolConfig:
         max_extend_tokens: T, packed query tokens of one prefill (extend) batch, all requests
             together (0: no extend phase). Sizes the extend view's ``positions`` and is the fixed
             query total of padded extend views (see :class:`attnpool.ExtendView`).
+        sliding_window: W, the key count of sliding-window layers (a query at position ``q``
+            sees keys ``q - W < k <= q``, itself included, as transformers' mask), or None.
+            Every phase that reads the KV cache (decode, verify, draft, draft extend, extend)
+            then keeps a second part, ``view.window``, whose rows start at the window's first
+            page and whose page table is ``ceil((W - 1 + q_max) / P) + 1`` pages wide however
+            long the context (docs/design.md, Sliding windows). Tree-shaped speculation
+            (``topk > 1``) refuses a window: its drafts sit at different depths of one row, so
+            no single window start serves them.
     """
 
     max_bs: int = 160
@@ -207,6 +221,7 @@ class PoolConfig:
     impl: Impl = Impl.AUTO
     fa3_scheduler_metadata: bool = False
     max_extend_tokens: int = 0
+    sliding_window: int | None = None
     _device: torch.device = field(init=False, repr=False, compare=False)
     _phases: tuple[Phase, ...] = field(init=False, repr=False, compare=False)
 
@@ -254,6 +269,13 @@ class PoolConfig:
             need(is_int(a) and a >= 1, "attention_chunk_size must be an int >= 1", a)
             need(a % self.page_size == 0,
                  f"attention_chunk_size must be a multiple of page_size ({self.page_size})", a)
+        if self.sliding_window is not None:
+            w = self.sliding_window
+            need(is_int(w) and w >= 1, "sliding_window must be an int >= 1 (or None)", w)
+            if self.topk > 1:
+                raise LayoutError("PoolConfig: sliding_window needs topk == 1 (a tree's drafts sit "
+                                  f"at different depths, so no one window start serves a row), got "
+                                  f"topk={self.topk} with sliding_window={w}")
         need(isinstance(self.layout, Layout) and bool(self.layout),
              "layout must be a non-empty attnpool.Layout", self.layout)
         need(isinstance(self.impl, Impl), "impl must be an attnpool.Impl", self.impl)
@@ -275,6 +297,16 @@ class PoolConfig:
     def max_pages(self) -> int:
         """Width of every page table: ceil(max_context_len / page_size)."""
         return _ceil_div(self.max_context_len, self.page_size)
+
+    def window_pages(self, phase: Phase) -> int:
+        """Width of ``phase``'s window page table: ``ceil((W - 1 + q_max) / P) + 1`` pages (the
+        ``+ 1``: a row starts on the page holding its first visible key, which may sit anywhere
+        in that page), never more than ``max_pages``; 0 when the phase has no window part."""
+        queries = PHASE_FACTS[phase].window_queries
+        if self.sliding_window is None or queries is None:
+            return 0
+        span = self.sliding_window - 1 + queries(self)
+        return min(_ceil_div(span, self.page_size) + 1, self.max_pages)
 
     @property
     def pad_pages(self) -> int:

@@ -104,15 +104,17 @@ def check_table(name: str, t: object, device: torch.device, cols: int = 1, what:
     raise InputError(f"{name} rows must be contiguous (stride(1)=1), got {t.stride()}")
 
 
-def check_req_to_token(t: object, cfg: PoolConfig, device: torch.device | None = None) -> Tensor:
+def check_req_to_token(t: object, cfg: PoolConfig, device: torch.device | None = None,
+                       name: str = "req_to_token") -> Tensor:
     """``[num_req_slots, >= max_context_len]`` int token slots (:func:`check_table`)."""
-    return check_table("req_to_token", t, cfg.torch_device if device is None else device,
+    return check_table(name, t, cfg.torch_device if device is None else device,
                        cfg.max_context_len, "max_context_len", cfg)
 
 
-def check_block_table(t: object, cfg: PoolConfig, device: torch.device | None = None) -> Tensor:
+def check_block_table(t: object, cfg: PoolConfig, device: torch.device | None = None,
+                      name: str = "block_table") -> Tensor:
     """``[num_rows, >= max_pages]`` int page ids (:func:`check_table`)."""
-    return check_table("block_table", t, cfg.torch_device if device is None else device,
+    return check_table(name, t, cfg.torch_device if device is None else device,
                        cfg.max_pages, "max_pages", cfg)
 
 

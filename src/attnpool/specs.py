@@ -150,6 +150,18 @@ def _max_bs(c: PoolConfig) -> int:
     return c.max_bs
 
 
+def _windowed(c: PoolConfig) -> bool:
+    return c.sliding_window is not None
+
+
+def window_specs(phase: Phase) -> tuple[BufferSpec, ...]:
+    """The window part of ``phase`` (docs/design.md, Sliding windows): the six buffers of a paged
+    part, ``window_`` names, one row per request, ``cfg.window_pages(phase)`` pages wide: memory
+    bounded by the window, not by the context."""
+    return paged_specs(phase, _max_bs, lambda c: c.window_pages(phase), prefix="window_",
+                       needed=_windowed, what="sliding window (rows from the window's first page): ")
+
+
 def _max_pages(c: PoolConfig) -> int:
     return c.max_pages
 
@@ -215,6 +227,7 @@ DECODE_SPECS = (
     # kernel in the same step; never part of a view, so it may share the overlay.
     BufferSpec("keep", Phase.DECODE, torch.int8, lambda c: (c.max_bs,), Pad.PAYLOAD,
                "incremental page table: 1 where the row's request is unchanged"),
+    *window_specs(Phase.DECODE),
 )
 
 VERIFY_SPECS = paged_specs(
@@ -222,7 +235,7 @@ VERIFY_SPECS = paged_specs(
 ) + paged_specs(
     Phase.VERIFY, lambda c: c.max_bs * c.num_draft_tokens, lambda c: c.num_draft_tokens,
     prefix="expand_", needed=_tree, what="tree expand (token slots): ",
-)
+) + window_specs(Phase.VERIFY)
 
 DRAFT_SPECS = (
     # topk == 1: one page table covering seq_len + S serves every step; per step only lengths.
@@ -231,6 +244,16 @@ DRAFT_SPECS = (
                needed=_chain),
     _per_step("cache_seqlens", _max_bs, Pad.SEQ_LEN, "chain: seq_len + d per step", _chain),
     _per_step("cu_seqlens_k", _max_bs, Pad.CUMSUM, "chain: cumsum per step", _chain, extra=1),
+    # with a sliding window, the same shape over the window's pages (rows start at step 1's
+    # window start, so the one table serves every step)
+    BufferSpec("window_page_table", Phase.DRAFT, I32,
+               lambda c: (c.max_bs, c.window_pages(Phase.DRAFT)), Pad.PAGE,
+               "chain window: page ids from step 1's window start", Layout.FLASH_ATTN,
+               needed=_windowed),
+    _per_step("window_cache_seqlens", _max_bs, Pad.SEQ_LEN, "chain window: length per step",
+              _windowed),
+    _per_step("window_cu_seqlens_k", _max_bs, Pad.CUMSUM, "chain window: cumsum per step",
+              _windowed, extra=1),
     # topk > 1: one prefix part (full pages of the committed prefix) shared by all steps ...
     *paged_specs(Phase.DRAFT, _max_bs, _max_pages, prefix="prefix_", needed=_tree,
                  what="tree prefix (full pages): "),
@@ -257,6 +280,7 @@ DRAFT_EXTEND_SPECS = (
     BufferSpec("cu_seqlens_q", Phase.DRAFT_EXTEND, I32, lambda c: (c.max_bs + 1,), Pad.CUMSUM,
                "[0, cumsum(accept_lens)]; padded rows one query"),
     *paged_specs(Phase.DRAFT_EXTEND, _max_bs, _max_pages),
+    *window_specs(Phase.DRAFT_EXTEND),
 )
 
 EXTEND_SPECS = (
@@ -265,6 +289,7 @@ EXTEND_SPECS = (
     *paged_specs(Phase.EXTEND, _max_bs, _max_pages, what="prefix + new tokens, causal: "),
     BufferSpec("positions", Phase.EXTEND, I32, lambda c: (c.max_extend_tokens,), Pad.ZERO,
                "absolute position of each packed query token (0 past the real ones)"),
+    *window_specs(Phase.EXTEND),
 )
 
 # Only the cross part: decoder self-attention reuses the decode buffers (offset rows), and the

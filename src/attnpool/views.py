@@ -28,11 +28,16 @@ class Stamp(Protocol):
     def describe(self) -> str: ...
 
 
+@dataclass(frozen=True, slots=True)
 class _Stamped:
-    """``is_current`` for every view class (their ``stamp`` field holds the producer)."""
+    """The ``stamp`` field and ``is_current`` of every view class.
 
-    __slots__ = ()
-    stamp: Stamp | None
+    ``stamp`` holds the producer. It is keyword-only, so each view's own fields keep their
+    positions (and may come without defaults after it), and left out of ``==`` and ``repr``: two
+    views of the same slices are equal whoever produced them.
+    """
+
+    stamp: Stamp | None = field(default=None, kw_only=True, compare=False, repr=False)
 
     @property
     def is_current(self) -> bool:
@@ -67,6 +72,9 @@ class PagedView(_Stamped):
             ``max_context_len`` unless the update was given host lengths).
         page_size: tokens per page.
         causal: whether queries use a causal mask (aligned to the end of the KV row).
+        window_left: keys a query sees to its left (flash-attn's ``window_size[0]``,
+            FlashInfer's ``window_left``): ``W - 1`` for a sliding-window part, -1 (no window)
+            otherwise. Keyword-only.
     """
 
     bs: int
@@ -81,7 +89,7 @@ class PagedView(_Stamped):
     max_seqlen_k: int
     page_size: int
     causal: bool
-    stamp: Stamp | None = field(default=None, kw_only=True, compare=False, repr=False)
+    window_left: int = field(default=-1, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +99,10 @@ class DecodeView(PagedView):
     Same fields as :class:`PagedView`; ``cache_seqlens[i]`` is request ``i``'s sequence length
     including the token being decoded.
     """
+
+    #: the sliding-window layers' part (``PoolConfig(sliding_window=W)``): the same rows from
+    #: each row's window start, ``window_left = W - 1``; None without a window
+    window: PagedView | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +126,9 @@ class VerifyView(_Stamped):
     bs: int
     prefix: PagedView
     expand: PagedView | None
-    stamp: Stamp | None = field(default=None, kw_only=True, compare=False, repr=False)
+    #: the sliding-window layers' part (``PoolConfig(sliding_window=W)``): the same rows from
+    #: each row's window start, ``window_left = W - 1``; None without a window
+    window: PagedView | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +146,9 @@ class DraftStepView(_Stamped):
     step: int
     prefix: PagedView
     expand: PagedView | None
-    stamp: Stamp | None = field(default=None, kw_only=True, compare=False, repr=False)
+    #: the sliding-window layers' part (``PoolConfig(sliding_window=W)``): the same rows from
+    #: each row's window start, ``window_left = W - 1``; None without a window
+    window: PagedView | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +162,16 @@ class DraftView(_Stamped):
 
     bs: int
     steps: tuple[DraftStepView, ...]
-    stamp: Stamp | None = field(default=None, kw_only=True, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
 class DraftExtendView(PagedView):
     """Draft extend: request ``i`` has ``accept_lens[i]`` queries (``cu_seqlens_q`` is their
     cumsum; a padded row has one query), causal, ``cache_seqlens = seq_lens``."""
+
+    #: the sliding-window layers' part (``PoolConfig(sliding_window=W)``): the same rows from
+    #: each row's window start, ``window_left = W - 1``; None without a window
+    window: PagedView | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +210,9 @@ class ExtendView(PagedView):
     """
 
     positions: Tensor
+    #: the sliding-window layers' part (``PoolConfig(sliding_window=W)``): the same rows from
+    #: each row's window start, ``window_left = W - 1``; None without a window
+    window: PagedView | None = field(default=None, kw_only=True)
 
     @property
     def qo_indptr(self) -> Tensor | None:
@@ -214,7 +236,6 @@ class EncoderView(_Stamped):
     bs: int
     cross: PagedView
     decoder: DecodeView
-    stamp: Stamp | None = field(default=None, kw_only=True, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,12 +11,14 @@ import torch
 from torch import Tensor
 
 from ..arena import Arena
-from ..config import INT_DTYPES, Impl, Phase, resolve_impl
-from ..errors import CapacityError, InputError, PoolError
+from ..config import INT_DTYPES, PHASE_FACTS, Impl, Phase, resolve_impl
+from ..errors import CapacityError, InputError, LayoutError, PoolError
 from ..inputs import check_block_table, check_bs, check_req_to_token, check_tensor, host_lens
 from ..update import reference as ref
 from ..update.reference import PagedBuffers
+from ..views import PagedView
 from ._validate import Values, validate
+from ._views import part_view
 from .bound import BoundUpdate
 
 #: cached fused launches per phase before the cache is dropped (a bound on its memory)
@@ -91,6 +93,10 @@ class PhaseBase(Generic[ViewT]):
         self._max_bs = self.cfg.max_bs
         #: ``arange[:n]`` per n: the rows of a block table given without ``req_pool_indices``
         self._in_order: dict[int, Tensor] = {}
+        #: the window part's buffers (a sliding window and a phase that reads the KV cache,
+        #: docs/design.md, Sliding windows), else None; written by the main part's launch
+        self._wbuf = (self._paged("window_") if self.cfg.sliding_window is not None
+                      and PHASE_FACTS[self.phase].window_queries is not None else None)
 
     def view(self, bs: int) -> ViewT:
         """The ``bs``-row view for capture: valid padded values (the capture state, written
@@ -117,21 +123,21 @@ class PhaseBase(Generic[ViewT]):
             return t
         return self._not_ours(name, check_tensor(name, t, self.cfg, ndim, dtypes, rows, self._dev))
 
-    def _req_to_token(self, t: object) -> Tensor:
+    def _req_to_token(self, t: object, name: str = "req_to_token") -> Tensor:
         lo, hi = self._span
         if (type(t) is Tensor and t.dim() == 2 and t.dtype in INT_DTYPES and t.device == self._dev
                 and t.shape[0] >= 1 and t.shape[1] >= self._max_len
                 and t.stride(1) == 1 and not lo <= t.data_ptr() < hi):
             return t
-        return self._not_ours("req_to_token", check_req_to_token(t, self.cfg, self._dev))
+        return self._not_ours(name, check_req_to_token(t, self.cfg, self._dev, name))
 
-    def _block_table(self, t: object) -> Tensor:
+    def _block_table(self, t: object, name: str = "block_table") -> Tensor:
         lo, hi = self._span
         if (type(t) is Tensor and t.dim() == 2 and t.dtype in INT_DTYPES and t.device == self._dev
                 and t.shape[0] >= 1 and t.shape[1] >= self._max_pages
                 and t.stride(1) == 1 and not lo <= t.data_ptr() < hi):
             return t
-        return self._not_ours("block_table", check_block_table(t, self.cfg, self._dev))
+        return self._not_ours(name, check_block_table(t, self.cfg, self._dev, name))
 
     def _rows_table(self, n: int, req_pool_indices: object, req_to_token: object,
                     block_table: object) -> tuple[Tensor, Tensor, int | None]:
@@ -169,6 +175,73 @@ class PhaseBase(Generic[ViewT]):
         if in_order is None:
             in_order = self._in_order[n] = self._arange[:n]
         return in_order, table, self.cfg.page_size
+
+    def _window_table(self, table: Tensor, block: int | None, window_req_to_token: object,
+                      window_block_table: object) -> Tensor | None:
+        """The table the window part reads: None without a window part; else the caller's
+        window table (an engine's sliding-window KV group: SGLang's SWA pool, vLLM's KV cache
+        group), or the request table itself when none is given.
+
+        A window table is of the request table's kind (``window_req_to_token`` with
+        ``req_to_token``, ``window_block_table`` with ``block_table``: the window part reads
+        the same rows, ``req_pool_indices``), dtype and device, and covers every position (its
+        entries before a row's window may hold anything: nothing reads them)."""
+        given = window_block_table if window_req_to_token is None else window_req_to_token
+        if self._wbuf is None:
+            if given is not None:
+                raise LayoutError(f"a window table needs PoolConfig(sliding_window=...) and a "
+                                  f"phase with a window part; {self.phase.value} of this pool "
+                                  f"has none, got one")
+            return None
+        if given is None:
+            return table
+        if window_req_to_token is not None and window_block_table is not None:
+            raise InputError("pass at most one window table, window_req_to_token or "
+                             "window_block_table, got both")
+        kind = "req_to_token" if block is None else "block_table"
+        wkind = "req_to_token" if window_block_table is None else "block_table"
+        if kind != wkind:
+            raise InputError(f"the window table must be of the request table's kind: "
+                             f"window_{kind} with {kind}, got window_{wkind}")
+        wt = (self._req_to_token(given, "window_req_to_token") if block is None
+              else self._block_table(given, "window_block_table"))
+        if wt.dtype != table.dtype:
+            raise InputError(f"window_{kind} must have {kind}'s dtype {table.dtype}, got "
+                             f"{wt.dtype}")
+        return wt
+
+    def _win(self, window_table: Tensor | None) -> dict[str, Any]:
+        """The window keywords of the part that carries the window part (none without one)."""
+        if window_table is None or self._wbuf is None:
+            return {}
+        return {"window": self._wbuf, "window_size": self.cfg.sliding_window,
+                "window_table": window_table}
+
+    def _wkey(self, table: Tensor, wt: Tensor | None) -> Hashable:
+        """The window table's part of a launch cache key: its shape when it is its own."""
+        return None if wt is None or wt is table else (wt.shape, wt.stride(0))
+
+    @staticmethod
+    def _table_rows(table: Tensor, wt: Tensor | None) -> int:
+        """Rows ``req_pool_indices`` may pick (validation): in both tables when there are two."""
+        return table.shape[0] if wt is None else min(table.shape[0], wt.shape[0])
+
+    def _capture_wt(self) -> Tensor | None:
+        """The window table of the capture state (no real row): the empty page block."""
+        return None if self._wbuf is None else self._empty_pages()
+
+    def _window_view(self, rows: int, cu_seqlens_q: Tensor, max_q: int, max_k: int,
+                     b: PagedBuffers | None = None) -> PagedView | None:
+        """The window part's view of ``rows`` rows (``b``: a draft step's buffers; default the
+        phase's window part), causal with ``window_left = W - 1``; its key bound is the full
+        part's, capped by the window table's width in tokens. None without a window part."""
+        wb = self._wbuf if b is None else b
+        if wb is None or self.cfg.sliding_window is None:
+            return None
+        cap = self.cfg.window_pages(self.phase) * self.cfg.page_size
+        return part_view(wb, rows, cu_seqlens_q, max_q=max_q, max_k=min(max_k, cap),
+                         page_size=self.cfg.page_size, causal=True, stamp=self._stamp,
+                         window_left=self.cfg.sliding_window - 1)
 
     def _not_ours(self, name: str, t: Tensor) -> Tensor:
         """Refuse an input that lives inside the pool's own arena (e.g. a view's

@@ -42,7 +42,7 @@ class DecodePhase(PhaseBase[DecodeView]):
 
     phase = Phase.DECODE
     NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "keep", "width")
+             "keep", "width", "window_table")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -66,6 +66,8 @@ class DecodePhase(PhaseBase[DecodeView]):
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         request_ids: Sequence[Hashable] | None = None,
         num_real: Tensor | None = None,
+        window_req_to_token: Tensor | None = None,
+        window_block_table: Tensor | None = None,
     ) -> DecodeView:
         """Refill the ``bs``-row view in place from ``n = len(seq_lens)`` real requests.
 
@@ -96,6 +98,12 @@ class DecodePhase(PhaseBase[DecodeView]):
                 inputs then have ``bs`` rows and the update can be recorded in the engine's own
                 CUDA graph (see :mod:`attnpool.update.triton`). Call once before capture: the
                 first call compiles the kernel.
+            window_req_to_token, window_block_table: with ``PoolConfig(sliding_window=W)``, the
+                table the window part reads (the sliding-window layers' own KV: SGLang's SWA
+                pool, vLLM's KV cache group), of the request table's kind, dtype, device and
+                width, rows picked by the same ``req_pool_indices``; default: the request table.
+                Entries before a row's window may hold anything (freed pages, -1): nothing reads
+                them.
 
         Returns:
             the refilled view (same tensors as ``view(bs)``; host ints reflect this batch).
@@ -104,6 +112,7 @@ class DecodePhase(PhaseBase[DecodeView]):
         seq_lens, n, rpi, table, blk, host = self._inputs(
             bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
             cfg.max_context_len)
+        wt = self._window_table(table, blk, window_req_to_token, window_block_table)
         ids = None
         if request_ids is not None:
             if num_real is not None:
@@ -116,7 +125,7 @@ class DecodePhase(PhaseBase[DecodeView]):
             if len(ids) != n:
                 raise InputError(f"request_ids must have n={n} values, got {len(ids)}")
         if self.validate:  # (the values are only gathered when they are read)
-            self._values(Values(n, num_real, table.shape[0],
+            self._values(Values(n, num_real, self._table_rows(table, wt),
                                 [("seq_lens", seq_lens, 1, cfg.max_context_len),
                                  ("req_pool_indices", rpi, 0, 0)],
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
@@ -126,19 +135,20 @@ class DecodePhase(PhaseBase[DecodeView]):
         # --- writes start here (a part's first build repeats the checks above) ---
         if keep is not None and flags is not None:
             keep.copy_(flags, non_blocking=True)
-        self._run((bs, blk, table.shape, table.stride(0), num_real is None, keep is None), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, keep, width))
+        self._run((bs, blk, table.shape, table.stride(0), num_real is None, keep is None,
+                   self._wkey(table, wt)), bs,
+                  (n, seq_lens, rpi, table, blk, num_real, keep, width, wt))
         return self._done(bs, n, host, ids)
 
     def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
         """One paged part (``keep``: the incremental page table, see the class docstring)."""
-        _, seq_lens, rpi, table, blk, num_real, keep, width = vals
+        _, seq_lens, rpi, table, blk, num_real, keep, width, wt = vals
         return (self._paged_launch(ops, self._b, bs, seq_lens, rpi, table, blk,
-                                   num_real=num_real, keep=keep, width=width),)
+                                   num_real=num_real, keep=keep, width=width, **self._win(wt)),)
 
     def _capture_vals(self) -> tuple[Any, ...]:
         none = self._arange[:0]
-        return (0, none, none, self._empty_pages(), None, None, None, 0)
+        return (0, none, none, self._empty_pages(), None, None, None, 0, self._capture_wt())
 
     def _keep_flags(self, ids: list[Hashable] | None, bs: int) -> Tensor | None:
         """Host ``keep`` flags, or None when no row can keep its pages (or bytes changed since)."""
@@ -163,4 +173,5 @@ class DecodePhase(PhaseBase[DecodeView]):
     def _make_view(self, bs: int, max_seqlen_k: int) -> DecodeView:
         return part_view(self._b, bs, self._arange, max_q=1, max_k=max_seqlen_k,
                          page_size=self.cfg.page_size, causal=True, cls=DecodeView,
-                         stamp=self._stamp)
+                         stamp=self._stamp, window=self._window_view(bs, self._arange, 1,
+                                                                     max_seqlen_k))

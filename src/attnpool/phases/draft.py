@@ -37,7 +37,7 @@ class DraftPhase(PhaseBase[DraftView]):
 
     phase = Phase.DRAFT
     NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "out_cache_loc", "width")
+             "out_cache_loc", "width", "window_table")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -66,6 +66,14 @@ class DraftPhase(PhaseBase[DraftView]):
             # all steps stacked: what one fused launch writes (a single step is a plain part)
             self._chain_all = (PagedBuffers(lens, cu, self._table, None, None, None, self._arange)
                                if cfg.spec_steps > 1 else self._chain[0])
+            #: with a window, the same per step over the window table (rows from step 1's
+            #: window start); the launch writes the stacked buffers, or step 1's alone
+            w = self._wbuf
+            self._wsteps = () if w is None else tuple(
+                PagedBuffers(w.cache_seqlens[d], w.cu_seqlens_k[d], w.page_table, None, None,
+                             None, self._arange) for d in range(cfg.spec_steps))
+            if w is not None and cfg.spec_steps == 1:
+                self._wbuf = self._wsteps[0]
 
     def _expand_step(self, d: int) -> PagedBuffers:
         a, ph = self.arena, self.phase
@@ -90,6 +98,8 @@ class DraftPhase(PhaseBase[DraftView]):
         block_table: Tensor | None = None,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         num_real: Tensor | None = None,
+        window_req_to_token: Tensor | None = None,
+        window_block_table: Tensor | None = None,
     ) -> DraftView:
         """Refill every step for ``n = len(seq_lens)`` requests.
 
@@ -112,6 +122,7 @@ class DraftPhase(PhaseBase[DraftView]):
         seq_lens, n, rpi, table, blk, host = self._inputs(
             bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
             cfg.max_context_len - steps)
+        wt = self._window_table(table, blk, window_req_to_token, window_block_table)
         loc: Tensor | None = None
         if not self.tree:
             if out_cache_loc is not None:
@@ -123,27 +134,27 @@ class DraftPhase(PhaseBase[DraftView]):
                 raise InputError(f"out_cache_loc must be [n, {steps}, {cfg.topk}], "
                                  f"got {tuple(loc.shape)}")
         if self.validate:  # (the values are only gathered when they are read)
-            self._values(Values(n, num_real, table.shape[0],
+            self._values(Values(n, num_real, self._table_rows(table, wt),
                                 [("seq_lens", seq_lens, 1, cfg.max_context_len - steps),
                                  ("req_pool_indices", rpi, 0, 0)],
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
         width = self._width(host, 0 if self.tree else steps)
         # --- writes start here (every part's inputs were checked above) ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None,
-                   None if loc is None else loc.stride()), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, loc, width))
+                   None if loc is None else loc.stride(), self._wkey(table, wt)), bs,
+                  (n, seq_lens, rpi, table, blk, num_real, loc, width, wt))
         self._mark(bs)
         return self._view(bs, host, n)
 
     def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
         """Chain: every step in one paged part (``steps``: per-step lengths, one shared table).
         Tree: the prefix pass over whole pages, then every step's expand rows."""
-        _, seq_lens, rpi, table, blk, num_real, loc, width = vals
+        _, seq_lens, rpi, table, blk, num_real, loc, width, wt = vals
         cfg = self.cfg
         if not self.tree:
             return (self._paged_launch(ops, self._chain_all, bs, seq_lens, rpi, table, blk,
                                        extra=1, steps=cfg.spec_steps, num_real=num_real,
-                                       width=width),)
+                                       width=width, **self._win(wt)),)
         prefix = self._paged_launch(ops, self._prefix, bs, seq_lens, rpi, table, blk,
                                     full_pages=True, num_real=num_real, width=width)
         expand = ops.draft_tree_expand_launch(
@@ -155,7 +166,7 @@ class DraftPhase(PhaseBase[DraftView]):
     def _capture_vals(self) -> tuple[Any, ...]:
         cfg, none = self.cfg, self._arange[:0]
         loc = none.view(0, cfg.spec_steps, cfg.topk) if self.tree else None
-        return (0, none, none, self._empty_pages(), None, None, loc, 0)
+        return (0, none, none, self._empty_pages(), None, None, loc, 0, self._capture_wt())
 
     @property
     def _expand_pad(self) -> int:
@@ -183,9 +194,11 @@ class DraftPhase(PhaseBase[DraftView]):
                 out.append(DraftStepView(d + 1, prefix, e, stamp=self._stamp))
         else:
             for d, b in enumerate(self._chain):
-                v: PagedView = part_view(b, bs, self._arange, max_q=1,
-                              max_k=self._max_k(host, d + 1, n, bs, c),
-                              page_size=cfg.page_size, causal=True, stamp=self._stamp)
-                out.append(DraftStepView(d + 1, v, None, stamp=self._stamp))
+                max_k = self._max_k(host, d + 1, n, bs, c)
+                v: PagedView = part_view(b, bs, self._arange, max_q=1, max_k=max_k,
+                                         page_size=cfg.page_size, causal=True, stamp=self._stamp)
+                win = self._window_view(bs, self._arange, 1, max_k, self._wsteps[d]
+                                        ) if self._wsteps else None
+                out.append(DraftStepView(d + 1, v, None, stamp=self._stamp, window=win))
         return DraftView(bs=bs, steps=tuple(out), stamp=self._stamp)
 

@@ -35,7 +35,7 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
 
     phase = Phase.DRAFT_EXTEND
     NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "q_lens", "width", "pad_q")
+             "q_lens", "width", "pad_q", "window_table")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -57,6 +57,8 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         accept_lens_cpu: Tensor | Sequence[int] | None = None,
         num_real: Tensor | None = None,
+        window_req_to_token: Tensor | None = None,
+        window_block_table: Tensor | None = None,
     ) -> DraftExtendView:
         """Refill for ``n`` requests (fused path: one launch, ``cu_seqlens_q`` included).
 
@@ -74,6 +76,7 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
         seq_lens, n, rpi, table, blk, host = self._inputs(
             bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
             cfg.max_context_len, accept_lens_cpu)
+        wt = self._window_table(table, blk, window_req_to_token, window_block_table)
         acc = self._tensor("accept_lens", accept_lens, 1, rows=n)
         acc_host = host_lens("accept_lens_cpu", accept_lens_cpu, n, 1, cfg.num_draft_tokens)
         if host is not None and acc_host is not None:
@@ -83,7 +86,7 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
                     raise CapacityError(f"accept_lens_cpu[{i}] must be <= seq_lens_cpu[{i}]={s}, "
                                         f"got {a}")
         if self.validate:  # (the values are only gathered when they are read)
-            self._values(Values(n, num_real, table.shape[0],
+            self._values(Values(n, num_real, self._table_rows(table, wt),
                                 [("seq_lens", seq_lens, 1, cfg.max_context_len),
                                  ("accept_lens", acc, 1, cfg.num_draft_tokens),
                                  ("req_pool_indices", rpi, 0, 0)],
@@ -92,8 +95,9 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
                                 at_most=[("accept_lens", "seq_lens")]))
         width = self._width(host)
         # --- writes start here ---
-        self._run((bs, blk, table.shape, table.stride(0), num_real is None), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, acc, width, 1))
+        self._run((bs, blk, table.shape, table.stride(0), num_real is None,
+                   self._wkey(table, wt)), bs,
+                  (n, seq_lens, rpi, table, blk, num_real, acc, width, 1, wt))
         self._mark(bs)
         return self._view(bs, self._max_k(host, 0, n, bs, cfg.max_context_len))
 
@@ -101,17 +105,17 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
         """One paged part with its query part: ``cu_seqlens_q`` over ``accept_lens`` (clamped
         into ``[0, N]``: an out-of-contract device value cannot push the packed query offsets
         past the captured buffer), ``pad_q`` queries per padded row."""
-        _, seq_lens, rpi, table, blk, num_real, acc, width, pad_q = vals
+        _, seq_lens, rpi, table, blk, num_real, acc, width, pad_q, wt = vals
         return (self._paged_launch(ops, self._b, bs, seq_lens, rpi, table, blk, q_lens=acc,
                                    cu_seqlens_q=self._cu_q, pad_q=pad_q,
                                    max_q=self.cfg.num_draft_tokens, num_real=num_real,
-                                   width=width),)
+                                   width=width, **self._win(wt)),)
 
     def _capture_vals(self) -> tuple[Any, ...]:
         # N queries per padded row: every captured bs has cu_seqlens_q[bs] = bs*N (class doc)
         none = self._arange[:0]
         return (0, none, none, self._empty_pages(), None, None, none, 0,
-                self.cfg.num_draft_tokens)
+                self.cfg.num_draft_tokens, self._capture_wt())
 
     def _view(self, bs: int, max_k: int) -> DraftExtendView:
         key = (bs, max_k)
@@ -120,4 +124,5 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
     def _make_view(self, bs: int, max_k: int) -> DraftExtendView:
         return part_view(self._b, bs, self._cu_q, max_q=self.cfg.num_draft_tokens, max_k=max_k,
                          page_size=self.cfg.page_size, causal=True, cls=DraftExtendView,
-                         stamp=self._stamp)
+                         stamp=self._stamp, window=self._window_view(
+                             bs, self._cu_q, self.cfg.num_draft_tokens, max_k))

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..arena import Arena
 from ..config import Phase
-from ..errors import CapacityError
+from ..errors import CapacityError, LayoutError
 from ..inputs import host_lens
 from ..views import ExtendView
 from ._validate import Values
@@ -36,7 +36,7 @@ class ExtendPhase(PhaseBase[ExtendView]):
 
     phase = Phase.EXTEND
     NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "q_lens", "out_slots", "width")
+             "q_lens", "out_slots", "width", "window_table", "window_out_slots")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -64,6 +64,9 @@ class ExtendPhase(PhaseBase[ExtendView]):
         extend_lens_cpu: Tensor | Sequence[int] | None = None,
         num_real: Tensor | None = None,
         out_slots: Tensor | None = None,
+        window_req_to_token: Tensor | None = None,
+        window_block_table: Tensor | None = None,
+        window_out_slots: Tensor | None = None,
     ) -> ExtendView:
         """Refill the ``bs``-row view in place for ``n = len(seq_lens)`` requests.
 
@@ -89,6 +92,11 @@ class ExtendPhase(PhaseBase[ExtendView]):
                 order: token ``j`` of request ``i`` gets the table's slot at ``prefix_i + j``
                 and the tail ``[sum(extend_lens), L)`` gets -1 (stores skip it). ``L`` must be
                 ``>= sum(extend_lens_cpu)`` when that is given, else ``>= T``.
+            window_req_to_token, window_block_table: the window part's table, as in
+                :meth:`DecodePhase.update_` (``PoolConfig(sliding_window=W)``).
+            window_out_slots: like ``out_slots``, the same tokens' slots in the window table
+                (the sliding-window KV group's slot mapping: -1 past the real tokens, written
+                every step), by the same launch; needs a window part.
 
         Returns:
             the refilled :class:`attnpool.ExtendView` (same tensors as ``view(bs)``).
@@ -101,8 +109,15 @@ class ExtendPhase(PhaseBase[ExtendView]):
         ehost = host_lens("extend_lens_cpu", extend_lens_cpu, n, 1, cfg.max_context_len)
         total = self._check_host(host, ehost)
         slots = None if out_slots is None else self._out_slots(out_slots, total)
+        wt = self._window_table(table, blk, window_req_to_token, window_block_table)
+        wslots = None
+        if window_out_slots is not None:
+            if wt is None:
+                raise LayoutError("window_out_slots needs PoolConfig(sliding_window=...), got "
+                                  "one from a pool without a window")
+            wslots = self._out_slots(window_out_slots, total, "window_out_slots")
         if self.validate:  # (the values are only gathered when they are read)
-            self._values(Values(n, num_real, table.shape[0],
+            self._values(Values(n, num_real, self._table_rows(table, wt),
                                 [("seq_lens", seq_lens, 1, cfg.max_context_len),
                                  ("extend_lens", ext, 1, cfg.max_context_len),
                                  ("req_pool_indices", rpi, 0, 0)],
@@ -113,8 +128,9 @@ class ExtendPhase(PhaseBase[ExtendView]):
         width = self._width(host)
         # --- writes start here ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None,
-                   None if slots is None else slots.shape[0]), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, ext, slots, width))
+                   None if slots is None else slots.shape[0], self._wkey(table, wt),
+                   None if wslots is None else wslots.shape[0]), bs,
+                  (n, seq_lens, rpi, table, blk, num_real, ext, slots, width, wt, wslots))
         self._mark(bs)
         max_q = t_max
         if ehost is not None:
@@ -137,29 +153,33 @@ class ExtendPhase(PhaseBase[ExtendView]):
                                 f"{self.max_tokens}, got {total}")
         return total
 
-    def _out_slots(self, t: object, total: int | None) -> Tensor:
+    def _out_slots(self, t: object, total: int | None, name: str = "out_slots") -> Tensor:
         """``out_slots``: a 1-D contiguous int device tensor long enough for every real token."""
-        slots = self._tensor("out_slots", t, 1)
+        slots = self._tensor(name, t, 1)
         need = self.max_tokens if total is None else total
         if slots.shape[0] < need:
             what = "sum(extend_lens_cpu)" if total is not None else (
                 "max_extend_tokens (no extend_lens_cpu given)")
-            raise CapacityError(f"out_slots must have >= {what} = {need} elements, "
+            raise CapacityError(f"{name} must have >= {what} = {need} elements, "
                                 f"got {slots.shape[0]}")
         return slots
 
     def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
         """One paged part with its query part (padded rows: the first takes the slack up to
         ``T``, the others none) and the packed tokens' positions (and ``out_slots``)."""
-        _, seq_lens, rpi, table, blk, num_real, ext, slots, width = vals
+        _, seq_lens, rpi, table, blk, num_real, ext, slots, width, wt, wslots = vals
+        win = self._win(wt)
+        if win:
+            win["window_out_slots"] = wslots
         return (self._paged_launch(ops, self._b, bs, seq_lens, rpi, table, blk, q_lens=ext,
                                    cu_seqlens_q=self._cu_q, q_total=self.max_tokens,
                                    positions=self._pos, out_slots=slots, num_real=num_real,
-                                   width=width),)
+                                   width=width, **win),)
 
     def _capture_vals(self) -> tuple[Any, ...]:
         none = self._arange[:0]
-        return (0, none, none, self._empty_pages(), None, None, none, None, 0)
+        return (0, none, none, self._empty_pages(), None, None, none, None, 0,
+                self._capture_wt(), None)
 
     def _view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
         key = (bs, max_q, max_k)
@@ -168,4 +188,5 @@ class ExtendPhase(PhaseBase[ExtendView]):
     def _make_view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
         return part_view(self._b, bs, self._cu_q, max_q=max_q, max_k=max_k,
                          page_size=self.cfg.page_size, causal=True, cls=ExtendView,
-                         positions=self._pos, stamp=self._stamp)
+                         positions=self._pos, stamp=self._stamp,
+                         window=self._window_view(bs, self._cu_q, max_q, max_k))

@@ -33,7 +33,7 @@ class VerifyPhase(PhaseBase[VerifyView]):
 
     phase = Phase.VERIFY
     NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "tree_mask", "width")
+             "tree_mask", "width", "window_table")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -57,6 +57,8 @@ class VerifyPhase(PhaseBase[VerifyView]):
         block_table: Tensor | None = None,
         seq_lens_cpu: Tensor | Sequence[int] | None = None,
         num_real: Tensor | None = None,
+        window_req_to_token: Tensor | None = None,
+        window_block_table: Tensor | None = None,
     ) -> VerifyView:
         """Refill for ``n = len(seq_lens)`` requests, each verifying N draft tokens.
 
@@ -77,6 +79,7 @@ class VerifyPhase(PhaseBase[VerifyView]):
         seq_lens, n, rpi, table, blk, host = self._inputs(
             bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
             cfg.max_context_len - nd)
+        wt = self._window_table(table, blk, window_req_to_token, window_block_table)
         mask: Tensor | None = None
         if self.tree:
             mask = self._tensor("tree_mask", tree_mask, 3, dtypes=(torch.bool,), rows=n)
@@ -85,7 +88,7 @@ class VerifyPhase(PhaseBase[VerifyView]):
         elif tree_mask is not None:
             raise InputError(f"tree_mask is only for topk > 1, got one with topk={cfg.topk}")
         if self.validate:  # (the values are only gathered when they are read)
-            self._values(Values(n, num_real, table.shape[0],
+            self._values(Values(n, num_real, self._table_rows(table, wt),
                                 [("seq_lens", seq_lens, 1, cfg.max_context_len - nd),
                                  ("req_pool_indices", rpi, 0, 0)],
                                 [("seq_lens_cpu", seq_lens_cpu, "seq_lens")], tree_mask=mask))
@@ -93,17 +96,17 @@ class VerifyPhase(PhaseBase[VerifyView]):
         width = self._width(host, add)
         # --- writes start here (every part's inputs were checked above) ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None,
-                   None if mask is None else mask.stride()), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, mask, width))
+                   None if mask is None else mask.stride(), self._wkey(table, wt)), bs,
+                  (n, seq_lens, rpi, table, blk, num_real, mask, width, wt))
         self._mark(bs)
         return self._view(bs, self._max_k(host, add, n, bs, cfg.max_context_len))
 
     def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
         """The prefix part (chain: causal over ``seq_lens + N``), then the tree expand part."""
-        _, seq_lens, rpi, table, blk, num_real, mask, width = vals
+        _, seq_lens, rpi, table, blk, num_real, mask, width, wt = vals
         out = [self._paged_launch(ops, self._p, bs, seq_lens, rpi, table, blk,
                                   extra=0 if self.tree else self.cfg.num_draft_tokens,
-                                  num_real=num_real, width=width)]
+                                  num_real=num_real, width=width, **self._win(wt))]
         if self._e is not None:
             out.append(ops.tree_expand_launch(
                 self._e, bs=bs, tree_mask=mask, seq_lens=seq_lens, req_pool_indices=rpi,
@@ -115,7 +118,7 @@ class VerifyPhase(PhaseBase[VerifyView]):
     def _capture_vals(self) -> tuple[Any, ...]:
         none, nd = self._arange[:0], self.cfg.num_draft_tokens
         mask = torch.empty((0, nd, nd), dtype=torch.bool, device=self._dev) if self.tree else None
-        return (0, none, none, self._empty_pages(), None, None, mask, 0)
+        return (0, none, none, self._empty_pages(), None, None, mask, 0, self._capture_wt())
 
     @property
     def _expand_pad(self) -> int:
@@ -134,4 +137,5 @@ class VerifyPhase(PhaseBase[VerifyView]):
         if self._e is not None:
             expand = part_view(self._e, bs * nd, self._arange, max_q=1, max_k=nd, page_size=1,
                                causal=False, stamp=self._stamp)
-        return VerifyView(bs=bs, prefix=prefix, expand=expand, stamp=self._stamp)
+        return VerifyView(bs=bs, prefix=prefix, expand=expand, stamp=self._stamp,
+                          window=self._window_view(bs, self._cu_q, nd, max_k))

@@ -84,6 +84,9 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                    help="attention_chunk_size (chunked local attention; none when omitted)")
     p.add_argument("--extend-tokens", type=_int_in(0), default=0,
                    help="max_extend_tokens (packed prefill tokens per extend step)")
+    p.add_argument("--sliding-window", type=_int_in(1), default=None,
+                   help="sliding_window W: every phase that reads the KV cache also keeps a "
+                        "window part (none when omitted)")
     p.add_argument("--layout", choices=_LAYOUTS, default="flash_attn",
                    help="page-table layouts to keep")
 
@@ -102,7 +105,7 @@ def _plan(a: argparse.Namespace) -> int:
         max_bs=a.max_bs, max_context_len=a.context, page_size=a.page_size, device="cpu",
         num_draft_tokens=a.draft_tokens, topk=a.topk, spec_steps=a.spec_steps,
         max_encoder_len=a.encoder_len, attention_chunk_size=a.chunk, layout=layout,
-        max_extend_tokens=a.extend_tokens,
+        max_extend_tokens=a.extend_tokens, sliding_window=a.sliding_window,
     )
     plan = plan_arena(cfg)  # arithmetic only: nothing is allocated
     if plan.nbytes > MAX_PLAN_BYTES:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from ..errors import InputError, LayoutError
 from .reference_ops import (
     PagedBuffers,
     cumsum_,
     draft_expand,
     extend_tokens,
+    floor_div,
     gather_pages,
     lengths_,
     local_rows,
@@ -71,9 +72,16 @@ def paged_part_(
     out_slots: Tensor | None = None,
     block_size: int | None = None,
     width: int | None = None,
+    window: PagedBuffers | None = None,
+    window_size: int | None = None,
+    window_table: Tensor | None = None,
+    window_out_slots: Tensor | None = None,
 ) -> None:
     """Write one paged part's read region for ``bs`` rows: :func:`attnpool.update.triton.
     paged_update_`'s semantics (every argument as documented there), in torch.
+
+    A window part is the same paged part again over the window table, with each row's lengths
+    shifted by its window start (:func:`_window_`), before anything of the full part is written.
 
     The caller's inputs are trusted (the phases check them; see the module docstring for
     ``width`` and ``keep``). Page ids are gathered first, straight into the page table when the
@@ -81,6 +89,12 @@ def paged_part_(
     so that first write is safe.
     """
     _no_num_real(num_real)
+    if window is not None or window_size is not None or window_out_slots is not None:
+        _window_(window, window_size, window_table, window_out_slots, bs=bs, seq_lens=seq_lens,
+                 req_pool_indices=req_pool_indices, req_to_token=req_to_token, extra=extra,
+                 page_size=page_size, pad_seq_len=pad_seq_len, pad_page=pad_page,
+                 token_offset=token_offset, q_lens=q_lens, steps=steps, max_len=max_len,
+                 max_q=max_q, block_size=block_size, b=b)
     p, pt = page_size, b.page_table
     if max_len is None:
         cols = pt.shape[1] if pt is not None else -(-table_width(req_to_token, block_size) // p)
@@ -104,6 +118,45 @@ def paged_part_(
                  token_offset, positions, out_slots)
     paged_(b, bs=bs, pages=pages, page_size=p, pad_page=pad_page,
            pad_pages=-(-pad_seq_len // p), arange=_arange(b, max(w, bs) + 1, seq_lens))
+
+
+INT32_MAX = 2**31 - 1
+
+
+def _window_(w: PagedBuffers | None, window_size: int | None, window_table: Tensor | None,
+             window_out_slots: Tensor | None, *, bs: int, seq_lens: Tensor,
+             req_pool_indices: Tensor, req_to_token: Tensor, extra: int, page_size: int,
+             pad_seq_len: int, pad_page: int, token_offset: Tensor | None, q_lens: Tensor | None,
+             steps: int, max_len: int | None, max_q: int | None, block_size: int | None,
+             b: PagedBuffers) -> None:
+    """The window part of a paged part (the fused kernel's programs ``bs..2bs-1``): row ``i``
+    of length ``L`` (clamped as the part's) with ``q`` queries starts ``shift = floor(max(0,
+    L - q - W + 1) / P) * P`` tokens into its request, so it is the part's own update over
+    lengths ``min(L - shift, window width in tokens)`` and token offset ``shift``."""
+    if w is None or window_size is None:
+        raise LayoutError("window_size, window_table and window_out_slots need a window part "
+                          f"and a window_size, got window={w is not None}, "
+                          f"window_size={window_size!r}")
+    p = page_size
+    table = req_to_token if window_table is None else window_table
+    if max_len is None:
+        cols = b.page_table.shape[1] if b.page_table is not None else -(
+            -table_width(req_to_token, block_size) // p)
+        max_len = cols * p
+    cap = w.page_table.shape[1] if w.page_table is not None else -(
+        -table_width(table, block_size) // p)
+    total = (seq_lens + extra if extra else seq_lens).clamp(0, max(max_len - (steps - 1), 0))
+    qc = None if q_lens is None else q_lens.clamp(0, INT32_MAX if max_q is None else max_q)
+    q: Tensor | int = max(extra, 1) if qc is None else qc
+    first = (total - q - (window_size - 1)).clamp_(min=0)
+    shift = floor_div(first, p).mul_(p)
+    lens = (total - shift).clamp_(max=max(cap * p - (steps - 1), 0))
+    off = shift if token_offset is None else shift + token_offset
+    paged_part_(w, bs=bs, seq_lens=lens, req_pool_indices=req_pool_indices, req_to_token=table,
+                extra=0, page_size=p, pad_seq_len=pad_seq_len, pad_page=pad_page,
+                token_offset=off, steps=steps, max_len=cap * p, block_size=block_size)
+    if window_out_slots is not None:
+        _tokens_(lens, 0, qc, req_pool_indices, table, block_size, off, None, window_out_slots)
 
 
 def _steps_(b: PagedBuffers, bs: int, seq_lens: Tensor, pages: Tensor, extra: int, steps: int,

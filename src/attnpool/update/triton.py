@@ -94,6 +94,10 @@ def paged_launch(
     out_slots: Tensor | None = None,
     block_size: int | None = None,
     width: int | None = None,
+    window: PagedBuffers | None = None,
+    window_size: int | None = None,
+    window_table: Tensor | None = None,
+    window_out_slots: Tensor | None = None,
 ) -> ck.Launch:
     """Check one paged part's update and assemble its launch (see :func:`paged_update_`).
 
@@ -138,6 +142,18 @@ def paged_launch(
         width: a host bound on the page columns any real row needs; only the reference path
             uses it (to gather fewer columns): each program here loops over its own row's live
             pages. Accepted so both paths take the same arguments.
+        window: the part's sliding-window twin (docs/design.md, Sliding windows), written by
+            the same launch (``2 * bs`` programs): row ``i`` of length ``L`` (as above) with
+            ``q`` queries (``q_lens[i]``, else ``max(extra, 1)``) starts ``shift = floor(max(0,
+            L - q - window_size + 1) / P) * P`` tokens into its request: ``cache_seqlens = L -
+            shift``, pages from the table's position ``shift``; same layouts and padding as the
+            part, never incremental, no query part of its own.
+        window_size: ``W`` (keys a query sees, itself included); only with ``window``.
+        window_table: the table the window part reads (an engine's sliding-window KV group),
+            of ``req_to_token``'s kind (``block_size``) and dtype and at least its width;
+            default ``req_to_token``. Entries before a row's window are never read.
+        window_out_slots: with ``out_slots``, the window table's slots of the same query tokens
+            (-1 past the real ones): the window group's slot mapping, by the same launch.
     """
     dev = b.cache_seqlens.device
     ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
@@ -188,6 +204,11 @@ def paged_launch(
     if max_len is None:
         max_len = width * page_size
     dummy = b.cache_seqlens
+    w_args, _, w_tokens = ck.window_args(
+        window, table=table, block_size=block_size, window_size=window_size,
+        window_table=window_table, window_out_slots=window_out_slots, bs=bs, dev=dev,
+        has_layouts=(has_pt, has_fi), pad_pages=pad_pages, steps=steps, page_size=page_size,
+        extra=extra, tokens=tokens, dummy=dummy)
     args = (
         seq_lens, req_pool_indices, table,
         token_offset if token_offset is not None else dummy,
@@ -208,18 +229,27 @@ def paged_launch(
         max(max_len - (steps - 1), 0), ck.INT32_MAX if max_q is None else max_q,
         page_size, table.shape[0], tok_cols, table.stride(0), pt_stride, width,
         b.kv_indices.shape[0] if b.kv_indices is not None else 0,
-        q_total or 0, pos_cap, slot_cap, max(pos_cap, slot_cap), tp,
+        q_total or 0, pos_cap, slot_cap, max(pos_cap, slot_cap), tp, *w_args,
     )
     kw = {"HAS_OFF": token_offset is not None, "DEVICE_N": num_real is not None,
           "HAS_PT": has_pt, "HAS_FI": has_fi, "INCR": keep is not None, "HAS_Q": q_lens is not None,
           "FULL_PAGES": full_pages, "Q_FIXED": q_total is not None, "TOKENS": tokens,
-          "BLOCK_TABLE": block_table, "BLOCK": ck.pow2(bs),
-          "BLOCK_P": min(ck.MAX_BLOCK_P, ck.pow2(width)), "BLOCK_T": ck.BLOCK_T,
-          "num_warps": ck.warps(bs)}
+          "BLOCK_TABLE": block_table, "WINDOW": window is not None, "W_TOKENS": w_tokens,
+          "BLOCK": ck.pow2(bs), "BLOCK_P": min(ck.MAX_BLOCK_P, ck.pow2(width)),
+          "BLOCK_T": ck.BLOCK_T, "num_warps": ck.warps(bs)}
     dyn = ck.dyn(n=(16, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
                  req_to_token=(2, table), token_offset=(3, token_offset), num_real=(4, num_real),
-                 keep=(5, keep), q_lens=(6, q_lens), out_slots=(15, out_slots))
-    return ck.Launch(ck.kernels().paged_kernel, (bs,), args, kw, dyn)
+                 keep=(5, keep), q_lens=(6, q_lens), out_slots=(15, out_slots),
+                 window_table=(_W_TABLE, window_table),
+                 window_out_slots=(_W_TABLE + 1, window_out_slots))
+    if window is not None and window_table is None:  # the window reads the part's own table
+        dyn["req_to_token@window"] = _W_TABLE
+    grid = (2 * bs,) if window is not None else (bs,)
+    return ck.Launch(ck.paged_kernels().paged_kernel, grid, args, kw, dyn)
+
+
+#: position of ``w_tok_ptr`` (the window table) in the paged kernel's arguments
+_W_TABLE = 40
 
 
 def tree_expand_update_(e: PagedBuffers, **kw: Any) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import INT_DTYPES
+from ..config import INT_DTYPES, is_int
 from ..errors import CapacityError, InputError, LayoutError
 from ..inputs import check_table, check_tensor
 from .reference import PagedBuffers
@@ -28,12 +28,27 @@ INT32_MAX = 2**31 - 1
 MAX_BLOCK_P = 1024  # page columns per loop step of a row (a row loops over its own live pages)
 BLOCK_T = 256  # query tokens per loop step of an extend row's position / slot writes
 
+#: A launch recorder, normally None. When set (only by :mod:`attnpool.tools.kernels`, which
+#: enumerates every kernel specialization the pools can launch, to compile each one for a GPU
+#: target), it is called as ``RECORD(kernel, grid, args, kw)`` for every launch a wrapper
+#: assembles, after the constexprs are made positional, and for every KV store launch;
+#: returning True makes the launch a no-op (the enumerator needs the arguments, not the bytes).
+#: Read once per *assembled* launch, never per replay, so it costs nothing on the hot path.
+RECORD: Callable[[Any, tuple[int, ...], tuple[object, ...], dict[str, Any]], bool] | None = None
+
 
 def kernels() -> ModuleType:
     """The jit kernels; imported on first use so importing attnpool never imports triton."""
     from . import triton_kernels
 
     return triton_kernels
+
+
+def paged_kernels() -> ModuleType:
+    """The paged-part kernel's module (imported on first use, like :func:`kernels`)."""
+    from . import triton_paged_kernels
+
+    return triton_paged_kernels
 
 
 def pow2(x: int, lo: int = 16) -> int:
@@ -124,6 +139,10 @@ def real_count(num_real: Tensor | None, n: int, bs: int, dev: torch.device) -> N
         vec("num_real", num_real, 1, dev)
 
 
+def _skip(*args: object, **kw: object) -> None:
+    """A recorded launch that the recorder asked not to run."""
+
+
 class Launch:
     """One kernel launch with every argument resolved, replayable with new inputs.
 
@@ -131,7 +150,9 @@ class Launch:
     keeps the result per batch shape and replays it, so its hot path is its own one-pass input
     check plus :meth:`__call__`. ``dyn`` maps the inputs a replay may change (the real row count
     ``n`` and the caller's tensors that were given, by the wrapper's parameter names) to their
-    argument positions; :meth:`take` says where in the phase's value tuple each one is.
+    argument positions; :meth:`take` says where in the phase's value tuple each one is. An
+    input passed at two positions has a second key ``name@where`` (the paged kernel's window
+    part reading the part's own table).
     """
 
     __slots__ = ("args", "dyn", "fn", "kw", "map")
@@ -150,12 +171,16 @@ class Launch:
             pos.append(rest.pop(name))
         self.args, self.kw, self.dyn = tuple(pos), rest, dyn
         self.map: tuple[tuple[int, int], ...] = ()
+        if RECORD is not None and RECORD(kernel, grid, self.args, rest):
+            self.fn = _skip
 
     def take(self, names: tuple[str, ...], **alias: str) -> Launch:
         """Read the replayed inputs from value tuples laid out as ``names`` (``alias``: wrapper
         parameter -> the name it has there, e.g. ``seq_lens="encoder_lens"``). After this the
         launch must be called with values (the built-in inputs are released)."""
-        self.map = tuple((p, names.index(alias.get(k, k))) for k, p in self.dyn.items())
+        base = {k: k.partition("@")[0] for k in self.dyn}
+        self.map = tuple((p, names.index(alias.get(base[k], base[k])))
+                         for k, p in self.dyn.items())
         # Every replay supplies these: drop the binding call's tensors, so a cached launch never
         # keeps a caller's (possibly large, since replaced) table alive.
         a = list(self.args)
@@ -186,3 +211,58 @@ def dyn(**given: tuple[int, object]) -> dict[str, int]:
     """``name -> position`` of the replayable inputs that were given (``(position, value)``
     pairs; absent optional inputs stay the dummies the launch was built with)."""
     return {k: p for k, (p, v) in given.items() if v is not None}
+
+
+def window_args(
+    w: PagedBuffers | None, *, table: Tensor, block_size: int | None, window_size: int | None,
+    window_table: Tensor | None, window_out_slots: Tensor | None, bs: int, dev: torch.device,
+    has_layouts: tuple[bool, bool], pad_pages: int, steps: int, page_size: int, extra: int,
+    tokens: bool, dummy: Tensor,
+) -> tuple[tuple[object, ...], Tensor | None, bool]:
+    """The paged kernel's ``w_*`` arguments for a window part ``w`` (None: no window part, and
+    every window argument must be None too): ``(args, window table or None, W_TOKENS)``.
+
+    The window table defaults to the part's own table; a separate one (an engine's
+    sliding-window KV group) must be of the same kind and dtype (the kernel reads both through
+    one code path) and wide enough for any row: positions up to the part's ``max_len``.
+    """
+    if w is None:
+        if window_size is not None or window_table is not None or window_out_slots is not None:
+            raise LayoutError("window_size, window_table and window_out_slots need a window part "
+                              "(window buffers), got no window part")
+        return (dummy, dummy, *(dummy,) * 6, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0), None, False
+    need(is_int(window_size) and window_size >= 1, InputError,
+         f"window_size must be an int >= 1, got {window_size!r}")
+    wt = table if window_table is None else check_table("window_table", window_table, dev)
+    if wt.dtype != table.dtype:
+        raise InputError(f"the window table must have the request table's dtype {table.dtype}, "
+                         f"got {wt.dtype}")
+    w_cols, _, _ = block(wt, block_size)
+    t_cols, _, _ = block(table, block_size)
+    if w_cols < t_cols:
+        raise CapacityError(f"the window table must cover as many positions as the request table "
+                            f"({t_cols}), got {w_cols}")
+    lay = layouts(w, bs, dev, pad_pages, steps if steps > 1 else 0)
+    if lay != has_layouts:
+        raise LayoutError(f"the window part must keep the part's layouts (page table, CSR) = "
+                          f"{has_layouts}, got {lay}")
+    if window_out_slots is not None:
+        need(tokens, InputError, "window_out_slots needs the part's token buffers (extend)")
+        vec("window_out_slots", window_out_slots, window_out_slots.shape[0], dev)
+    wslot_cap = window_out_slots.shape[0] if window_out_slots is not None else 0
+    if w.page_table is not None:
+        cap, pt_stride = w.page_table.shape[1], w.page_table.stride(0)
+    else:
+        cap, pt_stride = -(-w_cols // page_size), 0
+    args = (
+        wt, window_out_slots if window_out_slots is not None else dummy,
+        w.cache_seqlens, w.cu_seqlens_k,
+        *(t if t is not None else dummy
+          for t in (w.page_table, w.kv_indptr, w.kv_indices, w.kv_last_page_len)),
+        window_size, max(extra, 1), max(cap * page_size - (steps - 1), 0),
+        wt.shape[0], w_cols, wt.stride(0), pt_stride, cap,
+        w.kv_indices.shape[0] if w.kv_indices is not None else 0, wslot_cap,
+        w.cache_seqlens.stride(0) if steps > 1 else 0,
+        w.cu_seqlens_k.stride(0) if steps > 1 else 0,
+    )
+    return args, wt, window_out_slots is not None
