@@ -55,15 +55,12 @@ class BufferPool:
     def phase(self, phase: Phase | str) -> PhaseBase[Any]:
         """The phase object for ``phase`` (a :class:`Phase` or its value, e.g. ``"decode"``);
         :class:`MissingPhaseError` if the config lacks it."""
-        if isinstance(phase, str) and not isinstance(phase, Phase):
-            try:
-                phase = Phase(phase)
-            except ValueError:
-                raise InputError(f"phase must be a Phase or one of {[p.value for p in Phase]}, "
-                                 f"got {phase!r}") from None
         if not isinstance(phase, Phase):
-            raise InputError(f"phase must be a Phase or one of {[p.value for p in Phase]}, got "
-                             f"{type(phase).__name__}")
+            names = [p.value for p in Phase]
+            if not (isinstance(phase, str) and phase in names):
+                got = repr(phase) if isinstance(phase, str) else type(phase).__name__
+                raise InputError(f"phase must be a Phase or one of {names}, got {got}")
+            phase = Phase(phase)
         try:
             return self._phases[phase]
         except KeyError:

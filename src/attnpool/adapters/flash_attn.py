@@ -34,7 +34,6 @@ only the rows of ``cu_seqlens_q[:bs+1]``: rows past ``cu_seqlens_q[bs]`` are lef
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -43,7 +42,7 @@ from torch import Tensor
 from ..errors import InputError, LayoutError
 from ..kv.quant import check_scales, is_fp8
 from ..pool import BufferPool
-from ..views import DraftExtendView, DraftStepView, LocalView, PagedView, VerifyView
+from ..views import DraftExtendView, LocalView, PagedView
 from .flash_attn_load import FA3_MODULES as FA3_MODULES
 from .flash_attn_load import CallStyle as CallStyle
 from .flash_attn_load import FlashAttnVersion as FlashAttnVersion
@@ -54,7 +53,7 @@ from .flash_attn_load import load_fa2 as load_fa2
 from .flash_attn_load import load_fa3 as load_fa3
 from .flash_attn_load import pick_kernel
 from .fp8 import FA3_FP8, fa3_fp8_kwargs
-from .sdpa import Attn, cache_as_pages, check_qkv, merge_by_lse
+from .sdpa import Attn, cache_as_pages, check_qkv, run_passes, softmax_scale_of
 
 #: FA2's paged KV cache needs ``page_block_size % FA2_PAGE_MULTIPLE == 0``.
 FA2_PAGE_MULTIPLE = 256
@@ -67,10 +66,6 @@ def _paged(view: PagedView) -> Tensor:
         raise LayoutError("flash-attn reads a page table: expected a view with page_table "
                           "(Layout.FLASH_ATTN), got one without")
     return view.page_table
-
-
-def _scale(softmax_scale: float | None, d: int) -> float:
-    return 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
 
 
 def kernel_seqlen_k(view: PagedView) -> int:
@@ -124,7 +119,7 @@ def fa3_kwargs(
         "page_table": table,
         "cu_seqlens_q": view.cu_seqlens_q,
         "max_seqlen_q": view.max_seqlen_q,
-        "softmax_scale": _scale(softmax_scale, d),
+        "softmax_scale": softmax_scale_of(softmax_scale, d),
         "causal": view.causal,
         "return_softmax_lse": return_softmax_lse,
     }
@@ -207,7 +202,7 @@ def fa2_kwargs(
         "v_cache": v_cache,
         "cache_seqlens": view.cache_seqlens,
         "block_table": table,
-        "softmax_scale": _scale(softmax_scale, d),
+        "softmax_scale": softmax_scale_of(softmax_scale, d),
         "causal": view.causal,
         "return_softmax_lse": return_softmax_lse,
     }
@@ -346,16 +341,9 @@ def attention(
     ``v_scale``, ``q_scale``: an fp8 cache's scales, for every pass
     (:func:`~attnpool.adapters.fp8.fa3_fp8_kwargs`).
     """
-    kw: dict[str, Any] = {"version": version, "softmax_scale": softmax_scale, "fn": fn,
-                          "kernel": kernel, "k_scale": k_scale, "v_scale": v_scale,
-                          "q_scale": q_scale}
-    if isinstance(view, PagedView):
-        return run(view, q, k_cache, v_cache, scheduler_metadata=scheduler_metadata, **kw)
-    if isinstance(view, (VerifyView, DraftStepView)):
-        a = run(view.prefix, q, k_cache, v_cache, scheduler_metadata=scheduler_metadata, **kw)
-        if view.expand is None:
-            return a
-        b = run(view.expand, q, k_cache, v_cache, **kw)
-        return merge_by_lse(a.out, a.lse, b.out, b.lse)
-    raise InputError(f"attention expects a PagedView, VerifyView or DraftStepView, got "
-                     f"{type(view).__name__}")
+    def one(part: PagedView, first: bool) -> Attn:
+        return run(part, q, k_cache, v_cache, version=version, softmax_scale=softmax_scale,
+                   scheduler_metadata=scheduler_metadata if first else None, fn=fn,
+                   kernel=kernel, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
+
+    return run_passes(view, one)

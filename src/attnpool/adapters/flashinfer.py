@@ -60,9 +60,9 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, LayoutError
-from ..views import DraftStepView, PagedView, VerifyView
+from ..views import PagedView
 from .fp8 import float_scales
-from .sdpa import Attn, cache_as_pages, check_qkv, merge_by_lse
+from .sdpa import Attn, cache_as_pages, check_qkv, run_passes, softmax_scale_of
 
 
 class WrapperKind(enum.Enum):
@@ -159,9 +159,9 @@ def plan(
                          f"got {num_qo_heads}")
     kind = kind or wrapper_kind(view)
     rows = planned_rows(view, kind) if rows is None else rows
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     common: dict[str, Any] = {
-        "q_data_type": q_dtype, "kv_data_type": kv_dtype or q_dtype, "sm_scale": scale,
+        "q_data_type": q_dtype, "kv_data_type": kv_dtype or q_dtype,
+        "sm_scale": softmax_scale_of(sm_scale, head_dim),
     }
     if kind is WrapperKind.DECODE:
         wrapper.plan(indptr, indices, last, num_qo_heads, num_kv_heads, head_dim,
@@ -302,17 +302,10 @@ class GraphWrappers:
         """:meth:`run` for a :class:`PagedView`, or both passes of a tree
         :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` merged by log-sum-exp
         (each part planned beforehand); the scales apply to every pass."""
-        sc = {"k_scale": k_scale, "v_scale": v_scale}
-        if isinstance(view, PagedView):
-            return self.run(view, q, k_cache, v_cache, **sc)
-        if isinstance(view, (VerifyView, DraftStepView)):
-            a = self.run(view.prefix, q, k_cache, v_cache, **sc)
-            if view.expand is None:
-                return a
-            b = self.run(view.expand, q, k_cache, v_cache, **sc)
-            return merge_by_lse(a.out, a.lse, b.out, b.lse)
-        raise InputError(f"attention expects a PagedView, VerifyView or DraftStepView, got "
-                         f"{type(view).__name__}")
+        def one(part: PagedView, first: bool) -> Attn:
+            return self.run(part, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
+
+        return run_passes(view, one)
 
     def _existing(self, view: PagedView) -> Any:
         # Never create a wrapper here: construction allocates FlashInfer's int workspace and

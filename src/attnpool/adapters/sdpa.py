@@ -40,6 +40,7 @@ no keys (a FlashInfer padded row, an empty tree prefix) yields output 0 and log-
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -48,8 +49,8 @@ from torch import Tensor
 
 from ..config import Layout
 from ..errors import InputError, LayoutError
-from ..kv.quant import check_scales
 from ..views import DraftStepView, PagedView, VerifyView
+from .fp8 import cache_scales
 from .sdpa_plan import Plan, build, gather_kv, group_q, packed_heads_q, scatter, ungroup
 
 #: SDPA takes fewer KV heads than query heads itself (``enable_gqa``) from torch 2.5 on.
@@ -132,6 +133,12 @@ def cache_as_pages(cache: Tensor, page_size: int) -> Tensor:
     return cache.view(tokens // page_size, page_size, cache.shape[2], cache.shape[3])
 
 
+def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
+    """The softmax scale as every adapter passes it: ``softmax_scale``, else the kernels' default
+    ``1 / sqrt(head_dim)``, as a Python float (kernels take a host float)."""
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
 def pick_layout(view: PagedView, layout: Layout | None) -> Layout:
     """The layout to read: ``layout`` if given (its fields must exist), else FLASH_ATTN when the
     view has a page table, else FLASHINFER."""
@@ -198,7 +205,7 @@ def run_plan(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
                          f"caches [pages, P, {h_kv}, D] on one device; got q "
                          f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
                          f"{tuple(v_cache.shape)}")
-    ks, vs = _scales(k_cache, h_kv, k_scale, v_scale)
+    ks, vs = cache_scales(k_cache, h_kv, k_scale, v_scale)
     k, v = gather_kv(pl, k_cache, q.dtype, ks), gather_kv(pl, v_cache, q.dtype, vs)
     mask = pl.allowed
     if mask is None:  # prefix-free causal: SDPA's causal mask, heads kept in place
@@ -260,10 +267,10 @@ def paged_attention(
         computed, padded rows included; positions no row covers hold 0 and ``-inf``.
     """
     pl = _checked_plan(view, q, k_cache, v_cache, layout, clamp=False)
-    scale = 1.0 / math.sqrt(q.shape[2]) if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_of(softmax_scale, q.shape[2])
     # float32 at least (float64 stays float64): the log-sum-exp must not be computed in half.
     ct = torch.promote_types(q.dtype, torch.float32)
-    ks, vs = _scales(k_cache, pl.num_kv_heads, k_scale, v_scale)
+    ks, vs = cache_scales(k_cache, pl.num_kv_heads, k_scale, v_scale)
     k, v = gather_kv(pl, k_cache, ct, ks), gather_kv(pl, v_cache, ct, vs)
     scores = torch.matmul(group_q(pl, q).to(ct), k.transpose(-1, -2)).mul_(scale)
     assert pl.allowed is not None  # built without prefix_free
@@ -295,18 +302,6 @@ def paged_attention_out(
                     v_scale=v_scale)
 
 
-def _scales(cache: Tensor, h_kv: int, k_scale: object, v_scale: object
-            ) -> tuple[Tensor | None, Tensor | None]:
-    """An fp8 cache's ``(k_scale, v_scale)`` checked for shape, dtype and device (values are not
-    read: no host sync per layer), or ``(None, None)`` when neither is given (a model-dtype cache,
-    or an fp8 cache read raw)."""
-    if k_scale is None and v_scale is None:
-        return None, None
-    sc = check_scales(cache.dtype, h_kv, cache.device,
-                      (("k_scale", k_scale), ("v_scale", v_scale)), False)
-    return (sc[0], sc[1]) if sc is not None else (None, None)
-
-
 def merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Attn:
     """Combine two attention passes over disjoint key sets of the same queries.
 
@@ -335,6 +330,31 @@ def merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Attn:
     return Attn(out, lse)
 
 
+def passes(view: object) -> tuple[PagedView, PagedView | None]:
+    """The paged passes of one attention over ``view``: ``(view, None)``, or a verify / draft
+    step's ``(prefix, expand)`` (expand None unless a tree). Every adapter's ``attention`` reads
+    its view through this, so all of them accept, and refuse, the same views."""
+    if isinstance(view, PagedView):
+        return view, None
+    if isinstance(view, (VerifyView, DraftStepView)):
+        return view.prefix, view.expand
+    raise InputError(f"attention expects a PagedView, VerifyView or DraftStepView, got "
+                     f"{type(view).__name__}; call it on each part of other views "
+                     "(EncoderView.cross / .decoder, DraftView.steps[d])")
+
+
+def run_passes(view: object, run: Callable[[PagedView, bool], Attn]) -> Attn:
+    """``run(part, first)`` on each of :func:`passes` of ``view``, a tree's two passes merged by
+    :func:`merge_by_lse`. ``first`` is True for the first pass only: what a kernel plans per
+    part (FA3's scheduler metadata) belongs to that one."""
+    first, second = passes(view)
+    a = run(first, True)
+    if second is None:
+        return a
+    b = run(second, False)
+    return merge_by_lse(a.out, a.lse, b.out, b.lse)
+
+
 def attention(
     view: object,
     q: Tensor,
@@ -356,22 +376,11 @@ def attention(
     parts, a draft round's steps) are called part by part. ``k_scale`` / ``v_scale``: an fp8
     cache's scales (see :func:`paged_attention`).
     """
-    sc = {"k_scale": k_scale, "v_scale": v_scale}
-    if isinstance(view, PagedView):
-        return paged_attention(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                               layout=layout, **sc)
-    if isinstance(view, (VerifyView, DraftStepView)):
-        first = paged_attention(view.prefix, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                                layout=layout, **sc)
-        if view.expand is None:
-            return first
-        second = paged_attention(view.expand, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                                 layout=layout, **sc)
-        return merge_by_lse(first.out, first.lse, second.out, second.lse)
-    raise InputError(
-        f"attention expects a PagedView, VerifyView or DraftStepView, got {type(view).__name__}; "
-        "call it on each part of other views (EncoderView.cross / .decoder, DraftView.steps[d])"
-    )
+    def one(part: PagedView, first: bool) -> Attn:
+        return paged_attention(part, q, k_cache, v_cache, softmax_scale=softmax_scale,
+                               layout=layout, k_scale=k_scale, v_scale=v_scale)
+
+    return run_passes(view, one)
 
 
 def attention_out(
@@ -387,9 +396,9 @@ def attention_out(
 ) -> Tensor:
     """:func:`attention`'s output alone. A single pass (a :class:`PagedView`, a chain verify or
     draft step) computes no log-sum-exp; a tree view's two passes still do, to merge."""
-    kw = {"softmax_scale": softmax_scale, "layout": layout, "k_scale": k_scale, "v_scale": v_scale}
-    if isinstance(view, PagedView):
-        return paged_attention_out(view, q, k_cache, v_cache, **kw)  # type: ignore[arg-type]
-    if isinstance(view, (VerifyView, DraftStepView)) and view.expand is None:
-        return paged_attention_out(view.prefix, q, k_cache, v_cache, **kw)  # type: ignore[arg-type]
-    return attention(view, q, k_cache, v_cache, **kw).out  # type: ignore[arg-type]
+    first, second = passes(view)
+    if second is None:
+        return paged_attention_out(first, q, k_cache, v_cache, softmax_scale=softmax_scale,
+                                   layout=layout, k_scale=k_scale, v_scale=v_scale)
+    return attention(view, q, k_cache, v_cache, softmax_scale=softmax_scale, layout=layout,
+                     k_scale=k_scale, v_scale=v_scale).out
