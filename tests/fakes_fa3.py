@@ -20,6 +20,11 @@ Modelled FA3 details (the parts the adapter must get right):
   a simplified heuristic with the same inputs, writes each row's planned split count into the
   metadata and, unlike FA3 (which silently runs a mismatched plan), raises when the kernel's own
   plan differs from the metadata's.
+* sliding windows: ``window_size=(left, right)`` with ``causal`` sets ``right = 0``; a ``left``
+  at or past ``seqlen_k - 1`` (the planner's ``max_seqlen_k``, the kernel's page-table bound) is
+  no window (``-1``). A window makes the part "local": its metadata has no sort vector and has
+  the head-swizzle one (``2 + (not local) + (causal or local)`` vectors), and its keys are the
+  ``left`` before each query and the query's own.
 * fp8: q, k and v must share one dtype, ``float8_e4m3fn`` being the only fp8 one (sm90 and up),
   with head dims that are multiples of 16. Only then are ``q_descale`` / ``k_descale`` /
   ``v_descale`` read: each float32 with sizes ``(batch_size, num_heads_k)`` and any strides, as
@@ -65,9 +70,16 @@ def split_heuristic(heads_kv: int, seqlen_k: int) -> int:
     return max(1, min(n_blocks // 2, NUM_SM // heads_kv, 128))
 
 
-def metadata_size(b: int, causal_eff: bool, splits: int, arch: int) -> int:
+def window_left(window_size: Any, seqlen_k: int) -> int:
+    """FA3's clamp: a left window covering the whole KV bound is no window."""
+    left = -1 if window_size is None else int(window_size[0])
+    return -1 if left >= seqlen_k - 1 else left
+
+
+def metadata_size(b: int, causal_eff: bool, splits: int, arch: int, local: bool = False) -> int:
     needs_semaphore = arch >= 90 or splits > 1
-    return int(needs_semaphore) + round_up(b, 4) * (3 + int(causal_eff))
+    vectors = 2 + int(not local) + int(causal_eff or local)
+    return int(needs_semaphore) + round_up(b, 4) * vectors
 
 
 def _row_splits(cache_seqlens: Tensor, cap: int) -> Tensor:
@@ -78,7 +90,7 @@ def _row_splits(cache_seqlens: Tensor, cap: int) -> Tensor:
 def _attend(q: Tensor, k: Tensor, v: Tensor, *, cache_seqlens: Tensor, cu_seqlens_q: Tensor,
             page_table: Tensor, causal: bool, scale: float,
             descales: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
-            out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+            out_dtype: torch.dtype | None = None, left: int = -1) -> tuple[Tensor, Tensor]:
     """out [total_q, H, D] (``out_dtype``, default q's; NaN where no row covers), lse [total_q, H]
     (+inf if empty).
 
@@ -95,7 +107,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, *, cache_seqlens: Tensor, cu_seqlen
         cu_seqlens_k=torch.zeros(bs + 1, dtype=torch.int32), page_table=page_table,
         kv_indptr=None, kv_indices=None, kv_last_page_len=None,
         max_seqlen_q=max([1, *q_lens]), max_seqlen_k=page_table.shape[1] * k.shape[1],
-        page_size=k.shape[1], causal=causal)
+        page_size=k.shape[1], causal=causal or left >= 0, window_left=left)
     qf = q.float()
     qd, kd, vd = descales
     per_q = _per_query(cu, total, q.shape[1], k.shape[2])
@@ -164,9 +176,10 @@ class FA3:
         check(num_heads_q % num_heads_kv == 0,
               "Number of heads in key/value must divide number of heads in query")
         splits = num_splits if num_splits > 0 else split_heuristic(num_heads_kv, max_seqlen_k)
-        ceff = effective_causal(causal, max_seqlen_q, headdim, page_size is not None)
-        md = torch.full((metadata_size(batch_size, ceff, splits, self.arch),), 77, dtype=torch.int32,
-                        device=cache_seqlens.device)
+        left = window_left(window_size, max_seqlen_k)
+        ceff = left < 0 and effective_causal(causal, max_seqlen_q, headdim, page_size is not None)
+        md = torch.full((metadata_size(batch_size, ceff, splits, self.arch, left >= 0),), 77,
+                        dtype=torch.int32, device=cache_seqlens.device)
         md[:batch_size] = _row_splits(cache_seqlens[:batch_size], splits)
         if self.arch >= 90 or splits > 1:
             md[-1] = 0  # the tile-count semaphore, zeroed by the planner
@@ -198,15 +211,16 @@ class FA3:
                                 seqused_k=cache_seqlens, max_seqlen_q=max_seqlen_q,
                                 page_table=page_table, softmax_scale=softmax_scale, causal=causal,
                                 scheduler_metadata=scheduler_metadata, num_splits=num_splits,
-                                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+                                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                window_size=window_size)
         return (out, lse, torch.empty(0), torch.empty(0)) if return_softmax_lse else out
 
     def mha_fwd(self, q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | None,
                 seqused_k: Tensor, max_seqlen_q: int | None, page_table: Tensor,
                 softmax_scale: float, causal: bool, scheduler_metadata: Tensor | None,
                 num_splits: int, q_descale: Tensor | None = None,
-                k_descale: Tensor | None = None, v_descale: Tensor | None = None
-                ) -> tuple[Tensor, Tensor]:
+                k_descale: Tensor | None = None, v_descale: Tensor | None = None,
+                window_size: Any = None) -> tuple[Tensor, Tensor]:
         """The C++ entry point's checks (paged KV, varlen q), in its order; then the result."""
         q_type = q.dtype
         check(q_type in (torch.float16, torch.bfloat16, torch.float8_e4m3fn),
@@ -242,10 +256,11 @@ class FA3:
         alignment = 16 if q_type == torch.float8_e4m3fn else 8
         check(head_size % alignment == 0, f"head_size should be a multiple of {alignment}")
         check(v.shape[-1] % alignment == 0, f"head_size_v should be a multiple of {alignment}")
-        causal_eff = effective_causal(causal, max_seqlen_q, head_size, True)
+        left = window_left(window_size, seqlen_k)
+        causal_eff = left < 0 and effective_causal(causal, max_seqlen_q, head_size, True)
         splits = num_splits if num_splits > 0 else split_heuristic(num_heads_k, seqlen_k)
         if scheduler_metadata is not None:
-            size = metadata_size(batch_size, causal_eff, splits, self.arch)
+            size = metadata_size(batch_size, causal_eff, splits, self.arch, left >= 0)
             check(tuple(scheduler_metadata.shape) == (size,),
                   "scheduler_metadata must have shape (metadata_size)")
             check(scheduler_metadata.is_contiguous(), "scheduler_metadata must be contiguous")
@@ -265,7 +280,8 @@ class FA3:
         out_type = torch.bfloat16 if q_type == torch.float8_e4m3fn else q_type
         out, lse = _attend(q, k, v, cache_seqlens=seqused_k, cu_seqlens_q=cu_seqlens_q,
                            page_table=page_table, causal=causal, scale=softmax_scale,
-                           descales=descales, out_dtype=out_type)  # type: ignore[arg-type]
+                           descales=descales, out_dtype=out_type,  # type: ignore[arg-type]
+                           left=left)
         return out, lse.t().contiguous()  # varlen: softmax_lse [num_heads, total_q]
 
     # ---- vLLM's flash_attn_varlen_func ----------------------------------------------------------
@@ -301,7 +317,8 @@ class FA3:
                               max_seqlen_q=max_seqlen_q, page_table=block_table,
                               softmax_scale=softmax_scale, causal=causal,
                               scheduler_metadata=scheduler_metadata, num_splits=num_splits,
-                              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+                              q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                              window_size=window_size)
         return (o, lse) if return_softmax_lse else o
 
     def module(self, name: str, varlen: bool = False) -> types.ModuleType:
@@ -358,9 +375,11 @@ class FA2:
         check(cache_seqlens.dtype == torch.int32, "seqlens_k must have dtype int32")
         check(tuple(cache_seqlens.shape) == (batch_size,), "seqlens_k must have shape (batch_size)")
         cu = torch.arange(0, (batch_size + 1) * seqlen_q, seqlen_q, dtype=torch.int32)
+        seqlen_k = block_table.shape[1] * page_block_size
+        left = -1 if window_size[0] >= seqlen_k else window_size[0]  # FA2's clamp
         out, lse = _attend(q.reshape(-1, num_heads, head_size), k_cache, v_cache,
                            cache_seqlens=cache_seqlens, cu_seqlens_q=cu, page_table=block_table,
-                           causal=causal, scale=softmax_scale)
+                           causal=causal, scale=softmax_scale, left=left)
         out = out.view(batch_size, seqlen_q, num_heads, -1)
         lse = lse.view(batch_size, seqlen_q, num_heads).transpose(1, 2).contiguous()
         return (out, lse) if return_softmax_lse else out

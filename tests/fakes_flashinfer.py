@@ -15,6 +15,10 @@ Two checks have no exception in FlashInfer and are made loud here: the float wor
 zero at the decode wrapper's first use (its docstring: "Must be initialized to 0 for its first
 use"), and a decode ``q`` with fewer rows than the batch (the kernel would read past it).
 
+Sliding windows: ``plan(window_left=)`` fixes the window (-1: none; a JIT flag of the kernel);
+``run(window_left=)`` may only repeat it (FlashInfer's kernels assert it). A query at the end of
+its row sees ``window_left`` keys before it and itself.
+
 fp8 caches: ``plan``'s ``kv_data_type`` must be the cache's dtype (checked at ``run``), and
 ``run(q_scale=, k_scale=, v_scale=)`` are Python floats: ``q_scale`` and ``k_scale`` multiply the
 softmax scale on the host, ``v_scale`` multiplies the output after the kernel, in its dtype.
@@ -89,7 +93,7 @@ def _scale_out(out: Tensor, v_scale: object) -> Tensor:
 
 
 def _compute(q: Tensor, k: Tensor, v: Tensor, qo: Tensor, indptr: Tensor, indices: Tensor,
-             last: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+             last: Tensor, causal: bool, scale: float, left: int = -1) -> tuple[Tensor, Tensor]:
     bs, page, total = last.shape[0], k.shape[1], q.shape[0]
     q_lens = (qo[1:] - qo[:-1]).tolist()
     pages = (indptr[1:] - indptr[:-1]).tolist()
@@ -97,7 +101,7 @@ def _compute(q: Tensor, k: Tensor, v: Tensor, qo: Tensor, indptr: Tensor, indice
                      cu_seqlens_k=torch.zeros(bs + 1, dtype=torch.int32), page_table=None,
                      kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
                      max_seqlen_q=max([1, *q_lens]), max_seqlen_k=max([1, *pages]) * page,
-                     page_size=page, causal=causal)
+                     page_size=page, causal=causal or left >= 0, window_left=left)
     got = sdpa.paged_attention(view, q.float(), k.float(), v.float(), softmax_scale=scale,
                                layout=Layout.FLASHINFER)
     done = torch.arange(total) < int(qo[-1])
@@ -120,7 +124,16 @@ class _Wrapper:
         self._kv_dtype = self._q_dtype if kvd is None else _canon(kvd)
         sm = kw.get("sm_scale")
         self._sm_scale = 1.0 / math.sqrt(head_dim) if sm is None else sm
+        self._window_left = int(kw.get("window_left", -1))
         self.plans += 1
+
+    def _window(self, kw: dict[str, Any]) -> int:
+        """``run``'s ``window_left``: None (the plan's) or the plan's value."""
+        got = kw.get("window_left")
+        if got is not None and got != self._window_left:
+            raise RuntimeError(f"fake FlashInfer: run(window_left={got}) differs from the plan's "
+                               f"{self._window_left} (the kernel asserts they match)")
+        return self._window_left
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
@@ -199,7 +212,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         assert self._paged_kv_indptr_buf is not None and self._paged_kv_indices_buf is not None
         qo = torch.arange(bs + 1, dtype=torch.int32)
         out, lse = _compute(q, k, v, qo, self._paged_kv_indptr_buf, self._paged_kv_indices_buf,
-                            self._paged_kv_last_page_len_buf, False, sm_scale)
+                            self._paged_kv_last_page_len_buf, False, sm_scale, self._window(kw))
         out = _scale_out(out, v_scale)
         return (out, lse) if return_lse else out
 
@@ -299,6 +312,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         assert self._paged_kv_last_page_len_buf is not None
         out, lse = _compute(q, k, v, self._qo_indptr_buf, self._paged_kv_indptr_buf,
                             self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf,
-                            self._causal, sm_scale)
+                            self._causal, sm_scale, self._window(kw))
         out = _scale_out(out, v_scale)
         return (out, lse) if return_lse else out

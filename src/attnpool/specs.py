@@ -219,6 +219,11 @@ SHARED_SPECS: tuple[BufferSpec, ...] = (
     BufferSpec("scheduler_metadata", None, I32, lambda c: (-(-c.max_bs // 4) * 4 * 4 + 1,),
                Pad.PAYLOAD, "flash-attn 3 scheduler metadata",
                needed=lambda c: c.fa3_scheduler_metadata),
+    # FA3 plans per window setting: window parts (read in the same forward) keep their own
+    BufferSpec("window_scheduler_metadata", None, I32,
+               lambda c: (-(-c.max_bs // 4) * 4 * 4 + 1,), Pad.PAYLOAD,
+               "flash-attn 3 scheduler metadata of window parts",
+               needed=lambda c: c.fa3_scheduler_metadata and c.sliding_window is not None),
 )
 
 DECODE_SPECS = (

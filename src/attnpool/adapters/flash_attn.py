@@ -122,6 +122,7 @@ def fa3_kwargs(
         "softmax_scale": softmax_scale_of(softmax_scale, d),
         "causal": view.causal,
         "return_softmax_lse": return_softmax_lse,
+        **window_kwargs(view),
     }
     if scheduler_metadata is not None:
         kw["scheduler_metadata"] = scheduler_metadata
@@ -205,7 +206,15 @@ def fa2_kwargs(
         "softmax_scale": softmax_scale_of(softmax_scale, d),
         "causal": view.causal,
         "return_softmax_lse": return_softmax_lse,
+        **window_kwargs(view),
     }
+
+
+def window_kwargs(view: PagedView) -> dict[str, Any]:
+    """``window_size=(window_left, 0)`` for a sliding-window part (flash-attn's left bound is
+    inclusive: a query sees itself and ``window_left`` keys before it), nothing otherwise: the
+    full parts' calls stay exactly as they were."""
+    return {"window_size": (view.window_left, 0)} if view.window_left >= 0 else {}
 
 
 def scheduler_metadata_(
@@ -222,11 +231,14 @@ def scheduler_metadata_(
     """Plan FA3's scheduler for ``view`` into the pool's ``scheduler_metadata`` buffer.
 
     Call it after the view's update and before each replay, outside the graph (FA3 computes the
-    plan on the device from ``cache_seqlens`` and ``cu_seqlens_q``). ``qkv_dtype`` is the dtype
-    the kernel runs in: ``torch.float8_e4m3fn`` over an fp8 cache (q is cast to it). The planner
-    gets exactly what the kernel will see: the view's ``causal``, ``page_size``,
-    ``max_seqlen_q`` and the KV bound the kernel derives from the page table
-    (:func:`kernel_seqlen_k`).
+    plan on the device from ``cache_seqlens`` and ``cu_seqlens_q``). A plan holds for one window
+    setting only (FA3 plans a sliding window as a "local" part, with other vectors), so a
+    sliding-window part (``view.window_left >= 0``) is planned with its ``window_size`` into
+    the pool's own ``window_scheduler_metadata`` buffer, never into the full parts'.
+    ``qkv_dtype`` is the dtype the kernel runs in: ``torch.float8_e4m3fn`` over an fp8 cache (q
+    is cast to it). The planner gets exactly what the kernel will see: the view's ``causal``,
+    ``page_size``, ``max_seqlen_q``, ``window_size`` and the KV bound the kernel derives from
+    the page table (:func:`kernel_seqlen_k`).
 
     Returns:
         The head of the pool's buffer holding FA3's result, *exactly* as many int32 elements as
@@ -244,10 +256,12 @@ def scheduler_metadata_(
             no planner, or FA3's result is larger than the buffer (parts of more than ``max_bs``
             rows, such as tree expand parts, need their own buffer).
     """
-    buf = pool.arena.maybe(None, "scheduler_metadata")
+    name = "window_scheduler_metadata" if view.window_left >= 0 else "scheduler_metadata"
+    buf = pool.arena.maybe(None, name)
     if buf is None:
-        raise LayoutError("this pool has no scheduler_metadata buffer; build it with "
-                          "PoolConfig(fa3_scheduler_metadata=True)")
+        raise LayoutError(f"this pool has no {name} buffer; build it with "
+                          "PoolConfig(fa3_scheduler_metadata=True)" + (
+                              " and sliding_window" if view.window_left >= 0 else ""))
     if fn is None:
         fn = pick_kernel(FlashAttnVersion.FA3, None, kernel).get_scheduler_metadata
         if fn is None:
@@ -258,7 +272,7 @@ def scheduler_metadata_(
         batch_size=view.bs, max_seqlen_q=view.max_seqlen_q, max_seqlen_k=kernel_seqlen_k(view),
         num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, headdim=head_dim,
         cache_seqlens=view.cache_seqlens, qkv_dtype=qkv_dtype, cu_seqlens_q=view.cu_seqlens_q,
-        page_size=view.page_size, causal=view.causal,
+        page_size=view.page_size, causal=view.causal, **window_kwargs(view),
     )
     if not isinstance(md, Tensor) or md.dim() != 1 or md.dtype != torch.int32:
         got = (tuple(md.shape), md.dtype) if isinstance(md, Tensor) else type(md).__name__

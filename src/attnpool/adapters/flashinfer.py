@@ -152,7 +152,9 @@ def plan(
     :func:`planned_rows`). Host-side and syncing: call after ``update_``, before replay.
 
     ``kv_dtype``: the cache's dtype when it differs from ``q_dtype`` (an fp8 cache), default
-    ``q_dtype``."""
+    ``q_dtype``. ``window_left`` is the view's (-1, or ``W - 1`` for a sliding-window part):
+    FlashInfer fixes it at plan time (``run`` may only repeat it), so a window part has its own
+    wrapper and plan (:class:`GraphWrappers` keys wrappers by the part's buffers)."""
     indptr, indices, last = _csr(view)
     if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         raise InputError(f"num_qo_heads must be a multiple of num_kv_heads ({num_kv_heads}), "
@@ -161,7 +163,7 @@ def plan(
     rows = planned_rows(view, kind) if rows is None else rows
     common: dict[str, Any] = {
         "q_data_type": q_dtype, "kv_data_type": kv_dtype or q_dtype,
-        "sm_scale": softmax_scale_of(sm_scale, head_dim),
+        "sm_scale": softmax_scale_of(sm_scale, head_dim), "window_left": view.window_left,
     }
     if kind is WrapperKind.DECODE:
         wrapper.plan(indptr, indices, last, num_qo_heads, num_kv_heads, head_dim,

@@ -117,7 +117,9 @@ def build(view: PagedView, layout: Layout, total: int, num_heads: int, num_kv_he
     ``prefix_free``: the caller promises every real row's queries start at position 0 (a
     causal prefill with nothing cached: ``cache_seqlens == query count``). Query lane ``j`` of a
     row then sees exactly keys ``0 .. j``, SDPA's own (top-left) causal mask: no mask is built,
-    and lanes past a row's length only feed query lanes that are discarded.
+    and lanes past a row's length only feed query lanes that are discarded. A sliding-window
+    view (``window_left >= 0``) ignores it: SDPA has no window argument, so the explicit mask
+    (keys ``p - window_left .. p`` of a query at position ``p``) is built either way.
     """
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise InputError(f"query heads must be a multiple of KV heads ({num_kv_heads}), got "
@@ -128,6 +130,11 @@ def build(view: PagedView, layout: Layout, total: int, num_heads: int, num_kv_he
     if prefix_free and (decode or not view.causal):
         raise InputError(f"prefix_free needs a causal multi-query view, got a "
                          f"{type(view).__name__} (causal={view.causal})")
+    wl = view.window_left
+    if wl >= 0 and not view.causal:
+        raise LayoutError(f"a sliding window (window_left={wl}) needs a causal view, got a "
+                          f"non-causal {type(view).__name__}")
+    prefix_free = prefix_free and wl < 0  # SDPA's causal mask has no window: build the mask
     b = min(view.bs, total) if decode else view.bs
     qmax = 1 if decode else max(1, view.max_seqlen_q)
     lens, slots, live, t = row_slots(view, layout, b, lmax)
@@ -157,6 +164,8 @@ def build(view: PagedView, layout: Layout, total: int, num_heads: int, num_kv_he
     else:
         seen = keys.clamp(min=1) if clamp else keys
         allowed = t[:lmax] < seen[:, :, None]  # [b, Qmax, L]
+    if wl >= 0:  # a query at key position p = keys - 1 sees p - wl .. p (W keys, itself included)
+        allowed = allowed & (t[:lmax] >= (keys - 1 - wl)[:, :, None])
     if qmax > 1 and g > 1:  # grouped row order is (query, head in group)
         allowed = allowed[:, :, None].expand(b, qmax, g, lmax).reshape(b, 1, qmax * g, lmax)
     else:  # one query per row broadcasts over the group's rows
