@@ -21,7 +21,7 @@ from fakes_flashinfer import BatchDecodeWithPagedKVCacheWrapper as Decode
 from fakes_flashinfer import BatchPrefillWithPagedKVCacheWrapper as Prefill
 from torch import Tensor
 
-from attnpool import BufferPool, Layout, LayoutError, PagedView, PoolConfig
+from attnpool import BufferPool, Layout, LayoutError, PagedView, Phase, PoolConfig
 from attnpool.adapters import flash_attn as fa
 from attnpool.adapters import flashinfer as fi
 from attnpool.adapters import sdpa
@@ -237,3 +237,38 @@ def test_flashinfer_plans_the_window_on_its_own_wrapper(phase: str) -> None:
     real = int(part.cu_seqlens_q[3])
     assert_close(got.out, want.out, real)
     assert_close(got.lse, want.lse, real)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_window_and_chunked_parts_follow_transformers_masks(verify: bool) -> None:
+    """The keys each query reads, as transformers' own mask functions decide them:
+    ``sliding_window_causal_mask_function(W)`` for the window part and
+    ``chunked_causal_mask_function(A)`` (chunks from position 0) for the local phase."""
+    masking = pytest.importorskip("transformers.masking_utils")
+    w, chunk, page = 6, 8, 4
+    cfg = PoolConfig(max_bs=4, max_context_len=C, page_size=page, device="cpu",
+                     num_draft_tokens=ND, sliding_window=w, attention_chunk_size=chunk)
+    pool = BufferPool(cfg, poison=True)
+    rng = random.Random(int(verify))
+    full, _ = _tables(page, rng)
+    k, v = _cache(page)
+    seq = [rng.randint(1, C - ND) for _ in range(3)]
+    rows = rng.sample(range(ROWS), 3)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    inputs = {"seq_lens": t(seq), "req_pool_indices": t(rows), "req_to_token": full}
+    qpos = [[s + j for j in range(ND)] if verify else [s - 1] for s in seq]
+    window = (pool.verify.update_(4, **inputs).window if verify
+              else pool.decode.update_(4, **inputs).window)
+    local = pool.local.update_(4, **inputs, for_phase=Phase.VERIFY if verify else Phase.DECODE)
+    pad = torch.zeros(1, dtype=torch.int64)
+    for part, fn in ((window, masking.sliding_window_causal_mask_function(w)),
+                     (local, masking.chunked_causal_mask_function(chunk, pad))):
+        flat = [(i, p) for i, ps in enumerate(qpos) for p in ps]
+        zero = torch.tensor(0)
+        keys = [[int(full[rows[i], kk]) for kk in range(p + 1)
+                 if bool(fn(zero, zero, torch.tensor(p), torch.tensor(kk)))] for i, p in flat]
+        total = int(part.cu_seqlens_q[part.bs])
+        x = torch.randn(max(total, len(flat)), H, D, dtype=torch.float64)
+        want, _ = dense_attention(x, k, v, keys)
+        got = sdpa.attention_out(part, x, k, v)
+        torch.testing.assert_close(got[: len(flat)], want, rtol=1e-10, atol=1e-10)
