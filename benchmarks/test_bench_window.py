@@ -1,0 +1,63 @@
+"""Sliding windows: the window part's memory and what it adds to an update.
+
+* Memory (arithmetic on :func:`attnpool.plan_arena`, the bytes the pool allocates): the decode
+  window page table against the full one, B = 160 rows, C = 128K, W = 4096 and 1024, page sizes
+  1 and 16. The timed call is the planning itself.
+* Update time, in one run: the same decode / chain verify refill of a pool without and with a
+  window part (``sliding_window=4096``, the window rows written by the same update), bs 64 of
+  a 32K context, on the default update path of the device (fused on CUDA, reference on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from attnpool import BufferPool, Impl, Phase, PoolConfig, plan_arena
+from attnpool.tools import bench
+
+B, CONTEXT = 160, 131072
+
+
+def _bytes(cfg: PoolConfig, name: str) -> int:
+    return next(p.nbytes for p in plan_arena(cfg).placements
+                if p.spec.phase is Phase.DECODE and p.spec.name == name)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("window", [4096, 1024])
+def test_window_table_bytes(record: Callable[..., None], timed: Callable[..., None],
+                            page: int, window: int) -> None:
+    cfg = PoolConfig(max_bs=B, max_context_len=CONTEXT, page_size=page, device="cpu",
+                     sliding_window=window)
+    full, win = _bytes(cfg, "page_table"), _bytes(cfg, "window_page_table")
+    record("window-memory", f"W{window}-p{page}", "plan", cfg, full_page_table_bytes=full,
+           window_page_table_bytes=win, window_over_full=win / full,
+           window_columns=cfg.window_pages(Phase.DECODE), full_columns=cfg.max_pages)
+    timed(lambda: plan_arena(cfg))
+
+
+CASES = [bench.UpdateCase(ph, 16, 64, 32768, max_bs=64) for ph in ("decode", "verify")]
+
+
+@pytest.mark.parametrize("window", [None, 4096], ids=["full-only", "with-window"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_update_with_a_window_part(record: Callable[..., None], timed: Callable[..., None],
+                                   device: torch.device, case: bench.UpdateCase,
+                                   window: int | None) -> None:
+    cfg = dataclasses.replace(case.config(device), impl=Impl.AUTO, sliding_window=window)
+    pool = BufferPool(cfg)
+    x = bench.make_inputs(case, device)
+    phase = pool.phase(case.phase)
+
+    def fn() -> object:
+        return phase.update_(case.bs, seq_lens=x.seq_lens, req_pool_indices=x.req_pool_indices,
+                             req_to_token=x.req_to_token, seq_lens_cpu=x.seq_lens_cpu)
+
+    fn()
+    record("window-update", case.name, "with-window" if window else "full-only", cfg,
+           baseline="full-only", update_path=phase.impl.value)
+    timed(fn)
