@@ -26,8 +26,15 @@ def dense_attention(
     v_cache: Tensor,
     keys: Sequence[Sequence[int]],
     softmax_scale: float | None = None,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of ``q[m]`` over the token slots ``keys[m]``, for ``m < len(keys)``.
+
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` after the scale (Gemma 2's
+    eager attention). ``sinks [H]``: as gpt-oss's eager attention computes them, a sink logit
+    column is appended to each head's scores, the softmax runs over keys and sink, and the sink
+    column is dropped before the values (so the log-sum-exp includes the sink).
 
     Args:
         q: ``[>= len(keys), H, D]``.
@@ -46,11 +53,20 @@ def dense_attention(
     lse = torch.full((len(keys), h), float("-inf"), dtype=torch.float64)
     for m, slots in enumerate(keys):
         if not slots:
+            if sinks is not None:
+                lse[m] = sinks.double()
             continue
         idx = torch.tensor(list(slots), dtype=torch.int64)
         km = k[idx].repeat_interleave(grp, dim=1)  # [L, H, D]
         vm = v[idx].repeat_interleave(grp, dim=1)
         s = torch.einsum("hd,lhd->hl", q[m].double(), km) * scale  # [H, L]
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None]], dim=1)
         lse[m] = torch.logsumexp(s, dim=-1)
-        out[m] = torch.einsum("hl,lhd->hd", torch.softmax(s, dim=-1), vm)
+        probs = torch.softmax(s, dim=-1)
+        if sinks is not None:
+            probs = probs[:, :-1]
+        out[m] = torch.einsum("hl,lhd->hd", probs, vm)
     return out, lse

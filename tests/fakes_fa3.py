@@ -25,6 +25,11 @@ Modelled FA3 details (the parts the adapter must get right):
   no window (``-1``). A window makes the part "local": its metadata has no sort vector and has
   the head-swizzle one (``2 + (not local) + (causal or local)`` vectors), and its keys are the
   ``left`` before each query and the query's own.
+* softcap: ``softcap > 0`` caps the scaled scores (``softcap * tanh(s / softcap)``) before the
+  mask; 0 is off.
+* sinks: only vLLM's build takes them (``flash_attn_varlen_func(s_aux=)``); its FA3 path checks a
+  Hopper GPU, at most 64 query heads, equal Q/V head sizes, bfloat16 and shape ``(num_heads,)``.
+  Upstream FA3's ``flash_attn_with_kvcache`` has no such argument.
 * fp8: q, k and v must share one dtype, ``float8_e4m3fn`` being the only fp8 one (sm90 and up),
   with head dims that are multiples of 16. Only then are ``q_descale`` / ``k_descale`` /
   ``v_descale`` read: each float32 with sizes ``(batch_size, num_heads_k)`` and any strides, as
@@ -90,7 +95,8 @@ def _row_splits(cache_seqlens: Tensor, cap: int) -> Tensor:
 def _attend(q: Tensor, k: Tensor, v: Tensor, *, cache_seqlens: Tensor, cu_seqlens_q: Tensor,
             page_table: Tensor, causal: bool, scale: float,
             descales: tuple[Tensor | None, Tensor | None, Tensor | None] = (None, None, None),
-            out_dtype: torch.dtype | None = None, left: int = -1) -> tuple[Tensor, Tensor]:
+            out_dtype: torch.dtype | None = None, left: int = -1, softcap: float = 0.0,
+            sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """out [total_q, H, D] (``out_dtype``, default q's; NaN where no row covers), lse [total_q, H]
     (+inf if empty).
 
@@ -116,7 +122,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, *, cache_seqlens: Tensor, cu_seqlen
         f = f * qd.float() if qd is not None else f
         f = f * kd.float() if kd is not None else f
         qf = qf * per_q(f)[..., None]
-    got = sdpa.paged_attention(view, qf, k.float(), v.float(), softmax_scale=scale)
+    got = sdpa.paged_attention(view, qf, k.float(), v.float(), softmax_scale=scale,
+                               softcap=softcap, sinks=None if sinks is None else sinks.float())
     o = got.out if vd is None else got.out * per_q(vd.float())[..., None]
     covered = torch.zeros(total, dtype=torch.bool)
     covered[: min(int(cu[-1]), total)] = True
@@ -212,7 +219,7 @@ class FA3:
                                 page_table=page_table, softmax_scale=softmax_scale, causal=causal,
                                 scheduler_metadata=scheduler_metadata, num_splits=num_splits,
                                 q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                                window_size=window_size)
+                                window_size=window_size, softcap=softcap)
         return (out, lse, torch.empty(0), torch.empty(0)) if return_softmax_lse else out
 
     def mha_fwd(self, q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens_q: Tensor | None,
@@ -220,7 +227,8 @@ class FA3:
                 softmax_scale: float, causal: bool, scheduler_metadata: Tensor | None,
                 num_splits: int, q_descale: Tensor | None = None,
                 k_descale: Tensor | None = None, v_descale: Tensor | None = None,
-                window_size: Any = None) -> tuple[Tensor, Tensor]:
+                window_size: Any = None, softcap: float = 0.0,
+                s_aux: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The C++ entry point's checks (paged KV, varlen q), in its order; then the result."""
         q_type = q.dtype
         check(q_type in (torch.float16, torch.bfloat16, torch.float8_e4m3fn),
@@ -253,6 +261,13 @@ class FA3:
         check(seqused_k.dtype == torch.int32, "seqused_k must have dtype int32")
         check(seqused_k.is_contiguous(), "seqused_k must be contiguous")
         check(tuple(seqused_k.shape) == (batch_size,), "seqused_k must have shape (batch_size)")
+        if s_aux is not None:  # vLLM's build
+            check(self.arch == 90, "s_aux is only supported on Hopper")
+            check(num_heads <= 64, "s_aux supports at most 64 heads")
+            check(head_size == v.shape[-1], "s_aux needs head_size == head_size_v")
+            check(s_aux.dtype == torch.bfloat16, "s_aux must have dtype bfloat16")
+            check(tuple(s_aux.shape) == (num_heads,), "s_aux must have shape (num_heads)")
+            check(s_aux.is_contiguous(), "s_aux must be contiguous")
         alignment = 16 if q_type == torch.float8_e4m3fn else 8
         check(head_size % alignment == 0, f"head_size should be a multiple of {alignment}")
         check(v.shape[-1] % alignment == 0, f"head_size_v should be a multiple of {alignment}")
@@ -281,7 +296,7 @@ class FA3:
         out, lse = _attend(q, k, v, cache_seqlens=seqused_k, cu_seqlens_q=cu_seqlens_q,
                            page_table=page_table, causal=causal, scale=softmax_scale,
                            descales=descales, out_dtype=out_type,  # type: ignore[arg-type]
-                           left=left)
+                           left=left, softcap=softcap, sinks=s_aux)
         return out, lse.t().contiguous()  # varlen: softmax_lse [num_heads, total_q]
 
     # ---- vLLM's flash_attn_varlen_func ----------------------------------------------------------
@@ -318,7 +333,7 @@ class FA3:
                               softmax_scale=softmax_scale, causal=causal,
                               scheduler_metadata=scheduler_metadata, num_splits=num_splits,
                               q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
-                              window_size=window_size)
+                              window_size=window_size, softcap=softcap, s_aux=s_aux)
         return (o, lse) if return_softmax_lse else o
 
     def module(self, name: str, varlen: bool = False) -> types.ModuleType:
@@ -379,7 +394,7 @@ class FA2:
         left = -1 if window_size[0] >= seqlen_k else window_size[0]  # FA2's clamp
         out, lse = _attend(q.reshape(-1, num_heads, head_size), k_cache, v_cache,
                            cache_seqlens=cache_seqlens, cu_seqlens_q=cu, page_table=block_table,
-                           causal=causal, scale=softmax_scale, left=left)
+                           causal=causal, scale=softmax_scale, left=left, softcap=softcap)
         out = out.view(batch_size, seqlen_q, num_heads, -1)
         lse = lse.view(batch_size, seqlen_q, num_heads).transpose(1, 2).contiguous()
         return (out, lse) if return_softmax_lse else out

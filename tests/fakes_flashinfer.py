@@ -19,6 +19,11 @@ Sliding windows: ``plan(window_left=)`` fixes the window (-1: none; a JIT flag o
 ``run(window_left=)`` may only repeat it (FlashInfer's kernels assert it). A query at the end of
 its row sees ``window_left`` keys before it and itself.
 
+Softcapping: ``plan(logits_soft_cap=)`` (None or 0: off) caps the scaled scores. Sinks: the
+decode wrapper's ``run(sinks=)`` applies them only on the ``trtllm-gen`` and ``cute-dsl``
+backends and drops them on the others (as FlashInfer's ``decode.py`` forwards them); the prefill
+wrapper's ``run`` has no such argument.
+
 fp8 caches: ``plan``'s ``kv_data_type`` must be the cache's dtype (checked at ``run``), and
 ``run(q_scale=, k_scale=, v_scale=)`` are Python floats: ``q_scale`` and ``k_scale`` multiply the
 softmax scale on the host, ``v_scale`` multiplies the output after the kernel, in its dtype.
@@ -93,7 +98,8 @@ def _scale_out(out: Tensor, v_scale: object) -> Tensor:
 
 
 def _compute(q: Tensor, k: Tensor, v: Tensor, qo: Tensor, indptr: Tensor, indices: Tensor,
-             last: Tensor, causal: bool, scale: float, left: int = -1) -> tuple[Tensor, Tensor]:
+             last: Tensor, causal: bool, scale: float, left: int = -1, softcap: float = 0.0,
+             sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     bs, page, total = last.shape[0], k.shape[1], q.shape[0]
     q_lens = (qo[1:] - qo[:-1]).tolist()
     pages = (indptr[1:] - indptr[:-1]).tolist()
@@ -103,7 +109,7 @@ def _compute(q: Tensor, k: Tensor, v: Tensor, qo: Tensor, indptr: Tensor, indice
                      max_seqlen_q=max([1, *q_lens]), max_seqlen_k=max([1, *pages]) * page,
                      page_size=page, causal=causal or left >= 0, window_left=left)
     got = sdpa.paged_attention(view, q.float(), k.float(), v.float(), softmax_scale=scale,
-                               layout=Layout.FLASHINFER)
+                               layout=Layout.FLASHINFER, softcap=softcap, sinks=sinks)
     done = torch.arange(total) < int(qo[-1])
     out = torch.where(done[:, None, None], got.out, float("nan")).to(q.dtype)
     lse = torch.where(done[:, None], got.lse / math.log(2.0), float("nan"))
@@ -125,6 +131,7 @@ class _Wrapper:
         sm = kw.get("sm_scale")
         self._sm_scale = 1.0 / math.sqrt(head_dim) if sm is None else sm
         self._window_left = int(kw.get("window_left", -1))
+        self._softcap = float(kw.get("logits_soft_cap") or 0.0)
         self.plans += 1
 
     def _window(self, kw: dict[str, Any]) -> int:
@@ -144,6 +151,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
                  paged_kv_last_page_len_buffer: Tensor | None = None, backend: str = "auto",
                  jit_args: Any = None) -> None:
         super().__init__(float_workspace_buffer, kv_layout)
+        self._backend = backend
         if use_cuda_graph:
             for name, t in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
                             ("paged_kv_indices_buffer", paged_kv_indices_buffer),
@@ -193,9 +201,12 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
 
     def run(self, q: Tensor, paged_kv_cache: tuple[Tensor, Tensor], *args: Any,
             q_scale: float | None = None, k_scale: float | None = None,
-            v_scale: float | None = None, return_lse: bool = False, **kw: Any) -> Any:
+            v_scale: float | None = None, return_lse: bool = False,
+            sinks: Tensor | None = None, **kw: Any) -> Any:
         k, v = paged_kv_cache
         _check_dtypes(q, k, self._q_dtype, self._kv_dtype)
+        if self._backend not in ("trtllm-gen", "cute-dsl"):
+            sinks = None  # dropped: only those backends forward it
         assert self._paged_kv_last_page_len_buf is not None
         bs = self._paged_kv_last_page_len_buf.size(0)
         q_len_per_req = q.size(0) // bs
@@ -212,7 +223,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         assert self._paged_kv_indptr_buf is not None and self._paged_kv_indices_buf is not None
         qo = torch.arange(bs + 1, dtype=torch.int32)
         out, lse = _compute(q, k, v, qo, self._paged_kv_indptr_buf, self._paged_kv_indices_buf,
-                            self._paged_kv_last_page_len_buf, False, sm_scale, self._window(kw))
+                            self._paged_kv_last_page_len_buf, False, sm_scale, self._window(kw),
+                            self._softcap, sinks)
         out = _scale_out(out, v_scale)
         return (out, lse) if return_lse else out
 
@@ -312,6 +324,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         assert self._paged_kv_last_page_len_buf is not None
         out, lse = _compute(q, k, v, self._qo_indptr_buf, self._paged_kv_indptr_buf,
                             self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf,
-                            self._causal, sm_scale, self._window(kw))
+                            self._causal, sm_scale, self._window(kw), self._softcap)
         out = _scale_out(out, v_scale)
         return (out, lse) if return_lse else out

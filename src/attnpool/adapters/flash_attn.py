@@ -54,6 +54,7 @@ from .flash_attn_load import load_fa3 as load_fa3
 from .flash_attn_load import pick_kernel
 from .fp8 import FA3_FP8, fa3_fp8_kwargs
 from .sdpa import Attn, cache_as_pages, check_qkv, run_passes, softmax_scale_of
+from .variants import check_sinks, check_softcap, sink_argument
 
 #: FA2's paged KV cache needs ``page_block_size % FA2_PAGE_MULTIPLE == 0``.
 FA2_PAGE_MULTIPLE = 256
@@ -90,6 +91,7 @@ def fa3_kwargs(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     q_scale: Tensor | None = None,
+    softcap: float = 0.0,
 ) -> dict[str, Any]:
     """Keyword arguments of FA3 ``flash_attn_with_kvcache`` for one paged part.
 
@@ -106,6 +108,7 @@ def fa3_kwargs(
             omitted for a raw read.
         q_scale: the scale ``q`` is divided by when it is cast to fp8 (default 1), passed as
             ``q_descale``; fp8 caches only.
+        softcap: logit softcapping, passed as ``softcap=`` when > 0 (0: off, not passed).
     """
     table = _paged(view)
     _, _, d = check_qkv(q, k_cache, v_cache)
@@ -123,6 +126,7 @@ def fa3_kwargs(
         "causal": view.causal,
         "return_softmax_lse": return_softmax_lse,
         **window_kwargs(view),
+        **_softcap_kwargs(softcap),
     }
     if scheduler_metadata is not None:
         kw["scheduler_metadata"] = scheduler_metadata
@@ -142,6 +146,7 @@ def fa3_varlen_kwargs(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     q_scale: Tensor | None = None,
+    softcap: float = 0.0,
 ) -> dict[str, Any]:
     """Keyword arguments of vLLM's ``flash_attn_varlen_func`` (FA3) for one paged part: the
     same tensors as :func:`fa3_kwargs` under its names (``seqused_k``, ``block_table``), with
@@ -149,7 +154,7 @@ def fa3_varlen_kwargs(
     their names)."""
     kw = fa3_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
                     scheduler_metadata=scheduler_metadata, k_scale=k_scale, v_scale=v_scale,
-                    q_scale=q_scale)
+                    q_scale=q_scale, softcap=softcap)
     kw["k"], kw["v"] = kw.pop("k_cache"), kw.pop("v_cache")
     kw["seqused_k"], kw["block_table"] = kw.pop("cache_seqlens"), kw.pop("page_table")
     kw["max_seqlen_k"] = kernel_seqlen_k(view)
@@ -165,6 +170,7 @@ def fa2_kwargs(
     *,
     softmax_scale: float | None = None,
     return_softmax_lse: bool = True,
+    softcap: float = 0.0,
 ) -> dict[str, Any]:
     """Keyword arguments of FA2 ``flash_attn_with_kvcache`` for one paged part.
 
@@ -207,7 +213,14 @@ def fa2_kwargs(
         "causal": view.causal,
         "return_softmax_lse": return_softmax_lse,
         **window_kwargs(view),
+        **_softcap_kwargs(softcap),
     }
+
+
+def _softcap_kwargs(softcap: float) -> dict[str, Any]:
+    """``softcap=`` when it is on (flash-attn's 0 is off: the off case passes nothing)."""
+    cap = check_softcap(softcap)
+    return {"softcap": cap} if cap else {}
 
 
 def window_kwargs(view: PagedView) -> dict[str, Any]:
@@ -227,6 +240,7 @@ def scheduler_metadata_(
     qkv_dtype: torch.dtype,
     fn: Kernel | None = None,
     kernel: FlashKernel | None = None,
+    softcap: float = 0.0,
 ) -> Tensor:
     """Plan FA3's scheduler for ``view`` into the pool's ``scheduler_metadata`` buffer.
 
@@ -273,6 +287,7 @@ def scheduler_metadata_(
         num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, headdim=head_dim,
         cache_seqlens=view.cache_seqlens, qkv_dtype=qkv_dtype, cu_seqlens_q=view.cu_seqlens_q,
         page_size=view.page_size, causal=view.causal, **window_kwargs(view),
+        **({"has_softcap": True} if check_softcap(softcap) else {}),
     )
     if not isinstance(md, Tensor) or md.dim() != 1 or md.dtype != torch.int32:
         got = (tuple(md.shape), md.dtype) if isinstance(md, Tensor) else type(md).__name__
@@ -300,6 +315,8 @@ def run(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     q_scale: Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Attn:
     """Call the paged kernel on one part; return ``(out, lse)`` in the adapters' convention
     (``[total_q, H, D]``, ``[total_q, H]``; ``total_q = q.shape[0]``, FA2: ``bs * seqlen_q``).
@@ -312,20 +329,35 @@ def run(
             :func:`~attnpool.adapters.fp8.fa3_fp8_kwargs`). FA3 computes in fp8 and returns
             bfloat16; ``out`` is cast back to ``q``'s dtype (one extra op for a float16 ``q``,
             none for bfloat16).
+        softcap: logit softcapping (0: off), FA2 and FA3 alike.
+        sinks: per-query-head sink logits ``[H]``, handed to the kernel's own argument: vLLM's
+            FA3 build takes ``s_aux`` (bfloat16: cast once at load), sgl-kernel's ``sinks``.
+            A build without one, and FA2, raise :class:`LayoutError` naming what is missing.
     """
     k = pick_kernel(version, fn, kernel)
     if version is FlashAttnVersion.FA3:
         build = fa3_varlen_kwargs if k.style is CallStyle.VARLEN else fa3_kwargs
         kw = build(view, q, k_cache, v_cache, softmax_scale=softmax_scale,
                    scheduler_metadata=scheduler_metadata, k_scale=k_scale, v_scale=v_scale,
-                   q_scale=q_scale)
+                   q_scale=q_scale, softcap=softcap)
+        if sinks is not None:
+            name = sink_argument(k.fn)
+            if name is None:
+                raise LayoutError(f"{k.name} has no attention-sink argument (vLLM's FA3 build "
+                                  "takes s_aux, sgl-kernel's sinks); use such a build or the sdpa "
+                                  "adapter, which applies sinks exactly from the log-sum-exp")
+            kw[name] = check_sinks(sinks, q.shape[1], q.device,
+                                   torch.bfloat16 if name == "s_aux" else None)
         out, lse, *_ = k.fn(**kw)
         if out.dtype != q.dtype and q.dtype != FA3_FP8:  # fp8 in, bfloat16 out
             out = out.to(q.dtype)
         return Attn(out, lse.transpose(0, 1))
     if scheduler_metadata is not None:
         raise InputError("scheduler_metadata is an FA3 argument, got one with FA2")
-    kw = fa2_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale)
+    if sinks is not None:
+        raise LayoutError("flash-attn 2 has no attention-sink argument; use FA3 (vLLM's s_aux, "
+                          "sgl-kernel's sinks), FlashInfer or the sdpa adapter")
+    kw = fa2_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale, softcap=softcap)
     check_scales(k_cache.dtype, k_cache.shape[2], k_cache.device,
                  (("k_scale", k_scale), ("v_scale", v_scale), ("q_scale", q_scale)), False)
     out, lse = k.fn(**kw)[:2]
@@ -347,17 +379,26 @@ def attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     q_scale: Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Attn:
     """:func:`run` for a :class:`PagedView`, or both passes of a tree
     :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` merged by log-sum-exp.
 
     ``scheduler_metadata`` applies to the first pass only (it is planned per part). ``k_scale``,
     ``v_scale``, ``q_scale``: an fp8 cache's scales, for every pass
-    (:func:`~attnpool.adapters.fp8.fa3_fp8_kwargs`).
+    (:func:`~attnpool.adapters.fp8.fa3_fp8_kwargs`). ``softcap`` applies to every pass;
+    ``sinks`` once per query row: a single pass hands them to the kernel, a tree's two passes
+    run without them and the merged rows get them from the merged log-sum-exp
+    (:func:`~attnpool.adapters.merge.run_passes`).
     """
-    def one(part: PagedView, first: bool) -> Attn:
+    def one(part: PagedView, first: bool, s: Tensor | None) -> Attn:
         return run(part, q, k_cache, v_cache, version=version, softmax_scale=softmax_scale,
                    scheduler_metadata=scheduler_metadata if first else None, fn=fn,
-                   kernel=kernel, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
+                   kernel=kernel, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale,
+                   softcap=softcap, sinks=s)
 
-    return run_passes(view, one)
+    if sinks is not None and version is FlashAttnVersion.FA2:
+        raise LayoutError("flash-attn 2 has no attention-sink argument; use FA3 (vLLM's s_aux, "
+                          "sgl-kernel's sinks), FlashInfer or the sdpa adapter")
+    return run_passes(view, one, check_sinks(sinks, q.shape[1], q.device, None))

@@ -63,6 +63,10 @@ from ..errors import InputError, LayoutError
 from ..views import PagedView
 from .fp8 import float_scales
 from .sdpa import Attn, cache_as_pages, check_qkv, run_passes, softmax_scale_of
+from .variants import check_sinks, check_softcap, sink_argument
+
+#: FlashInfer backends whose ``run`` applies ``sinks`` (the others drop the argument)
+SINK_BACKENDS = ("trtllm-gen", "cute-dsl")
 
 
 class WrapperKind(enum.Enum):
@@ -102,6 +106,7 @@ def make_wrapper(
     kv_layout: str = "NHD",
     use_tensor_cores: bool = False,
     wrapper_cls: type[Any] | None = None,
+    backend: str | None = None,
 ) -> Any:
     """A CUDA-graph FlashInfer wrapper whose buffers are ``view``'s CSR tensors.
 
@@ -113,17 +118,20 @@ def make_wrapper(
         kv_layout: ``"NHD"`` for a cache ``[num_pages, P, H_kv, D]`` (the adapters' layout).
         use_tensor_cores: decode wrappers only.
         wrapper_cls: the class to build (default: from ``flashinfer``).
+        backend: FlashInfer's ``backend=`` (default: FlashInfer's own); models with attention
+            sinks need one of :data:`SINK_BACKENDS`.
     """
     indptr, indices, last = _csr(view)
     kind = kind or wrapper_kind(view)
     cls = _cls(kind, wrapper_cls)
+    extra: dict[str, Any] = {} if backend is None else {"backend": backend}
     if kind is WrapperKind.DECODE:
         return cls(workspace, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
                    paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
-                   paged_kv_last_page_len_buffer=last)
+                   paged_kv_last_page_len_buffer=last, **extra)
     return cls(workspace, kv_layout, use_cuda_graph=True, qo_indptr_buf=view.cu_seqlens_q,
                paged_kv_indptr_buf=indptr, paged_kv_indices_buf=indices,
-               paged_kv_last_page_len_buf=last)
+               paged_kv_last_page_len_buf=last, **extra)
 
 
 def planned_rows(view: PagedView, kind: WrapperKind | None = None) -> int:
@@ -146,6 +154,7 @@ def plan(
     sm_scale: float | None = None,
     kind: WrapperKind | None = None,
     rows: int | None = None,
+    softcap: float = 0.0,
 ) -> int:
     """Plan ``wrapper`` (built by :func:`make_wrapper` on this view's buffers) for the batch the
     view now holds; return the query rows it will compute (``rows`` if given, else
@@ -154,7 +163,8 @@ def plan(
     ``kv_dtype``: the cache's dtype when it differs from ``q_dtype`` (an fp8 cache), default
     ``q_dtype``. ``window_left`` is the view's (-1, or ``W - 1`` for a sliding-window part):
     FlashInfer fixes it at plan time (``run`` may only repeat it), so a window part has its own
-    wrapper and plan (:class:`GraphWrappers` keys wrappers by the part's buffers)."""
+    wrapper and plan (:class:`GraphWrappers` keys wrappers by the part's buffers). ``softcap``
+    (0: off) is FlashInfer's ``logits_soft_cap``, also fixed at plan time."""
     indptr, indices, last = _csr(view)
     if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         raise InputError(f"num_qo_heads must be a multiple of num_kv_heads ({num_kv_heads}), "
@@ -165,6 +175,9 @@ def plan(
         "q_data_type": q_dtype, "kv_data_type": kv_dtype or q_dtype,
         "sm_scale": softmax_scale_of(sm_scale, head_dim), "window_left": view.window_left,
     }
+    cap = check_softcap(softcap)
+    if cap:
+        common["logits_soft_cap"] = cap
     if kind is WrapperKind.DECODE:
         wrapper.plan(indptr, indices, last, num_qo_heads, num_kv_heads, head_dim,
                      view.page_size, **common)
@@ -175,8 +188,8 @@ def plan(
 
 
 def run(wrapper: Any, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
-        rows: int | None = None, k_scale: float | None = None, v_scale: float | None = None
-        ) -> Attn:
+        rows: int | None = None, k_scale: float | None = None, v_scale: float | None = None,
+        sinks: Tensor | None = None) -> Attn:
     """Run a planned wrapper: ``(out [q.shape[0], H, D], natural-log lse [q.shape[0], H])``.
 
     The wrapper gets ``q[:rows]``, exactly the rows it computes (see the module docstring); rows
@@ -189,6 +202,9 @@ def run(wrapper: Any, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tens
         k_scale, v_scale: an fp8 cache's per-tensor scales as Python floats (both or neither;
             :func:`attnpool.adapters.fp8.host_scales` reads device scales once), passed to the
             wrapper's ``run``; omitted for a model-dtype cache or a raw fp8 read.
+        sinks: float32 ``[H]`` sink logits, passed as ``run(sinks=)``. FlashInfer applies them on
+            its :data:`SINK_BACKENDS` only (the others drop the argument), so any other wrapper
+            is refused with :class:`LayoutError` rather than computing without them.
 
     Raises:
         InputError: ``q`` has fewer than ``rows`` rows; scales for a model-dtype cache, only one
@@ -201,7 +217,17 @@ def run(wrapper: Any, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tens
         raise InputError(f"q must have at least the {rows} query rows the wrapper was planned "
                          f"for, got {q.shape[0]}")
     kv = (cache_as_pages(k_cache, view.page_size), cache_as_pages(v_cache, view.page_size))
-    out, lse = wrapper.run(q[:rows], kv, return_lse=True, **sc)
+    if sinks is not None:
+        backend = getattr(wrapper, "_backend", None)
+        if backend not in SINK_BACKENDS or sink_argument(wrapper.run) != "sinks":
+            raise LayoutError(f"this FlashInfer wrapper ({type(wrapper).__name__}, backend="
+                              f"{backend!r}) cannot apply attention sinks: build the wrappers with "
+                              f"backend in {SINK_BACKENDS} (GraphWrappers(backend=...)), or use "
+                              "the sdpa adapter")
+        out, lse = wrapper.run(q[:rows], kv, return_lse=True,
+                               sinks=check_sinks(sinks, h, q.device), **sc)
+    else:
+        out, lse = wrapper.run(q[:rows], kv, return_lse=True, **sc)
     lse = lse * math.log(2.0)
     if rows == q.shape[0]:
         return Attn(out, lse)
@@ -236,12 +262,13 @@ class GraphWrappers:
 
     def __init__(self, workspace: Tensor, *, decode_cls: type[Any] | None = None,
                  prefill_cls: type[Any] | None = None, use_tensor_cores: bool = False,
-                 zero_workspace: bool = True) -> None:
+                 zero_workspace: bool = True, backend: str | None = None) -> None:
         if zero_workspace:
             workspace.zero_()
         self.workspace = workspace
         self._cls = {WrapperKind.DECODE: decode_cls, WrapperKind.PREFILL: prefill_cls}
         self.use_tensor_cores = use_tensor_cores
+        self.backend = backend
         self._by_key: dict[tuple[int, int, WrapperKind], Any] = {}
         self._rows: dict[tuple[int, int, WrapperKind], int] = {}
         self._max_rows: dict[tuple[int, int, WrapperKind], int] = {}
@@ -257,7 +284,7 @@ class GraphWrappers:
         if w is None:
             kind = key[2]
             w = make_wrapper(view, self.workspace, kind=kind, wrapper_cls=self._cls[kind],
-                             use_tensor_cores=self.use_tensor_cores)
+                             use_tensor_cores=self.use_tensor_cores, backend=self.backend)
             self._by_key[key] = w
         return w
 
@@ -266,7 +293,7 @@ class GraphWrappers:
 
     def plan(self, view: PagedView, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              q_dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
-             sm_scale: float | None = None) -> Any:
+             sm_scale: float | None = None, softcap: float = 0.0) -> Any:
         """Plan the wrapper of ``view`` (created by :meth:`wrapper` before capture) for the batch
         ``view`` now holds; returns it.
 
@@ -284,11 +311,12 @@ class GraphWrappers:
                 "count as its maximum: plan the capture view (pool.<phase>.view(bs)) first")
         self._rows[key] = plan(w, view, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                                head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                               sm_scale=sm_scale, kind=key[2], rows=rows)
+                               sm_scale=sm_scale, kind=key[2], rows=rows, softcap=softcap)
         return w
 
     def run(self, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
-            k_scale: float | None = None, v_scale: float | None = None) -> Attn:
+            k_scale: float | None = None, v_scale: float | None = None,
+            sinks: Tensor | None = None) -> Attn:
         """Run the planned wrapper of ``view`` on ``q[:planned rows]`` (safe inside a graph:
         creates no wrapper and reads nothing from the device on the host). ``k_scale`` /
         ``v_scale``: an fp8 cache's scales as floats (see :func:`run`)."""
@@ -297,17 +325,19 @@ class GraphWrappers:
         if rows is None:
             raise LayoutError(f"the wrapper for this part at bs={view.bs} was never planned; "
                               "call plan(view, ...) before run")
-        return run(w, view, q, k_cache, v_cache, rows=rows, k_scale=k_scale, v_scale=v_scale)
+        return run(w, view, q, k_cache, v_cache, rows=rows, k_scale=k_scale, v_scale=v_scale,
+                   sinks=sinks)
 
     def attention(self, view: object, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
-                  k_scale: float | None = None, v_scale: float | None = None) -> Attn:
+                  k_scale: float | None = None, v_scale: float | None = None,
+                  sinks: Tensor | None = None) -> Attn:
         """:meth:`run` for a :class:`PagedView`, or both passes of a tree
         :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` merged by log-sum-exp
         (each part planned beforehand); the scales apply to every pass."""
-        def one(part: PagedView, first: bool) -> Attn:
-            return self.run(part, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
+        def one(part: PagedView, first: bool, s: Tensor | None) -> Attn:
+            return self.run(part, q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale, sinks=s)
 
-        return run_passes(view, one)
+        return run_passes(view, one, check_sinks(sinks, q.shape[1], q.device))
 
     def _existing(self, view: PagedView) -> Any:
         # Never create a wrapper here: construction allocates FlashInfer's int workspace and

@@ -40,8 +40,6 @@ no keys (a FlashInfer padded row, an empty tree prefix) yields output 0 and log-
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -49,19 +47,17 @@ from torch import Tensor
 
 from ..config import Layout
 from ..errors import InputError, LayoutError
-from ..views import DraftStepView, PagedView, VerifyView
+from ..views import PagedView
 from .fp8 import cache_scales
+from .merge import Attn as Attn
+from .merge import merge_by_lse as merge_by_lse
+from .merge import passes as passes
+from .merge import run_passes as run_passes
 from .sdpa_plan import Plan, build, gather_kv, group_q, packed_heads_q, scatter, ungroup
+from .variants import cap_scores_, check_sinks, check_softcap, with_sinks
 
 #: SDPA takes fewer KV heads than query heads itself (``enable_gqa``) from torch 2.5 on.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-class Attn(NamedTuple):
-    """Attention result: ``out [total_q, H, D]`` (q's dtype), ``lse [total_q, H]`` float32."""
-
-    out: Tensor
-    lse: Tensor
 
 
 def check_qkv(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
@@ -187,12 +183,15 @@ def plan(view: PagedView, *, num_q: int, num_heads: int, num_kv_heads: int,
 
 def run_plan(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
              softmax_scale: float | None = None, k_scale: Tensor | None = None,
-             v_scale: Tensor | None = None) -> Tensor:
+             v_scale: Tensor | None = None, softcap: float = 0.0,
+             sinks: Tensor | None = None) -> Tensor:
     """One layer's attention output ``[num_q, H, Dv]`` through PyTorch SDPA, from a :class:`Plan`
     of the view (no log-sum-exp).
 
     Called once per layer, so its checks are only what the plan does not already fix: the
-    shapes against the plan (which checked the view), dtypes and devices.
+    shapes against the plan (which checked the view), dtypes and devices. ``softcap`` and
+    ``sinks`` (see :func:`paged_attention`) take the explicit path: PyTorch's SDPA can express
+    neither, so the scores are computed here (the plan must carry a mask: not prefix-free).
     """
     h, h_kv = pl.num_heads, pl.num_kv_heads
     if (q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4
@@ -205,6 +204,9 @@ def run_plan(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
                          f"caches [pages, P, {h_kv}, D] on one device; got q "
                          f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache "
                          f"{tuple(v_cache.shape)}")
+    if softcap or sinks is not None:
+        return _explicit(pl, q, k_cache, v_cache, softmax_scale, k_scale, v_scale,
+                         check_softcap(softcap), check_sinks(sinks, h, q.device)).out
     ks, vs = cache_scales(k_cache, h_kv, k_scale, v_scale)
     k, v = gather_kv(pl, k_cache, q.dtype, ks), gather_kv(pl, v_cache, q.dtype, vs)
     mask = pl.allowed
@@ -227,6 +229,37 @@ def run_plan(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
     return scatter(o, pl, 0.0)
 
 
+def _explicit(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+              softmax_scale: float | None, k_scale: Tensor | None, v_scale: Tensor | None,
+              softcap: float, sinks: Tensor | None) -> Attn:
+    """The pass computed by hand, with its log-sum-exp: scores ``q k^T * scale``, then the
+    softcap (``softcap * tanh(x / softcap)``), then the mask, then softmax (and the sinks from
+    the log-sum-exp), in float32 at least (float64 stays float64)."""
+    if pl.allowed is None:
+        raise InputError("softcap, sinks and log-sum-exp need a masked plan; this one was built "
+                         "prefix_free (SDPA's own causal mask): plan it without prefix_free")
+    scale = softmax_scale_of(softmax_scale, q.shape[2])
+    ct = torch.promote_types(q.dtype, torch.float32)
+    ks, vs = cache_scales(k_cache, pl.num_kv_heads, k_scale, v_scale)
+    k, v = gather_kv(pl, k_cache, ct, ks), gather_kv(pl, v_cache, ct, vs)
+    scores = torch.matmul(group_q(pl, q).to(ct), k.transpose(-1, -2)).mul_(scale)
+    if softcap:
+        cap_scores_(scores, softcap)
+    if pl.allowed.dtype == torch.bool:
+        scores.masked_fill_(~pl.allowed, float("-inf"))
+    else:  # an additive mask (0 / -inf) built for q's dtype
+        scores.add_(pl.allowed)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    # A query with no key has lse = -inf: exp(-inf - 0) = 0 weights, so its output is 0.
+    probs = scores.sub_(torch.where(torch.isneginf(lse), 0.0, lse)).exp_()
+    o = torch.matmul(probs, v).to(q.dtype)
+    out = scatter(ungroup(o, pl), pl, 0.0)
+    lse_q = scatter(ungroup(lse, pl)[..., 0], pl, float("-inf"))
+    if sinks is not None:  # (in the scores' precision, before lse goes to float32)
+        out, lse_q = with_sinks(out, lse_q, sinks)
+    return Attn(out, lse_q.float())
+
+
 def _checked_plan(view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                   layout: Layout | None, clamp: bool) -> Plan:
     if not isinstance(view, PagedView):
@@ -247,40 +280,35 @@ def paged_attention(
     layout: Layout | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Attn:
     """Attention of the packed queries ``q`` over the KV rows of ``view`` (one pass), with its
     log-sum-exp (for a merge; :func:`paged_attention_out` skips it).
 
     Args:
         view: any :class:`attnpool.PagedView` (decode, a verify/draft prefix or expand part,
-            draft extend, encoder cross or decoder part, local).
+            draft extend, encoder cross or decoder part, local, a sliding-window part).
         q: ``[total_q, H, D]``; row ``i``'s queries are ``q[cu_seqlens_q[i] : cu_seqlens_q[i+1]]``.
-        k_cache, v_cache: ``[num_pages, P, H_kv, D]`` (any ``P``: ids are read in units of
-            ``view.page_size``).
+        k_cache, v_cache: ``[num_pages, P, H_kv, D]`` and ``[num_pages, P, H_kv, Dv]`` (any
+            ``P``: ids are read in units of ``view.page_size``; ``Dv`` may differ from ``D``).
         softmax_scale: default ``1 / sqrt(D)``.
         layout: which of the view's layouts to read (default: the page table when present).
         k_scale, v_scale: for an fp8 cache, float32 ``[1]`` or ``[H_kv]`` scales: the gathered rows
             are dequantized (``stored * scale``, :func:`attnpool.kv.quant.dequantize`) first.
+        softcap: logit softcapping, ``softcap * tanh(scores / softcap)`` after the scale and
+            before the mask (:mod:`~attnpool.adapters.variants`); 0: off.
+        sinks: float32 ``[H]`` attention-sink logits on ``q``'s device, joining every query
+            row's softmax denominator (:func:`~attnpool.adapters.variants.with_sinks`); the
+            returned log-sum-exp includes them.
 
     Returns:
-        :class:`Attn` ``(out [q.shape[0], H, D], lse [q.shape[0], H])``. Every row of the view is
-        computed, padded rows included; positions no row covers hold 0 and ``-inf``.
+        :class:`Attn` ``(out [q.shape[0], H, Dv], lse [q.shape[0], H])``. Every row of the view
+        is computed, padded rows included; positions no row covers hold 0 and ``-inf``.
     """
     pl = _checked_plan(view, q, k_cache, v_cache, layout, clamp=False)
-    scale = softmax_scale_of(softmax_scale, q.shape[2])
-    # float32 at least (float64 stays float64): the log-sum-exp must not be computed in half.
-    ct = torch.promote_types(q.dtype, torch.float32)
-    ks, vs = cache_scales(k_cache, pl.num_kv_heads, k_scale, v_scale)
-    k, v = gather_kv(pl, k_cache, ct, ks), gather_kv(pl, v_cache, ct, vs)
-    scores = torch.matmul(group_q(pl, q).to(ct), k.transpose(-1, -2)).mul_(scale)
-    assert pl.allowed is not None  # built without prefix_free
-    scores.masked_fill_(~pl.allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    # A query with no key has lse = -inf: exp(-inf - 0) = 0 weights, so its output is 0.
-    probs = scores.sub_(torch.where(torch.isneginf(lse), 0.0, lse)).exp_()
-    o = torch.matmul(probs, v).to(q.dtype)
-    out = scatter(ungroup(o, pl), pl, 0.0)
-    return Attn(out, scatter(ungroup(lse, pl)[..., 0].float(), pl, float("-inf")))
+    return _explicit(pl, q, k_cache, v_cache, softmax_scale, k_scale, v_scale,
+                     check_softcap(softcap), check_sinks(sinks, q.shape[1], q.device))
 
 
 def paged_attention_out(
@@ -293,66 +321,16 @@ def paged_attention_out(
     layout: Layout | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """:func:`paged_attention`'s output alone, through PyTorch SDPA (no log-sum-exp): what a
     single-pass forward needs (decode, chain verify and draft steps, extend). A forward that
-    runs many layers over one view should :func:`plan` once and :func:`run_plan` per layer."""
+    runs many layers over one view should :func:`plan` once and :func:`run_plan` per layer.
+    With ``softcap`` or ``sinks`` it is computed by hand (SDPA expresses neither)."""
     pl = _checked_plan(view, q, k_cache, v_cache, layout, clamp=True)
     return run_plan(pl, q, k_cache, v_cache, softmax_scale=softmax_scale, k_scale=k_scale,
-                    v_scale=v_scale)
-
-
-def merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Attn:
-    """Combine two attention passes over disjoint key sets of the same queries.
-
-    With ``lse = log(exp(lse1) + exp(lse2))`` the result is
-    ``o1 * exp(lse1 - lse) + o2 * exp(lse2 - lse)``, exactly softmax attention over the union of the
-    keys. A pass with no keys contributes nothing; if both are empty the output is 0 with
-    ``lse = -inf``. An empty row's log-sum-exp is ``-inf`` here and in FlashInfer, but flash-attn
-    (FA2 and FA3, unsplit) reports ``+inf`` for it: ``+inf`` is read as "no keys" too, so a tree
-    pass whose expand or prefix part has an empty row merges to the other part, not to NaN.
-
-    Args:
-        o1, o2: ``[T, H, D]`` outputs. lse1, lse2: ``[T, H]`` natural-log log-sum-exp.
-    """
-    if o1.shape != o2.shape or lse1.shape != lse2.shape or tuple(o1.shape[:2]) != tuple(lse1.shape):
-        raise InputError(f"merge_by_lse needs o [T, H, D] and lse [T, H] of equal shapes, got "
-                         f"{tuple(o1.shape)}, {tuple(lse1.shape)}, {tuple(o2.shape)}, "
-                         f"{tuple(lse2.shape)}")
-    neg_inf = float("-inf")
-    a = torch.where(torch.isposinf(lse1), neg_inf, lse1.float())
-    b = torch.where(torch.isposinf(lse2), neg_inf, lse2.float())
-    lse = torch.logaddexp(a, b)
-    ref = torch.where(torch.isneginf(lse), 0.0, lse)  # keeps exp() finite when both are empty
-    w1 = torch.exp(a - ref)[..., None]
-    w2 = torch.exp(b - ref)[..., None]
-    out = (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
-    return Attn(out, lse)
-
-
-def passes(view: object) -> tuple[PagedView, PagedView | None]:
-    """The paged passes of one attention over ``view``: ``(view, None)``, or a verify / draft
-    step's ``(prefix, expand)`` (expand None unless a tree). Every adapter's ``attention`` reads
-    its view through this, so all of them accept, and refuse, the same views."""
-    if isinstance(view, PagedView):
-        return view, None
-    if isinstance(view, (VerifyView, DraftStepView)):
-        return view.prefix, view.expand
-    raise InputError(f"attention expects a PagedView, VerifyView or DraftStepView, got "
-                     f"{type(view).__name__}; call it on each part of other views "
-                     "(EncoderView.cross / .decoder, DraftView.steps[d])")
-
-
-def run_passes(view: object, run: Callable[[PagedView, bool], Attn]) -> Attn:
-    """``run(part, first)`` on each of :func:`passes` of ``view``, a tree's two passes merged by
-    :func:`merge_by_lse`. ``first`` is True for the first pass only: what a kernel plans per
-    part (FA3's scheduler metadata) belongs to that one."""
-    first, second = passes(view)
-    a = run(first, True)
-    if second is None:
-        return a
-    b = run(second, False)
-    return merge_by_lse(a.out, a.lse, b.out, b.lse)
+                    v_scale=v_scale, softcap=softcap, sinks=sinks)
 
 
 def attention(
@@ -365,6 +343,8 @@ def attention(
     layout: Layout | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Attn:
     """Attention for a whole phase part: a :class:`PagedView`, or a two-pass
     :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` (prefix, plus the expand pass
@@ -374,13 +354,17 @@ def attention(
     queries at ``i*N ..``): the prefix pass groups them per request, the expand pass has one row
     per query. Views with parts that are separate attentions (an encoder view's cross and decoder
     parts, a draft round's steps) are called part by part. ``k_scale`` / ``v_scale``: an fp8
-    cache's scales (see :func:`paged_attention`).
+    cache's scales, ``softcap`` / ``sinks``: as in :func:`paged_attention` (sinks once per query
+    row, after a tree's merge: :func:`~attnpool.adapters.merge.run_passes`).
     """
-    def one(part: PagedView, first: bool) -> Attn:
-        return paged_attention(part, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                               layout=layout, k_scale=k_scale, v_scale=v_scale)
+    checked = check_sinks(sinks, q.shape[1], q.device) if isinstance(q, Tensor) else sinks
 
-    return run_passes(view, one)
+    def one(part: PagedView, first: bool, s: Tensor | None) -> Attn:
+        return paged_attention(part, q, k_cache, v_cache, softmax_scale=softmax_scale,
+                               layout=layout, k_scale=k_scale, v_scale=v_scale, softcap=softcap,
+                               sinks=s)
+
+    return run_passes(view, one, checked)
 
 
 def attention_out(
@@ -393,12 +377,16 @@ def attention_out(
     layout: Layout | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """:func:`attention`'s output alone. A single pass (a :class:`PagedView`, a chain verify or
-    draft step) computes no log-sum-exp; a tree view's two passes still do, to merge."""
+    draft step) computes no log-sum-exp unless ``softcap`` or ``sinks`` need the explicit path;
+    a tree view's two passes still do, to merge."""
     first, second = passes(view)
     if second is None:
         return paged_attention_out(first, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                                   layout=layout, k_scale=k_scale, v_scale=v_scale)
+                                   layout=layout, k_scale=k_scale, v_scale=v_scale,
+                                   softcap=softcap, sinks=sinks)
     return attention(view, q, k_cache, v_cache, softmax_scale=softmax_scale, layout=layout,
-                     k_scale=k_scale, v_scale=v_scale).out
+                     k_scale=k_scale, v_scale=v_scale, softcap=softcap, sinks=sinks).out
