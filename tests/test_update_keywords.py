@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from attnpool import BufferPool, Layout, Phase, PoolConfig
+from attnpool import BufferPool, InputError, Layout, Phase, PoolConfig
+from attnpool.phases.base import Shared
 
 from batches import make_batch
 
@@ -53,13 +54,16 @@ def test_every_input_after_bs_is_keyword_only(phase: str) -> None:
     params = list(inspect.signature(getattr(_pool(), phase).update_).parameters.values())
     assert params[0].name == "bs"
     assert params[0].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-    assert len(params) > 4
-    positional = [p.name for p in params[1:] if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    assert len(params) >= 3
+    keyword = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD)
+    positional = [p.name for p in params[1:] if p.kind not in keyword]
     assert positional == []
-    required = {p.name for p in params[1:] if p.default is inspect.Parameter.empty}
+    # the inputs every phase shares arrive as **shared, typed by base.Shared
+    assert params[-1].kind is inspect.Parameter.VAR_KEYWORD
+    required = {p.name for p in params[1:-1] if p.default is inspect.Parameter.empty}
     assert "seq_lens" in required
     # one of two request tables; a block table's rows may default to the batch order
-    names = {p.name for p in params}
+    names = {p.name for p in params[:-1]} | set(Shared.__annotations__)
     assert {"req_pool_indices", "req_to_token", "block_table"} <= names
     assert not {"req_pool_indices", "req_to_token", "block_table"} & required
 
@@ -89,3 +93,14 @@ def test_keyword_order_does_not_matter(phase: str) -> None:
     a.check(va)
     b.check(vb)
     assert torch.equal(a.arena.storage, b.arena.storage)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_an_unknown_keyword_is_refused_before_any_write(phase: str) -> None:
+    """``**shared`` takes only the shared inputs: a misspelt one is named, nothing changes."""
+    pool = _pool()
+    kw = _inputs(pool, phase)
+    before = pool.arena.storage.clone()
+    with pytest.raises(InputError, match=r"unexpected keyword\(s\) \['req_to_tokens'\]"):
+        getattr(pool, phase).update_(BS, **kw, req_to_tokens=kw["req_to_token"])
+    assert torch.equal(pool.arena.storage, before)

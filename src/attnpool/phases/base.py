@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 from types import ModuleType
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, TypedDict, TypeVar
 
 import torch
 from torch import Tensor
@@ -20,6 +20,40 @@ from ..views import PagedView
 from ._validate import Values, validate
 from ._views import part_view
 from .bound import BoundUpdate
+
+
+class Shared(TypedDict, total=False):
+    """The keyword inputs every phase's ``update_`` takes besides its own (documented once, in
+    :meth:`attnpool.phases.decode.DecodePhase.update_`): the request rows and table (exactly
+    one of ``req_to_token`` and ``block_table``), the host copy of ``seq_lens``, the capturable
+    mode's real count and, with a sliding window, the window table. Typed for checkers through
+    ``**shared: Unpack[Shared]``; checked by name at run time (:meth:`PhaseBase._inputs`)."""
+
+    req_pool_indices: Tensor | None
+    req_to_token: Tensor | None
+    block_table: Tensor | None
+    seq_lens_cpu: Tensor | Sequence[int] | None
+    num_real: Tensor | None
+    window_req_to_token: Tensor | None
+    window_block_table: Tensor | None
+
+
+_SHARED = frozenset(Shared.__annotations__)
+
+
+class Inputs(NamedTuple):
+    """What the input pass hands a phase: checked tensors and host values."""
+
+    seq_lens: Tensor
+    n: int
+    rows: Tensor
+    table: Tensor
+    block: int | None
+    host: list[int] | None
+    window_table: Tensor | None
+    num_real: Tensor | None
+    seq_lens_cpu: Tensor | Sequence[int] | None
+
 
 #: cached fused launches per phase before the cache is dropped (a bound on its memory)
 _MAX_LAUNCHES = 1024
@@ -285,20 +319,25 @@ class PhaseBase(Generic[ViewT]):
         self.arena.recorded = True
         return seq_lens, n
 
-    def _inputs(self, bs: int, seq_lens: object, num_real: object, req_pool_indices: object,
-                req_to_token: object, block_table: object,
-                seq_lens_cpu: Tensor | Sequence[int] | None, hi: int,
-                *host: Tensor | Sequence[int] | None,
-                ) -> tuple[Tensor, int, Tensor, Tensor, int | None, list[int] | None]:
-        """The input pass every update starts with: ``bs`` and ``seq_lens`` (:meth:`_batch`;
-        ``host``: the phase's other host copies, refused with ``num_real``), the request table
-        (:meth:`_rows_table`) and the host lengths, each in ``[1, hi]``. Returns ``(seq_lens,
-        n, rows, table, block, host lengths or None)``."""
-        seq_lens, n = self._batch(bs, seq_lens, num_real, seq_lens_cpu, *host)
-        rpi, table, blk = self._rows_table(n, req_pool_indices, req_to_token, block_table)
-        if seq_lens_cpu is None:
-            return seq_lens, n, rpi, table, blk, None
-        return seq_lens, n, rpi, table, blk, host_lens("seq_lens_cpu", seq_lens_cpu, n, 1, hi)
+    def _inputs(self, bs: int, seq_lens: object, shared: Shared, hi: int,
+                *host: Tensor | Sequence[int] | None) -> Inputs:
+        """The input pass every update starts with: the :class:`Shared` keywords (an unknown
+        one is refused: ``**shared`` must not swallow a misspelt input), ``bs`` and ``seq_lens``
+        (:meth:`_batch`; ``host``: the phase's other host copies, refused with ``num_real``), the
+        request table (:meth:`_rows_table`), the window table (:meth:`_window_table`) and the
+        host lengths, each in ``[1, hi]``."""
+        if not _SHARED.issuperset(shared):
+            raise InputError(f"{self.phase.value}.update_ got unexpected keyword(s) "
+                             f"{sorted(set(shared) - _SHARED)}; besides its own inputs it takes "
+                             f"{sorted(_SHARED)}")
+        num_real, cpu = shared.get("num_real"), shared.get("seq_lens_cpu")
+        seq_lens, n = self._batch(bs, seq_lens, num_real, cpu, *host)
+        rpi, table, blk = self._rows_table(n, shared.get("req_pool_indices"),
+                                           shared.get("req_to_token"), shared.get("block_table"))
+        wt = self._window_table(table, blk, shared.get("window_req_to_token"),
+                                shared.get("window_block_table"))
+        lens = None if cpu is None else host_lens("seq_lens_cpu", cpu, n, 1, hi)
+        return Inputs(seq_lens, n, rpi, table, blk, lens, wt, num_real, cpu)
 
     def bind(self, bs: int, **inputs: Any) -> BoundUpdate[ViewT]:
         """``update_(bs, **inputs)`` once, bound for cheap replays (see :mod:`.bound`).

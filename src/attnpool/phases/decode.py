@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -15,7 +15,10 @@ from ..errors import InputError
 from ..views import DecodeView
 from ._validate import Values
 from ._views import part_view
-from .base import PhaseBase
+from .base import PhaseBase, Shared
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 class DecodePhase(PhaseBase[DecodeView]):
@@ -60,14 +63,8 @@ class DecodePhase(PhaseBase[DecodeView]):
         bs: int,
         *,
         seq_lens: Tensor,
-        req_pool_indices: Tensor | None = None,
-        req_to_token: Tensor | None = None,
-        block_table: Tensor | None = None,
-        seq_lens_cpu: Tensor | Sequence[int] | None = None,
         request_ids: Sequence[Hashable] | None = None,
-        num_real: Tensor | None = None,
-        window_req_to_token: Tensor | None = None,
-        window_block_table: Tensor | None = None,
+        **shared: Unpack[Shared],
     ) -> DecodeView:
         """Refill the ``bs``-row view in place from ``n = len(seq_lens)`` real requests.
 
@@ -109,10 +106,8 @@ class DecodePhase(PhaseBase[DecodeView]):
             the refilled view (same tensors as ``view(bs)``; host ints reflect this batch).
         """
         cfg = self.cfg
-        seq_lens, n, rpi, table, blk, host = self._inputs(
-            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
-            cfg.max_context_len)
-        wt = self._window_table(table, blk, window_req_to_token, window_block_table)
+        seq_lens, n, rpi, table, blk, host, wt, num_real, seq_lens_cpu = (
+            self._inputs(bs, seq_lens, shared, cfg.max_context_len))
         ids = None
         if request_ids is not None:
             if num_real is not None:

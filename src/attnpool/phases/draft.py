@@ -5,9 +5,8 @@ docs/design.md, Draft decode and Overlay.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -19,7 +18,10 @@ from ..update.reference import PagedBuffers
 from ..views import DraftStepView, DraftView, PagedView
 from ._validate import Values
 from ._views import part_view
-from .base import PhaseBase
+from .base import PhaseBase, Shared
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 class DraftPhase(PhaseBase[DraftView]):
@@ -93,13 +95,7 @@ class DraftPhase(PhaseBase[DraftView]):
         *,
         seq_lens: Tensor,
         out_cache_loc: Tensor | None = None,
-        req_pool_indices: Tensor | None = None,
-        req_to_token: Tensor | None = None,
-        block_table: Tensor | None = None,
-        seq_lens_cpu: Tensor | Sequence[int] | None = None,
-        num_real: Tensor | None = None,
-        window_req_to_token: Tensor | None = None,
-        window_block_table: Tensor | None = None,
+        **shared: Unpack[Shared],
     ) -> DraftView:
         """Refill every step for ``n = len(seq_lens)`` requests.
 
@@ -119,10 +115,8 @@ class DraftPhase(PhaseBase[DraftView]):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg, steps = self.cfg, self.cfg.spec_steps
-        seq_lens, n, rpi, table, blk, host = self._inputs(
-            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
-            cfg.max_context_len - steps)
-        wt = self._window_table(table, blk, window_req_to_token, window_block_table)
+        seq_lens, n, rpi, table, blk, host, wt, num_real, seq_lens_cpu = (
+            self._inputs(bs, seq_lens, shared, cfg.max_context_len - steps))
         loc: Tensor | None = None
         if not self.tree:
             if out_cache_loc is not None:

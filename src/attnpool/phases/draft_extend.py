@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -15,7 +15,10 @@ from ..inputs import host_lens
 from ..views import DraftExtendView
 from ._validate import Values
 from ._views import part_view
-from .base import PhaseBase
+from .base import PhaseBase, Shared
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 class DraftExtendPhase(PhaseBase[DraftExtendView]):
@@ -51,14 +54,8 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
         *,
         seq_lens: Tensor,
         accept_lens: Tensor,
-        req_pool_indices: Tensor | None = None,
-        req_to_token: Tensor | None = None,
-        block_table: Tensor | None = None,
-        seq_lens_cpu: Tensor | Sequence[int] | None = None,
         accept_lens_cpu: Tensor | Sequence[int] | None = None,
-        num_real: Tensor | None = None,
-        window_req_to_token: Tensor | None = None,
-        window_block_table: Tensor | None = None,
+        **shared: Unpack[Shared],
     ) -> DraftExtendView:
         """Refill for ``n`` requests (fused path: one launch, ``cu_seqlens_q`` included).
 
@@ -73,10 +70,8 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg = self.cfg
-        seq_lens, n, rpi, table, blk, host = self._inputs(
-            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
-            cfg.max_context_len, accept_lens_cpu)
-        wt = self._window_table(table, blk, window_req_to_token, window_block_table)
+        seq_lens, n, rpi, table, blk, host, wt, num_real, seq_lens_cpu = (
+            self._inputs(bs, seq_lens, shared, cfg.max_context_len, accept_lens_cpu))
         acc = self._tensor("accept_lens", accept_lens, 1, rows=n)
         acc_host = host_lens("accept_lens_cpu", accept_lens_cpu, n, 1, cfg.num_draft_tokens)
         if host is not None and acc_host is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -14,7 +14,10 @@ from ..inputs import host_lens
 from ..views import DecodeView, EncoderView, PagedView
 from ._validate import Values
 from ._views import part_view
-from .base import PhaseBase
+from .base import PhaseBase, Shared
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 class EncoderPhase(PhaseBase[EncoderView]):
@@ -57,12 +60,8 @@ class EncoderPhase(PhaseBase[EncoderView]):
         *,
         seq_lens: Tensor,
         encoder_lens: Tensor,
-        req_pool_indices: Tensor | None = None,
-        req_to_token: Tensor | None = None,
-        block_table: Tensor | None = None,
-        seq_lens_cpu: Tensor | Sequence[int] | None = None,
         encoder_lens_cpu: Tensor | Sequence[int] | None = None,
-        num_real: Tensor | None = None,
+        **shared: Unpack[Shared],
     ) -> EncoderView:
         """Refill both parts for ``n`` requests (fused path: one launch per part).
 
@@ -77,9 +76,8 @@ class EncoderPhase(PhaseBase[EncoderView]):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg = self.cfg
-        seq_lens, n, rpi, table, blk, host = self._inputs(
-            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
-            cfg.max_context_len, encoder_lens_cpu)
+        seq_lens, n, rpi, table, blk, host, _, num_real, seq_lens_cpu = (
+            self._inputs(bs, seq_lens, shared, cfg.max_context_len, encoder_lens_cpu))
         enc = self._tensor("encoder_lens", encoder_lens, 1, rows=n)
         enc_host = host_lens("encoder_lens_cpu", encoder_lens_cpu, n, 1, cfg.max_encoder_len)
         if host is not None and enc_host is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -18,7 +18,10 @@ from ..inputs import host_lens
 from ..views import ExtendView
 from ._validate import Values
 from ._views import part_view
-from .base import PhaseBase
+from .base import PhaseBase, Shared
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 class ExtendPhase(PhaseBase[ExtendView]):
@@ -57,16 +60,10 @@ class ExtendPhase(PhaseBase[ExtendView]):
         *,
         seq_lens: Tensor,
         extend_lens: Tensor,
-        req_pool_indices: Tensor | None = None,
-        req_to_token: Tensor | None = None,
-        block_table: Tensor | None = None,
-        seq_lens_cpu: Tensor | Sequence[int] | None = None,
         extend_lens_cpu: Tensor | Sequence[int] | None = None,
-        num_real: Tensor | None = None,
         out_slots: Tensor | None = None,
-        window_req_to_token: Tensor | None = None,
-        window_block_table: Tensor | None = None,
         window_out_slots: Tensor | None = None,
+        **shared: Unpack[Shared],
     ) -> ExtendView:
         """Refill the ``bs``-row view in place for ``n = len(seq_lens)`` requests.
 
@@ -102,14 +99,12 @@ class ExtendPhase(PhaseBase[ExtendView]):
             the refilled :class:`attnpool.ExtendView` (same tensors as ``view(bs)``).
         """
         cfg, t_max = self.cfg, self.max_tokens
-        seq_lens, n, rpi, table, blk, host = self._inputs(
-            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
-            cfg.max_context_len, extend_lens_cpu)
+        seq_lens, n, rpi, table, blk, host, wt, num_real, seq_lens_cpu = (
+            self._inputs(bs, seq_lens, shared, cfg.max_context_len, extend_lens_cpu))
         ext = self._tensor("extend_lens", extend_lens, 1, rows=n)
         ehost = host_lens("extend_lens_cpu", extend_lens_cpu, n, 1, cfg.max_context_len)
         total = self._check_host(host, ehost)
         slots = None if out_slots is None else self._out_slots(out_slots, total)
-        wt = self._window_table(table, blk, window_req_to_token, window_block_table)
         wslots = None
         if window_out_slots is not None:
             if wt is None:

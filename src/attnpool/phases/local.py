@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -16,7 +16,10 @@ from ..specs import local_rows_per_request
 from ..views import LocalView
 from ._validate import Values
 from ._views import part_view
-from .base import PhaseBase
+from .base import PhaseBase, Shared
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 class LocalPhase(PhaseBase[LocalView]):
@@ -68,12 +71,8 @@ class LocalPhase(PhaseBase[LocalView]):
         bs: int,
         *,
         seq_lens: Tensor,
-        req_pool_indices: Tensor | None = None,
-        req_to_token: Tensor | None = None,
-        block_table: Tensor | None = None,
-        seq_lens_cpu: Tensor | Sequence[int] | None = None,
         for_phase: Phase = Phase.DECODE,
-        num_real: Tensor | None = None,
+        **shared: Unpack[Shared],
     ) -> LocalView:
         """Refill for ``n`` requests (fused path: one launch, ``cu_seqlens_q`` included).
 
@@ -90,9 +89,8 @@ class LocalPhase(PhaseBase[LocalView]):
         """
         cfg = self.cfg
         q, extra, per = self._shape(for_phase)
-        seq_lens, n, rpi, table, blk, _ = self._inputs(
-            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
-            cfg.max_context_len - extra)
+        seq_lens, n, rpi, table, blk, _, _w, num_real, seq_lens_cpu = (
+            self._inputs(bs, seq_lens, shared, cfg.max_context_len - extra))
         if self.validate:  # (the values are only gathered when they are read)
             self._values(Values(n, num_real, table.shape[0],
                                 [("seq_lens", seq_lens, 1, cfg.max_context_len - extra),

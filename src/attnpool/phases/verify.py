@@ -5,9 +5,8 @@ docs/design.md, Verify.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -18,7 +17,10 @@ from ..errors import InputError
 from ..views import PagedView, VerifyView
 from ._validate import Values
 from ._views import part_view
-from .base import PhaseBase
+from .base import PhaseBase, Shared
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 class VerifyPhase(PhaseBase[VerifyView]):
@@ -52,13 +54,7 @@ class VerifyPhase(PhaseBase[VerifyView]):
         *,
         seq_lens: Tensor,
         tree_mask: Tensor | None = None,
-        req_pool_indices: Tensor | None = None,
-        req_to_token: Tensor | None = None,
-        block_table: Tensor | None = None,
-        seq_lens_cpu: Tensor | Sequence[int] | None = None,
-        num_real: Tensor | None = None,
-        window_req_to_token: Tensor | None = None,
-        window_block_table: Tensor | None = None,
+        **shared: Unpack[Shared],
     ) -> VerifyView:
         """Refill for ``n = len(seq_lens)`` requests, each verifying N draft tokens.
 
@@ -76,10 +72,8 @@ class VerifyPhase(PhaseBase[VerifyView]):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg, nd = self.cfg, self.cfg.num_draft_tokens
-        seq_lens, n, rpi, table, blk, host = self._inputs(
-            bs, seq_lens, num_real, req_pool_indices, req_to_token, block_table, seq_lens_cpu,
-            cfg.max_context_len - nd)
-        wt = self._window_table(table, blk, window_req_to_token, window_block_table)
+        seq_lens, n, rpi, table, blk, host, wt, num_real, seq_lens_cpu = (
+            self._inputs(bs, seq_lens, shared, cfg.max_context_len - nd))
         mask: Tensor | None = None
         if self.tree:
             mask = self._tensor("tree_mask", tree_mask, 3, dtypes=(torch.bool,), rows=n)
