@@ -338,3 +338,20 @@ def test_plan_shows_the_window_parts() -> None:
     rows = {line.split()[1]: line.split()[2] for line in out.splitlines()
             if line.startswith("decode ")}
     assert rows["window_page_table"] == "160x257" and rows["page_table"] == "160x8192"
+
+
+def test_check_reads_the_window_part_too() -> None:
+    """``pool.check`` covers the window part of a decode view: a window row whose page was
+    never written is caught (here: poison put back into the window part's table)."""
+    pool = BufferPool(config(4, 6, Layout.FLASH_ATTN, Impl.REFERENCE), poison=True)
+    full, win = tables(4, random.Random(9))
+    view = pool.decode.update_(2, seq_lens=torch.tensor([40, 3]),
+                               req_pool_indices=torch.tensor([1, 2]), req_to_token=full,
+                               window_req_to_token=win)
+    pool.check(view)
+    assert view.window is not None and view.window.page_table is not None
+    view.window.page_table[0, 0] = torch.iinfo(torch.int32).max
+    from attnpool import ReadRegionError
+
+    with pytest.raises(ReadRegionError, match=r"DecodeView\.window\.page_table\[0\]"):
+        pool.check(view)

@@ -116,6 +116,9 @@ def check_view(view: object, num_pages: int | None = None, page_size: int | None
         check_paged(view, type(view).__name__, _limit(view, num_pages, page_size))
         if isinstance(view, ExtendView):
             _check_positions(view)
+        if view.window is not None:  # a phase view's sliding-window part
+            check_paged(view.window, f"{type(view).__name__}.window",
+                        _limit(view.window, num_pages, page_size))
         return
     if not dataclasses.is_dataclass(view):
         raise PoolError(f"check_view expects an attnpool view, got {type(view).__name__}")

@@ -75,6 +75,10 @@ class PagedView(_Stamped):
         window_left: keys a query sees to its left (flash-attn's ``window_size[0]``,
             FlashInfer's ``window_left``): ``W - 1`` for a sliding-window part, -1 (no window)
             otherwise. Keyword-only.
+        window: a phase view's sliding-window part (``PoolConfig(sliding_window=W)``): the same
+            rows from each row's window start, ``window_left = W - 1``; None without a window
+            and on the parts themselves. Keyword-only; :class:`VerifyView` and
+            :class:`DraftStepView` carry one too.
     """
 
     bs: int
@@ -90,6 +94,7 @@ class PagedView(_Stamped):
     page_size: int
     causal: bool
     window_left: int = field(default=-1, kw_only=True)
+    window: PagedView | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +104,6 @@ class DecodeView(PagedView):
     Same fields as :class:`PagedView`; ``cache_seqlens[i]`` is request ``i``'s sequence length
     including the token being decoded.
     """
-
-    #: the sliding-window layers' part (``PoolConfig(sliding_window=W)``): the same rows from
-    #: each row's window start, ``window_left = W - 1``; None without a window
-    window: PagedView | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,9 +127,7 @@ class VerifyView(_Stamped):
     bs: int
     prefix: PagedView
     expand: PagedView | None
-    #: the sliding-window layers' part (``PoolConfig(sliding_window=W)``): the same rows from
-    #: each row's window start, ``window_left = W - 1``; None without a window
-    window: PagedView | None = field(default=None, kw_only=True)
+    window: PagedView | None = field(default=None, kw_only=True)  # (as PagedView.window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,9 +145,7 @@ class DraftStepView(_Stamped):
     step: int
     prefix: PagedView
     expand: PagedView | None
-    #: the sliding-window layers' part (``PoolConfig(sliding_window=W)``): the same rows from
-    #: each row's window start, ``window_left = W - 1``; None without a window
-    window: PagedView | None = field(default=None, kw_only=True)
+    window: PagedView | None = field(default=None, kw_only=True)  # (as PagedView.window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,10 +165,6 @@ class DraftView(_Stamped):
 class DraftExtendView(PagedView):
     """Draft extend: request ``i`` has ``accept_lens[i]`` queries (``cu_seqlens_q`` is their
     cumsum; a padded row has one query), causal, ``cache_seqlens = seq_lens``."""
-
-    #: the sliding-window layers' part (``PoolConfig(sliding_window=W)``): the same rows from
-    #: each row's window start, ``window_left = W - 1``; None without a window
-    window: PagedView | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,9 +203,6 @@ class ExtendView(PagedView):
     """
 
     positions: Tensor
-    #: the sliding-window layers' part (``PoolConfig(sliding_window=W)``): the same rows from
-    #: each row's window start, ``window_left = W - 1``; None without a window
-    window: PagedView | None = field(default=None, kw_only=True)
 
     @property
     def qo_indptr(self) -> Tensor | None:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..arena import Arena
-from ..config import INT_DTYPES, PHASE_FACTS, Impl, Phase, resolve_impl
+from ..config import INT_DTYPES, PHASE_FACTS, Impl, Phase, PoolConfig, resolve_impl
 from ..errors import CapacityError, InputError, LayoutError, PoolError
 from ..inputs import check_block_table, check_bs, check_req_to_token, check_tensor, host_lens
 from ..update import reference as ref
@@ -158,20 +158,21 @@ class PhaseBase(Generic[ViewT]):
         return self._not_ours(name, check_tensor(name, t, self.cfg, ndim, dtypes, rows, self._dev))
 
     def _req_to_token(self, t: object, name: str = "req_to_token") -> Tensor:
-        lo, hi = self._span
-        if (type(t) is Tensor and t.dim() == 2 and t.dtype in INT_DTYPES and t.device == self._dev
-                and t.shape[0] >= 1 and t.shape[1] >= self._max_len
-                and t.stride(1) == 1 and not lo <= t.data_ptr() < hi):
-            return t
-        return self._not_ours(name, check_req_to_token(t, self.cfg, self._dev, name))
+        return self._checked_table(t, name, self._max_len, check_req_to_token)
 
     def _block_table(self, t: object, name: str = "block_table") -> Tensor:
+        return self._checked_table(t, name, self._max_pages, check_block_table)
+
+    def _checked_table(self, t: object, name: str, cols: int,
+               check: Callable[[object, PoolConfig, torch.device, str], Tensor]) -> Tensor:
+        """A request table of at least ``cols`` columns, rows contiguous, not in the arena: one
+        expression of attribute reads when it is fine; ``check`` names what is wrong."""
         lo, hi = self._span
         if (type(t) is Tensor and t.dim() == 2 and t.dtype in INT_DTYPES and t.device == self._dev
-                and t.shape[0] >= 1 and t.shape[1] >= self._max_pages
+                and t.shape[0] >= 1 and t.shape[1] >= cols
                 and t.stride(1) == 1 and not lo <= t.data_ptr() < hi):
             return t
-        return self._not_ours(name, check_block_table(t, self.cfg, self._dev, name))
+        return self._not_ours(name, check(t, self.cfg, self._dev, name))
 
     def _rows_table(self, n: int, req_pool_indices: object, req_to_token: object,
                     block_table: object) -> tuple[Tensor, Tensor, int | None]:
@@ -374,6 +375,18 @@ class PhaseBase(Generic[ViewT]):
     def _mark(self, rows: int) -> None:
         """Record this phase's write of ``rows`` rows (the overlay bookkeeping of every update)."""
         self.arena.mark(self._regions, self.phase, rows)
+
+    def _check_values(self, x: Inputs, hi: int, ranges: Sequence[Any] = (),
+                      hosts: Sequence[Any] = (), **more: Any) -> None:
+        """Validation mode (``validate=True``): the inputs every phase shares (``seq_lens`` in
+        ``[1, hi]``, ``req_pool_indices`` inside both tables, ``seq_lens_cpu`` equal to the
+        device values), plus the phase's own ``ranges``, ``hosts`` and ``more`` checks
+        (:class:`._validate.Values`). Nothing is gathered unless the pool validates."""
+        if self.validate:
+            self._values(Values(x.n, x.num_real, self._table_rows(x.table, x.window_table),
+                                [("seq_lens", x.seq_lens, 1, hi), *ranges,
+                                 ("req_pool_indices", x.rows, 0, 0)],
+                                [("seq_lens_cpu", x.seq_lens_cpu, "seq_lens"), *hosts], **more))
 
     def _values(self, v: Values) -> None:
         """Validate ``v`` when this pool validates (one host read; skipped during a capture,

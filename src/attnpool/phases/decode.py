@@ -13,7 +13,6 @@ from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
 from ..views import DecodeView
-from ._validate import Values
 from ._views import part_view
 from .base import PhaseBase, Shared
 
@@ -106,8 +105,8 @@ class DecodePhase(PhaseBase[DecodeView]):
             the refilled view (same tensors as ``view(bs)``; host ints reflect this batch).
         """
         cfg = self.cfg
-        seq_lens, n, rpi, table, blk, host, wt, num_real, seq_lens_cpu = (
-            self._inputs(bs, seq_lens, shared, cfg.max_context_len))
+        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len)
+        seq_lens, n, rpi, table, blk, host, wt, num_real, _ = x
         ids = None
         if request_ids is not None:
             if num_real is not None:
@@ -119,11 +118,7 @@ class DecodePhase(PhaseBase[DecodeView]):
             ids = list(request_ids)
             if len(ids) != n:
                 raise InputError(f"request_ids must have n={n} values, got {len(ids)}")
-        if self.validate:  # (the values are only gathered when they are read)
-            self._values(Values(n, num_real, self._table_rows(table, wt),
-                                [("seq_lens", seq_lens, 1, cfg.max_context_len),
-                                 ("req_pool_indices", rpi, 0, 0)],
-                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
+        self._check_values(x, cfg.max_context_len)
         flags = self._keep_flags(ids, bs)
         keep = None if flags is None else self._keep[:bs]
         width = self._width(host)

@@ -16,7 +16,6 @@ from ..errors import InputError
 from ..specs import draft_expand_width
 from ..update.reference import PagedBuffers
 from ..views import DraftStepView, DraftView, PagedView
-from ._validate import Values
 from ._views import part_view
 from .base import PhaseBase, Shared
 
@@ -99,9 +98,6 @@ class DraftPhase(PhaseBase[DraftView]):
     ) -> DraftView:
         """Refill every step for ``n = len(seq_lens)`` requests.
 
-        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
-        in the position another phase gives to ``req_pool_indices``.
-
         Fused path: a chain round is one launch (all steps' lengths, cumsums and the shared
         table); a tree round is two (the prefix pass, then every step's expand rows).
 
@@ -115,8 +111,8 @@ class DraftPhase(PhaseBase[DraftView]):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg, steps = self.cfg, self.cfg.spec_steps
-        seq_lens, n, rpi, table, blk, host, wt, num_real, seq_lens_cpu = (
-            self._inputs(bs, seq_lens, shared, cfg.max_context_len - steps))
+        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len - steps)
+        seq_lens, n, rpi, table, blk, host, wt, num_real, _ = x
         loc: Tensor | None = None
         if not self.tree:
             if out_cache_loc is not None:
@@ -127,11 +123,7 @@ class DraftPhase(PhaseBase[DraftView]):
             if loc.shape[1] != steps or loc.shape[2] != cfg.topk:
                 raise InputError(f"out_cache_loc must be [n, {steps}, {cfg.topk}], "
                                  f"got {tuple(loc.shape)}")
-        if self.validate:  # (the values are only gathered when they are read)
-            self._values(Values(n, num_real, self._table_rows(table, wt),
-                                [("seq_lens", seq_lens, 1, cfg.max_context_len - steps),
-                                 ("req_pool_indices", rpi, 0, 0)],
-                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
+        self._check_values(x, cfg.max_context_len - steps)
         width = self._width(host, 0 if self.tree else steps)
         # --- writes start here (every part's inputs were checked above) ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None,

@@ -13,7 +13,6 @@ from ..config import Phase
 from ..errors import CapacityError
 from ..inputs import host_lens
 from ..views import DraftExtendView
-from ._validate import Values
 from ._views import part_view
 from .base import PhaseBase, Shared
 
@@ -59,9 +58,6 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
     ) -> DraftExtendView:
         """Refill for ``n`` requests (fused path: one launch, ``cu_seqlens_q`` included).
 
-        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
-        in the position another phase gives to ``req_pool_indices``.
-
         Args:
             seq_lens: ``[n]`` KV lengths including the accepted tokens, in ``[1, C]``.
             accept_lens: ``[n]`` int queries per request, each in ``[1, min(N, seq_len)]``
@@ -70,8 +66,8 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg = self.cfg
-        seq_lens, n, rpi, table, blk, host, wt, num_real, seq_lens_cpu = (
-            self._inputs(bs, seq_lens, shared, cfg.max_context_len, accept_lens_cpu))
+        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len, accept_lens_cpu)
+        seq_lens, n, rpi, table, blk, host, wt, num_real, _ = x
         acc = self._tensor("accept_lens", accept_lens, 1, rows=n)
         acc_host = host_lens("accept_lens_cpu", accept_lens_cpu, n, 1, cfg.num_draft_tokens)
         if host is not None and acc_host is not None:
@@ -80,14 +76,9 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
                 if a > s:
                     raise CapacityError(f"accept_lens_cpu[{i}] must be <= seq_lens_cpu[{i}]={s}, "
                                         f"got {a}")
-        if self.validate:  # (the values are only gathered when they are read)
-            self._values(Values(n, num_real, self._table_rows(table, wt),
-                                [("seq_lens", seq_lens, 1, cfg.max_context_len),
-                                 ("accept_lens", acc, 1, cfg.num_draft_tokens),
-                                 ("req_pool_indices", rpi, 0, 0)],
-                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
-                                 ("accept_lens_cpu", accept_lens_cpu, "accept_lens")],
-                                at_most=[("accept_lens", "seq_lens")]))
+        self._check_values(x, cfg.max_context_len, [("accept_lens", acc, 1, cfg.num_draft_tokens)],
+                           [("accept_lens_cpu", accept_lens_cpu, "accept_lens")],
+                           at_most=[("accept_lens", "seq_lens")])
         width = self._width(host)
         # --- writes start here ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None,

@@ -12,7 +12,6 @@ from ..arena import Arena
 from ..config import Phase
 from ..inputs import host_lens
 from ..views import DecodeView, EncoderView, PagedView
-from ._validate import Values
 from ._views import part_view
 from .base import PhaseBase, Shared
 
@@ -65,9 +64,6 @@ class EncoderPhase(PhaseBase[EncoderView]):
     ) -> EncoderView:
         """Refill both parts for ``n`` requests (fused path: one launch per part).
 
-        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
-        in the position another phase gives to ``req_pool_indices``.
-
         Args:
             seq_lens: ``[n]`` decoder lengths (decoder tokens only), each ``>= 1`` and with
                 ``encoder_lens[i] + seq_lens[i] <= C``.
@@ -76,22 +72,17 @@ class EncoderPhase(PhaseBase[EncoderView]):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg = self.cfg
-        seq_lens, n, rpi, table, blk, host, _, num_real, seq_lens_cpu = (
-            self._inputs(bs, seq_lens, shared, cfg.max_context_len, encoder_lens_cpu))
+        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len, encoder_lens_cpu)
+        seq_lens, n, rpi, table, blk, host, _, num_real, _ = x
         enc = self._tensor("encoder_lens", encoder_lens, 1, rows=n)
         enc_host = host_lens("encoder_lens_cpu", encoder_lens_cpu, n, 1, cfg.max_encoder_len)
         if host is not None and enc_host is not None:
             host_lens("encoder_lens_cpu + seq_lens_cpu",
                       [a + b for a, b in zip(enc_host, host, strict=True)], n, 2,
                       cfg.max_context_len)
-        if self.validate:  # (the values are only gathered when they are read)
-            self._values(Values(n, num_real, table.shape[0],
-                                [("seq_lens", seq_lens, 1, cfg.max_context_len),
-                                 ("encoder_lens", enc, 1, cfg.max_encoder_len),
-                                 ("req_pool_indices", rpi, 0, 0)],
-                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
-                                 ("encoder_lens_cpu", encoder_lens_cpu, "encoder_lens")],
-                                sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len)))
+        self._check_values(x, cfg.max_context_len, [("encoder_lens", enc, 1, cfg.max_encoder_len)],
+                           [("encoder_lens_cpu", encoder_lens_cpu, "encoder_lens")],
+                           sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len))
         # (the cross part caps its width at its own capacity, ceil(max_encoder_len / P))
         enc_width, width = self._width(enc_host), self._width(host)
         # --- writes start here (both parts' inputs were checked above) ---

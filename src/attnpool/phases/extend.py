@@ -16,7 +16,6 @@ from ..config import Phase
 from ..errors import CapacityError, LayoutError
 from ..inputs import host_lens
 from ..views import ExtendView
-from ._validate import Values
 from ._views import part_view
 from .base import PhaseBase, Shared
 
@@ -67,9 +66,6 @@ class ExtendPhase(PhaseBase[ExtendView]):
     ) -> ExtendView:
         """Refill the ``bs``-row view in place for ``n = len(seq_lens)`` requests.
 
-        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
-        in the position another phase gives to ``req_pool_indices``.
-
         Args:
             bs: the captured batch size (``n <= bs <= max_bs``).
             seq_lens: ``[n]`` int, total KV length of each request *including* its new tokens,
@@ -99,8 +95,8 @@ class ExtendPhase(PhaseBase[ExtendView]):
             the refilled :class:`attnpool.ExtendView` (same tensors as ``view(bs)``).
         """
         cfg, t_max = self.cfg, self.max_tokens
-        seq_lens, n, rpi, table, blk, host, wt, num_real, seq_lens_cpu = (
-            self._inputs(bs, seq_lens, shared, cfg.max_context_len, extend_lens_cpu))
+        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len, extend_lens_cpu)
+        seq_lens, n, rpi, table, blk, host, wt, num_real, _ = x
         ext = self._tensor("extend_lens", extend_lens, 1, rows=n)
         ehost = host_lens("extend_lens_cpu", extend_lens_cpu, n, 1, cfg.max_context_len)
         total = self._check_host(host, ehost)
@@ -111,15 +107,9 @@ class ExtendPhase(PhaseBase[ExtendView]):
                 raise LayoutError("window_out_slots needs PoolConfig(sliding_window=...), got "
                                   "one from a pool without a window")
             wslots = self._out_slots(window_out_slots, total, "window_out_slots")
-        if self.validate:  # (the values are only gathered when they are read)
-            self._values(Values(n, num_real, self._table_rows(table, wt),
-                                [("seq_lens", seq_lens, 1, cfg.max_context_len),
-                                 ("extend_lens", ext, 1, cfg.max_context_len),
-                                 ("req_pool_indices", rpi, 0, 0)],
-                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens"),
-                                 ("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
-                                at_most=[("extend_lens", "seq_lens")],
-                                sum_at_most=("extend_lens", t_max)))
+        self._check_values(x, cfg.max_context_len, [("extend_lens", ext, 1, cfg.max_context_len)],
+                           [("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
+                           at_most=[("extend_lens", "seq_lens")], sum_at_most=("extend_lens", t_max))
         width = self._width(host)
         # --- writes start here ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None,

@@ -14,7 +14,6 @@ from ..errors import InputError
 from ..inputs import check_bs
 from ..specs import local_rows_per_request
 from ..views import LocalView
-from ._validate import Values
 from ._views import part_view
 from .base import PhaseBase, Shared
 
@@ -76,9 +75,6 @@ class LocalPhase(PhaseBase[LocalView]):
     ) -> LocalView:
         """Refill for ``n`` requests (fused path: one launch, ``cu_seqlens_q`` included).
 
-        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
-        in the position another phase gives to ``req_pool_indices``.
-
         Args:
             seq_lens: ``[n]`` as the matching phase takes them: decode lengths (including the
                 token being decoded) or verify's committed lengths (drafts excluded).
@@ -89,13 +85,9 @@ class LocalPhase(PhaseBase[LocalView]):
         """
         cfg = self.cfg
         q, extra, per = self._shape(for_phase)
-        seq_lens, n, rpi, table, blk, _, _w, num_real, seq_lens_cpu = (
-            self._inputs(bs, seq_lens, shared, cfg.max_context_len - extra))
-        if self.validate:  # (the values are only gathered when they are read)
-            self._values(Values(n, num_real, table.shape[0],
-                                [("seq_lens", seq_lens, 1, cfg.max_context_len - extra),
-                                 ("req_pool_indices", rpi, 0, 0)],
-                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens")]))
+        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len - extra)
+        seq_lens, n, rpi, table, blk, _, _w, num_real, _ = x
+        self._check_values(x, cfg.max_context_len - extra)
         # --- writes start here ---
         self._run((bs, extra, q, per, blk, table.shape, table.stride(0), num_real is None), bs,
                   (n, seq_lens, rpi, table, blk, num_real, for_phase))

@@ -15,7 +15,6 @@ from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
 from ..views import PagedView, VerifyView
-from ._validate import Values
 from ._views import part_view
 from .base import PhaseBase, Shared
 
@@ -58,9 +57,6 @@ class VerifyPhase(PhaseBase[VerifyView]):
     ) -> VerifyView:
         """Refill for ``n = len(seq_lens)`` requests, each verifying N draft tokens.
 
-        Every input after ``bs`` is keyword-only, so one phase's extra inputs can never land
-        in the position another phase gives to ``req_pool_indices``.
-
         Args:
             seq_lens: ``[n]`` committed lengths (drafts excluded), each in ``[1, C - N]``; the
                 draft tokens' slots are ``req_to_token[r, seq_len .. seq_len + N - 1]``.
@@ -72,8 +68,8 @@ class VerifyPhase(PhaseBase[VerifyView]):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg, nd = self.cfg, self.cfg.num_draft_tokens
-        seq_lens, n, rpi, table, blk, host, wt, num_real, seq_lens_cpu = (
-            self._inputs(bs, seq_lens, shared, cfg.max_context_len - nd))
+        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len - nd)
+        seq_lens, n, rpi, table, blk, host, wt, num_real, _ = x
         mask: Tensor | None = None
         if self.tree:
             mask = self._tensor("tree_mask", tree_mask, 3, dtypes=(torch.bool,), rows=n)
@@ -81,11 +77,7 @@ class VerifyPhase(PhaseBase[VerifyView]):
                 raise InputError(f"tree_mask must be [n, {nd}, {nd}], got {tuple(mask.shape)}")
         elif tree_mask is not None:
             raise InputError(f"tree_mask is only for topk > 1, got one with topk={cfg.topk}")
-        if self.validate:  # (the values are only gathered when they are read)
-            self._values(Values(n, num_real, self._table_rows(table, wt),
-                                [("seq_lens", seq_lens, 1, cfg.max_context_len - nd),
-                                 ("req_pool_indices", rpi, 0, 0)],
-                                [("seq_lens_cpu", seq_lens_cpu, "seq_lens")], tree_mask=mask))
+        self._check_values(x, cfg.max_context_len - nd, tree_mask=mask)
         add = 0 if self.tree else nd
         width = self._width(host, add)
         # --- writes start here (every part's inputs were checked above) ---
