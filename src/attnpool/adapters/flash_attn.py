@@ -34,14 +34,13 @@ only the rows of ``cu_seqlens_q[:bs+1]``: rows past ``cu_seqlens_q[bs]`` are lef
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import Tensor
 
 from ..errors import InputError, LayoutError
 from ..kv.quant import check_scales, is_fp8
-from ..pool import BufferPool
 from ..views import DraftExtendView, LocalView, PagedView
 from .flash_attn_load import FA3_MODULES as FA3_MODULES
 from .flash_attn_load import CallStyle as CallStyle
@@ -52,31 +51,18 @@ from .flash_attn_load import clear_kernel_cache as clear_kernel_cache
 from .flash_attn_load import load_fa2 as load_fa2
 from .flash_attn_load import load_fa3 as load_fa3
 from .flash_attn_load import pick_kernel
+from .flash_attn_sched import _paged, window_kwargs
+from .flash_attn_sched import kernel_seqlen_k as kernel_seqlen_k
+from .flash_attn_sched import scheduler_metadata_ as scheduler_metadata_
 from .fp8 import FA3_FP8, fa3_fp8_kwargs
 from .sdpa import Attn, cache_as_pages, check_qkv, run_passes, softmax_scale_of
 from .variants import check_sinks, check_softcap, sink_argument
 
+if TYPE_CHECKING:
+    from typing import Unpack
+
 #: FA2's paged KV cache needs ``page_block_size % FA2_PAGE_MULTIPLE == 0``.
 FA2_PAGE_MULTIPLE = 256
-
-
-def _paged(view: PagedView) -> Tensor:
-    if not isinstance(view, PagedView):
-        raise InputError(f"expected a PagedView part, got {type(view).__name__}")
-    if view.page_table is None:
-        raise LayoutError("flash-attn reads a page table: expected a view with page_table "
-                          "(Layout.FLASH_ATTN), got one without")
-    return view.page_table
-
-
-def kernel_seqlen_k(view: PagedView) -> int:
-    """The KV bound FA3 derives for ``view``: page-table width × page size.
-
-    flash-attn takes no ``max_seqlen_k`` with a page table; it plans its splits for
-    ``page_table.shape[1] * page_size`` keys, so :func:`scheduler_metadata_` plans for the same
-    bound (``view.max_seqlen_k`` may be tighter, and a different bound is a different split plan).
-    """
-    return _paged(view).shape[1] * view.page_size
 
 
 def fa3_kwargs(
@@ -223,84 +209,6 @@ def _softcap_kwargs(softcap: float) -> dict[str, Any]:
     return {"softcap": cap} if cap else {}
 
 
-def window_kwargs(view: PagedView) -> dict[str, Any]:
-    """``window_size=(window_left, 0)`` for a sliding-window part (flash-attn's left bound is
-    inclusive: a query sees itself and ``window_left`` keys before it), nothing otherwise: the
-    full parts' calls stay exactly as they were."""
-    return {"window_size": (view.window_left, 0)} if view.window_left >= 0 else {}
-
-
-def scheduler_metadata_(
-    pool: BufferPool,
-    view: PagedView,
-    *,
-    num_heads_q: int,
-    num_heads_kv: int,
-    head_dim: int,
-    qkv_dtype: torch.dtype,
-    fn: Kernel | None = None,
-    kernel: FlashKernel | None = None,
-    softcap: float = 0.0,
-) -> Tensor:
-    """Plan FA3's scheduler for ``view`` into the pool's ``scheduler_metadata`` buffer.
-
-    Call it after the view's update and before each replay, outside the graph (FA3 computes the
-    plan on the device from ``cache_seqlens`` and ``cu_seqlens_q``). A plan holds for one window
-    setting only (FA3 plans a sliding window as a "local" part, with other vectors), so a
-    sliding-window part (``view.window_left >= 0``) is planned with its ``window_size`` into
-    the pool's own ``window_scheduler_metadata`` buffer, never into the full parts'.
-    ``qkv_dtype`` is the dtype the kernel runs in: ``torch.float8_e4m3fn`` over an fp8 cache (q
-    is cast to it). The planner gets exactly what the kernel will see: the view's ``causal``,
-    ``page_size``, ``max_seqlen_q``, ``window_size`` and the KV bound the kernel derives from
-    the page table (:func:`kernel_seqlen_k`).
-
-    Returns:
-        The head of the pool's buffer holding FA3's result, *exactly* as many int32 elements as
-        FA3 returned: FA3 checks that length (``int(needs_semaphore) + round_up(bs, 4) *
-        vectors``, where the vector count depends on the part being causal, so it differs between
-        parts and batch sizes). The address is fixed for the pool's life, and the length is the
-        same at every call for one part and ``bs``, so a graph may bake the slice.
-
-    Args:
-        fn: ``get_scheduler_metadata`` to use (default: the loaded FA3 module's).
-        kernel: the FA3 entry point (default :func:`load_fa3`).
-
-    Raises:
-        LayoutError: the pool was built without ``fa3_scheduler_metadata=True``, the module has
-            no planner, or FA3's result is larger than the buffer (parts of more than ``max_bs``
-            rows, such as tree expand parts, need their own buffer).
-    """
-    name = "window_scheduler_metadata" if view.window_left >= 0 else "scheduler_metadata"
-    buf = pool.arena.maybe(None, name)
-    if buf is None:
-        raise LayoutError(f"this pool has no {name} buffer; build it with "
-                          "PoolConfig(fa3_scheduler_metadata=True)" + (
-                              " and sliding_window" if view.window_left >= 0 else ""))
-    if fn is None:
-        fn = pick_kernel(FlashAttnVersion.FA3, None, kernel).get_scheduler_metadata
-        if fn is None:
-            name = (kernel or load_fa3()).name
-            raise LayoutError(f"{name} has no get_scheduler_metadata; run without "
-                              "scheduler_metadata")
-    md = fn(
-        batch_size=view.bs, max_seqlen_q=view.max_seqlen_q, max_seqlen_k=kernel_seqlen_k(view),
-        num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, headdim=head_dim,
-        cache_seqlens=view.cache_seqlens, qkv_dtype=qkv_dtype, cu_seqlens_q=view.cu_seqlens_q,
-        page_size=view.page_size, causal=view.causal, **window_kwargs(view),
-        **({"has_softcap": True} if check_softcap(softcap) else {}),
-    )
-    if not isinstance(md, Tensor) or md.dim() != 1 or md.dtype != torch.int32:
-        got = (tuple(md.shape), md.dtype) if isinstance(md, Tensor) else type(md).__name__
-        raise LayoutError(f"get_scheduler_metadata must return a 1-D int32 tensor, got {got}")
-    if md.numel() > buf.numel():
-        raise LayoutError(f"FA3 scheduler_metadata has {md.numel()} elements for bs={view.bs}; "
-                          f"the pool's buffer holds {buf.numel()} (enough for parts of up to "
-                          f"max_bs={pool.cfg.max_bs} rows)")
-    dst = buf[: md.numel()]
-    dst.copy_(md)
-    return dst
-
-
 def run(
     view: PagedView,
     q: Tensor,
@@ -365,23 +273,27 @@ def run(
     return Attn(out.reshape(bs * sq, h, out.shape[3]), lse.transpose(1, 2).reshape(bs * sq, h))
 
 
-def attention(
-    view: object,
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    *,
-    version: FlashAttnVersion = FlashAttnVersion.FA3,
-    softmax_scale: float | None = None,
-    scheduler_metadata: Tensor | None = None,
-    fn: Kernel | None = None,
-    kernel: FlashKernel | None = None,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
-    q_scale: Tensor | None = None,
-    softcap: float = 0.0,
-    sinks: Tensor | None = None,
-) -> Attn:
+class RunOptions(TypedDict, total=False):
+    """:func:`run`'s keyword options, which :func:`attention` takes too (typed for checkers
+    through ``**opts: Unpack[RunOptions]``, checked by name at run time)."""
+
+    version: FlashAttnVersion
+    softmax_scale: float | None
+    scheduler_metadata: Tensor | None
+    fn: Kernel | None
+    kernel: FlashKernel | None
+    k_scale: Tensor | None
+    v_scale: Tensor | None
+    q_scale: Tensor | None
+    softcap: float
+    sinks: Tensor | None
+
+
+_RUN_OPTIONS = frozenset(RunOptions.__annotations__)
+
+
+def attention(view: object, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+              **opts: Unpack[RunOptions]) -> Attn:
     """:func:`run` for a :class:`PagedView`, or both passes of a tree
     :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` merged by log-sum-exp.
 
@@ -392,13 +304,17 @@ def attention(
     run without them and the merged rows get them from the merged log-sum-exp
     (:func:`~attnpool.adapters.merge.run_passes`).
     """
-    def one(part: PagedView, first: bool, s: Tensor | None) -> Attn:
-        return run(part, q, k_cache, v_cache, version=version, softmax_scale=softmax_scale,
-                   scheduler_metadata=scheduler_metadata if first else None, fn=fn,
-                   kernel=kernel, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale,
-                   softcap=softcap, sinks=s)
+    if not _RUN_OPTIONS.issuperset(opts):
+        raise InputError(f"attention got unexpected keyword(s) {sorted(set(opts) - _RUN_OPTIONS)}"
+                         f"; it takes {sorted(_RUN_OPTIONS)}")
+    sched, sinks = opts.get("scheduler_metadata"), opts.get("sinks")
 
-    if sinks is not None and version is FlashAttnVersion.FA2:
+    def one(part: PagedView, first: bool, s: Tensor | None) -> Attn:
+        each: RunOptions = {**opts, "scheduler_metadata": sched if first else None, "sinks": s}
+        return run(part, q, k_cache, v_cache, **each)
+
+    if sinks is not None and opts.get("version") is FlashAttnVersion.FA2:
         raise LayoutError("flash-attn 2 has no attention-sink argument; use FA3 (vLLM's s_aux, "
                           "sgl-kernel's sinks), FlashInfer or the sdpa adapter")
     return run_passes(view, one, check_sinks(sinks, q.shape[1], q.device, None))
+

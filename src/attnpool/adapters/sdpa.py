@@ -40,6 +40,7 @@ no keys (a FlashInfer padded row, an empty tree prefix) yields output 0 and log-
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,9 @@ from .merge import passes as passes
 from .merge import run_passes as run_passes
 from .sdpa_plan import Plan, build, gather_kv, group_q, packed_heads_q, scatter, ungroup
 from .variants import cap_scores_, check_sinks, check_softcap, with_sinks
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 #: SDPA takes fewer KV heads than query heads itself (``enable_gqa``) from torch 2.5 on.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -260,6 +264,30 @@ def _explicit(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor,
     return Attn(out, lse_q.float())
 
 
+class AttnOptions(TypedDict, total=False):
+    """The keyword options every SDPA entry point takes (documented in :func:`paged_attention`):
+    ``softmax_scale``, ``layout``, an fp8 cache's ``k_scale`` / ``v_scale``, ``softcap`` and
+    ``sinks``. Typed for checkers through ``**opts: Unpack[AttnOptions]``, checked by name at
+    run time, so a misspelt option is refused rather than ignored."""
+
+    softmax_scale: float | None
+    layout: Layout | None
+    k_scale: Tensor | None
+    v_scale: Tensor | None
+    softcap: float
+    sinks: Tensor | None
+
+
+_OPTIONS = frozenset(AttnOptions.__annotations__)
+
+
+def _options(opts: AttnOptions, fn: str) -> AttnOptions:
+    if not _OPTIONS.issuperset(opts):
+        raise InputError(f"{fn} got unexpected keyword(s) {sorted(set(opts) - _OPTIONS)}; it "
+                         f"takes {sorted(_OPTIONS)}")
+    return opts
+
+
 def _checked_plan(view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                   layout: Layout | None, clamp: bool) -> Plan:
     if not isinstance(view, PagedView):
@@ -275,13 +303,7 @@ def paged_attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    *,
-    softmax_scale: float | None = None,
-    layout: Layout | None = None,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
-    softcap: float = 0.0,
-    sinks: Tensor | None = None,
+    **opts: Unpack[AttnOptions],
 ) -> Attn:
     """Attention of the packed queries ``q`` over the KV rows of ``view`` (one pass), with its
     log-sum-exp (for a merge; :func:`paged_attention_out` skips it).
@@ -306,9 +328,11 @@ def paged_attention(
         :class:`Attn` ``(out [q.shape[0], H, Dv], lse [q.shape[0], H])``. Every row of the view
         is computed, padded rows included; positions no row covers hold 0 and ``-inf``.
     """
-    pl = _checked_plan(view, q, k_cache, v_cache, layout, clamp=False)
-    return _explicit(pl, q, k_cache, v_cache, softmax_scale, k_scale, v_scale,
-                     check_softcap(softcap), check_sinks(sinks, q.shape[1], q.device))
+    o = _options(opts, "paged_attention")
+    pl = _checked_plan(view, q, k_cache, v_cache, o.get("layout"), clamp=False)
+    return _explicit(pl, q, k_cache, v_cache, o.get("softmax_scale"), o.get("k_scale"),
+                     o.get("v_scale"), check_softcap(o.get("softcap", 0.0)),
+                     check_sinks(o.get("sinks"), q.shape[1], q.device))
 
 
 def paged_attention_out(
@@ -316,21 +340,17 @@ def paged_attention_out(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    *,
-    softmax_scale: float | None = None,
-    layout: Layout | None = None,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
-    softcap: float = 0.0,
-    sinks: Tensor | None = None,
+    **opts: Unpack[AttnOptions],
 ) -> Tensor:
     """:func:`paged_attention`'s output alone, through PyTorch SDPA (no log-sum-exp): what a
     single-pass forward needs (decode, chain verify and draft steps, extend). A forward that
     runs many layers over one view should :func:`plan` once and :func:`run_plan` per layer.
     With ``softcap`` or ``sinks`` it is computed by hand (SDPA expresses neither)."""
-    pl = _checked_plan(view, q, k_cache, v_cache, layout, clamp=True)
-    return run_plan(pl, q, k_cache, v_cache, softmax_scale=softmax_scale, k_scale=k_scale,
-                    v_scale=v_scale, softcap=softcap, sinks=sinks)
+    o = _options(opts, "paged_attention_out")
+    pl = _checked_plan(view, q, k_cache, v_cache, o.get("layout"), clamp=True)
+    return run_plan(pl, q, k_cache, v_cache, softmax_scale=o.get("softmax_scale"),
+                    k_scale=o.get("k_scale"), v_scale=o.get("v_scale"),
+                    softcap=o.get("softcap", 0.0), sinks=o.get("sinks"))
 
 
 def attention(
@@ -338,13 +358,7 @@ def attention(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    *,
-    softmax_scale: float | None = None,
-    layout: Layout | None = None,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
-    softcap: float = 0.0,
-    sinks: Tensor | None = None,
+    **opts: Unpack[AttnOptions],
 ) -> Attn:
     """Attention for a whole phase part: a :class:`PagedView`, or a two-pass
     :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView` (prefix, plus the expand pass
@@ -357,12 +371,13 @@ def attention(
     cache's scales, ``softcap`` / ``sinks``: as in :func:`paged_attention` (sinks once per query
     row, after a tree's merge: :func:`~attnpool.adapters.merge.run_passes`).
     """
+    o = _options(opts, "attention")
+    sinks = o.get("sinks")
     checked = check_sinks(sinks, q.shape[1], q.device) if isinstance(q, Tensor) else sinks
 
     def one(part: PagedView, first: bool, s: Tensor | None) -> Attn:
-        return paged_attention(part, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                               layout=layout, k_scale=k_scale, v_scale=v_scale, softcap=softcap,
-                               sinks=s)
+        each: AttnOptions = {**o, "sinks": s}
+        return paged_attention(part, q, k_cache, v_cache, **each)
 
     return run_passes(view, one, checked)
 
@@ -372,21 +387,12 @@ def attention_out(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    *,
-    softmax_scale: float | None = None,
-    layout: Layout | None = None,
-    k_scale: Tensor | None = None,
-    v_scale: Tensor | None = None,
-    softcap: float = 0.0,
-    sinks: Tensor | None = None,
+    **opts: Unpack[AttnOptions],
 ) -> Tensor:
     """:func:`attention`'s output alone. A single pass (a :class:`PagedView`, a chain verify or
     draft step) computes no log-sum-exp unless ``softcap`` or ``sinks`` need the explicit path;
     a tree view's two passes still do, to merge."""
     first, second = passes(view)
     if second is None:
-        return paged_attention_out(first, q, k_cache, v_cache, softmax_scale=softmax_scale,
-                                   layout=layout, k_scale=k_scale, v_scale=v_scale,
-                                   softcap=softcap, sinks=sinks)
-    return attention(view, q, k_cache, v_cache, softmax_scale=softmax_scale, layout=layout,
-                     k_scale=k_scale, v_scale=v_scale, softcap=softcap, sinks=sinks).out
+        return paged_attention_out(first, q, k_cache, v_cache, **opts)
+    return attention(view, q, k_cache, v_cache, **opts).out
