@@ -7,7 +7,7 @@ stream order, not on locks, for an update to land before the replay that reads i
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, Generic, TypeVar, cast, overload
 
 from .arena import Arena, ArenaPlan
 from .check import check_view
@@ -24,6 +24,27 @@ from .phases import (
     PhaseBase,
     VerifyPhase,
 )
+
+P = TypeVar("P", bound=PhaseBase[Any])
+
+
+class _PhaseAttr(Generic[P]):
+    """A typed ``pool.<phase>`` attribute: :meth:`BufferPool.phase` cast to the phase's class
+    (a missing phase raises :class:`MissingPhaseError` naming the setting that enables it)."""
+
+    def __init__(self, phase: Phase, cls: type[P], doc: str) -> None:
+        self.phase, self.cls, self.__doc__ = phase, cls, doc
+
+    @overload
+    def __get__(self, pool: None, owner: type[Any]) -> _PhaseAttr[P]: ...
+
+    @overload
+    def __get__(self, pool: BufferPool, owner: type[Any]) -> P: ...
+
+    def __get__(self, pool: BufferPool | None, owner: type[Any]) -> _PhaseAttr[P] | P:
+        if pool is None:
+            return self
+        return cast(P, pool.phase(self.phase))
 
 
 class BufferPool:
@@ -70,40 +91,18 @@ class BufferPool:
                 f"enabled: {[p.value for p in self._phases]}"
             ) from None
 
-    @property
-    def decode(self) -> DecodePhase:
-        """Decode views and updates (always present)."""
-        return cast(DecodePhase, self.phase(Phase.DECODE))
-
-    @property
-    def verify(self) -> VerifyPhase:
-        """Target verify (needs ``num_draft_tokens > 0``)."""
-        return cast(VerifyPhase, self.phase(Phase.VERIFY))
-
-    @property
-    def draft(self) -> DraftPhase:
-        """Draft decode steps of a speculative round (needs ``spec_steps > 0``)."""
-        return cast(DraftPhase, self.phase(Phase.DRAFT))
-
-    @property
-    def draft_extend(self) -> DraftExtendPhase:
-        """Draft extend (needs ``num_draft_tokens > 0``)."""
-        return cast(DraftExtendPhase, self.phase(Phase.DRAFT_EXTEND))
-
-    @property
-    def encoder(self) -> EncoderPhase:
-        """Encoder-decoder cross-attention (needs ``max_encoder_len > 0``)."""
-        return cast(EncoderPhase, self.phase(Phase.ENCODER))
-
-    @property
-    def local(self) -> LocalPhase:
-        """Chunked local attention (needs ``attention_chunk_size``)."""
-        return cast(LocalPhase, self.phase(Phase.LOCAL))
-
-    @property
-    def extend(self) -> ExtendPhase:
-        """Prefill with a cached prefix (needs ``max_extend_tokens > 0``)."""
-        return cast(ExtendPhase, self.phase(Phase.EXTEND))
+    decode = _PhaseAttr(Phase.DECODE, DecodePhase, "Decode views and updates (always present).")
+    verify = _PhaseAttr(Phase.VERIFY, VerifyPhase, "Target verify (needs num_draft_tokens > 0).")
+    draft = _PhaseAttr(Phase.DRAFT, DraftPhase,
+                       "Draft decode steps of a speculative round (needs spec_steps > 0).")
+    draft_extend = _PhaseAttr(Phase.DRAFT_EXTEND, DraftExtendPhase,
+                              "Draft extend (needs num_draft_tokens > 0).")
+    encoder = _PhaseAttr(Phase.ENCODER, EncoderPhase,
+                         "Encoder-decoder cross-attention (needs max_encoder_len > 0).")
+    local = _PhaseAttr(Phase.LOCAL, LocalPhase,
+                       "Chunked local attention (needs attention_chunk_size).")
+    extend = _PhaseAttr(Phase.EXTEND, ExtendPhase,
+                        "Prefill with a cached prefix (needs max_extend_tokens > 0).")
 
     @property
     def phases(self) -> tuple[Phase, ...]:

@@ -102,6 +102,8 @@ class KVCacheConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        """Where the cache's pages live (``"auto"`` resolved once, at construction: a pool never
+        moves)."""
         return self._device
 
     @property

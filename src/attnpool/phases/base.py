@@ -376,6 +376,13 @@ class PhaseBase(Generic[ViewT]):
         """Record this phase's write of ``rows`` rows (the overlay bookkeeping of every update)."""
         self.arena.mark(self._regions, self.phase, rows)
 
+    def _lens(self, name: str, t: object, cpu: Tensor | Sequence[int] | None, n: int, hi: int
+              ) -> tuple[Tensor, list[int] | None]:
+        """A phase's own per-request lengths (``accept_lens``, ``encoder_lens``,
+        ``extend_lens``): the ``[n]`` device tensor and its optional host copy ``name_cpu``,
+        each value in ``[1, hi]``."""
+        return (self._tensor(name, t, 1, rows=n), host_lens(f"{name}_cpu", cpu, n, 1, hi))
+
     def _check_values(self, x: Inputs, hi: int, ranges: Sequence[Any] = (),
                       hosts: Sequence[Any] = (), **more: Any) -> None:
         """Validation mode (``validate=True``): the inputs every phase shares (``seq_lens`` in

@@ -11,7 +11,6 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import CapacityError
-from ..inputs import host_lens
 from ..views import DraftExtendView
 from ._views import part_view
 from .base import PhaseBase, Shared
@@ -68,8 +67,8 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
         cfg = self.cfg
         x = self._inputs(bs, seq_lens, shared, cfg.max_context_len, accept_lens_cpu)
         seq_lens, n, rpi, table, blk, host, wt, num_real, _ = x
-        acc = self._tensor("accept_lens", accept_lens, 1, rows=n)
-        acc_host = host_lens("accept_lens_cpu", accept_lens_cpu, n, 1, cfg.num_draft_tokens)
+        acc, acc_host = self._lens("accept_lens", accept_lens, accept_lens_cpu, n,
+                                   cfg.num_draft_tokens)
         if host is not None and acc_host is not None:
             # the accepted tokens are part of the KV: a request cannot run more queries than keys
             for i, (a, s) in enumerate(zip(acc_host, host, strict=True)):

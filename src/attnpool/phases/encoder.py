@@ -74,8 +74,8 @@ class EncoderPhase(PhaseBase[EncoderView]):
         cfg = self.cfg
         x = self._inputs(bs, seq_lens, shared, cfg.max_context_len, encoder_lens_cpu)
         seq_lens, n, rpi, table, blk, host, _, num_real, _ = x
-        enc = self._tensor("encoder_lens", encoder_lens, 1, rows=n)
-        enc_host = host_lens("encoder_lens_cpu", encoder_lens_cpu, n, 1, cfg.max_encoder_len)
+        enc, enc_host = self._lens("encoder_lens", encoder_lens, encoder_lens_cpu, n,
+                                   cfg.max_encoder_len)
         if host is not None and enc_host is not None:
             host_lens("encoder_lens_cpu + seq_lens_cpu",
                       [a + b for a, b in zip(enc_host, host, strict=True)], n, 2,

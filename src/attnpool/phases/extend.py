@@ -14,7 +14,6 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import CapacityError, LayoutError
-from ..inputs import host_lens
 from ..views import ExtendView
 from ._views import part_view
 from .base import PhaseBase, Shared
@@ -97,8 +96,8 @@ class ExtendPhase(PhaseBase[ExtendView]):
         cfg, t_max = self.cfg, self.max_tokens
         x = self._inputs(bs, seq_lens, shared, cfg.max_context_len, extend_lens_cpu)
         seq_lens, n, rpi, table, blk, host, wt, num_real, _ = x
-        ext = self._tensor("extend_lens", extend_lens, 1, rows=n)
-        ehost = host_lens("extend_lens_cpu", extend_lens_cpu, n, 1, cfg.max_context_len)
+        ext, ehost = self._lens("extend_lens", extend_lens, extend_lens_cpu, n,
+                                cfg.max_context_len)
         total = self._check_host(host, ehost)
         slots = None if out_slots is None else self._out_slots(out_slots, total)
         wslots = None
