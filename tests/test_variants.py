@@ -249,7 +249,7 @@ def test_bad_softcap(bad: object) -> None:
 
 @pytest.mark.parametrize("bad, msg", [
     (torch.zeros(3), r"shape \[4\]"),
-    (torch.zeros(4, dtype=torch.float64), "float32"),
+    (torch.zeros(4, dtype=torch.int32), "floating point"),
     (torch.zeros(4, 2)[:, 0], "contiguous"),
     (torch.zeros(4, device="meta"), "on cpu"),
     ([0.0] * 4, "torch.Tensor"),
@@ -261,3 +261,19 @@ def test_bad_sinks(bad: object, msg: str) -> None:
     with pytest.raises(InputError, match=msg):
         sdpa.attention(view, torch.zeros(2, H, D, dtype=torch.float64), k, v,
                        sinks=bad)  # type: ignore[arg-type]
+
+
+def test_queries_without_keys_stay_zero_with_softcap_and_sinks() -> None:
+    """FlashInfer-layout padded rows own no pages: their queries read no key, output 0, on the
+    by-hand path that softcap and sinks take as on SDPA's own."""
+    pool = _pool(layout=Layout.FLASHINFER)
+    rng = random.Random(5)
+    seq, rows = _batch(rng)
+    t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    view = pool.decode.update_(4, seq_lens=t(seq[:2]), req_pool_indices=t(rows[:2]),
+                               req_to_token=_table(rng))
+    k, v = _cache()
+    x = torch.randn(4, H, D, dtype=torch.float64)
+    for kw in ({}, {"softcap": CAP}, {"sinks": _sinks()}):
+        out = sdpa.attention_out(view, x, k, v, **kw)
+        assert torch.equal(out[2:], torch.zeros_like(out[2:])), kw

@@ -355,3 +355,67 @@ def test_check_reads_the_window_part_too() -> None:
 
     with pytest.raises(ReadRegionError, match=r"DecodeView\.window\.page_table\[0\]"):
         pool.check(view)
+
+
+# ---- out-of-contract values and edge shapes (each once a bug) ---------------------------------
+def test_padded_rows_must_fit_the_window_table() -> None:
+    with pytest.raises(PoolError, match="pad_seq_len must fit the window parts' page tables"):
+        PoolConfig(max_bs=4, max_context_len=256, page_size=16, device="cpu", sliding_window=4,
+                   pad_seq_len=64)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_of_contract_lengths_stay_inside_the_window_part(impl: Impl) -> None:
+    """Device values no host check sees (a query count past T, one near int32's limit) give a
+    window part whose read region still fits its buffers, the same on both paths."""
+    cfg = PoolConfig(max_bs=4, max_context_len=C, page_size=4, device="cpu",
+                     layout=Layout.FLASHINFER, max_extend_tokens=8, sliding_window=5, impl=impl)
+    full, _ = tables(4, random.Random(10))
+    cap = cfg.window_pages(Phase.EXTEND)
+    for ext in ([58, 58, 58, 58], [2**31 - 1, 3, 1, 1]):
+        pool = BufferPool(cfg, poison=True)
+        v = pool.extend.update_(4, seq_lens=torch.tensor([60, 20, 10, 5], dtype=torch.int32),
+                                extend_lens=torch.tensor(ext, dtype=torch.int32),
+                                req_pool_indices=torch.arange(4), req_to_token=full)
+        w = v.window
+        assert w is not None and w.kv_indptr is not None and w.kv_indices is not None
+        lens = w.cache_seqlens.tolist()
+        assert all(0 <= x <= cap * 4 for x in lens), lens
+        assert 0 <= int(w.kv_indptr[-1]) <= w.kv_indices.shape[0] - 1
+
+
+@pytest.mark.triton
+def test_out_of_contract_window_bytes_agree() -> None:
+    full, _ = tables(4, random.Random(11))
+    views = []
+    for impl in (Impl.REFERENCE, Impl.TRITON):
+        cfg = PoolConfig(max_bs=4, max_context_len=C, page_size=4, device="cpu",
+                         layout=Layout.BOTH, max_extend_tokens=8, sliding_window=100, impl=impl)
+        pool = BufferPool(cfg, poison=True)
+        views.append(pool.extend.update_(
+            2, seq_lens=torch.tensor([10, 20], dtype=torch.int32),
+            extend_lens=torch.tensor([2**31 - 1, 3], dtype=torch.int32),
+            req_pool_indices=torch.tensor([0, 1]), req_to_token=full).window)
+    a, b = views
+    assert torch.equal(a.cache_seqlens, b.cache_seqlens) and min(a.cache_seqlens.tolist()) >= 0
+    assert torch.equal(a.kv_indptr, b.kv_indptr) and torch.equal(a.cu_seqlens_k, b.cu_seqlens_k)
+
+
+def test_window_table_edge_inputs() -> None:
+    rng = random.Random(12)
+    full, win = tables(4, rng)
+    pool = BufferPool(config(4, 6, Layout.BOTH, Impl.REFERENCE), poison=True)
+    # a window block table too short for rows in batch order
+    with pytest.raises(CapacityError, match="window_block_table without req_pool_indices"):
+        pool.decode.update_(4, seq_lens=torch.tensor([5, 6, 7, 8]),
+                            block_table=as_block(full, 4), window_block_table=as_block(win, 4)[:2])
+    # one tensor for both slot mappings
+    slots = torch.zeros(T + 1, dtype=torch.int64)
+    with pytest.raises(InputError, match="must not overlap"):
+        pool.extend.update_(2, seq_lens=torch.tensor([5, 6]), extend_lens=torch.tensor([2, 2]),
+                            req_pool_indices=torch.tensor([0, 1]), req_to_token=full,
+                            out_slots=slots[:T], window_out_slots=slots[1:])
+    # a request table wider than the window table (both cover C): accepted
+    wide = torch.cat([full, full[:, :8]], 1)
+    pool.decode.update_(2, seq_lens=torch.tensor([50, 6]), req_pool_indices=torch.tensor([0, 1]),
+                        req_to_token=wide, window_req_to_token=win)

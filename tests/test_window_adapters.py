@@ -272,3 +272,17 @@ def test_window_and_chunked_parts_follow_transformers_masks(verify: bool) -> Non
         want, _ = dense_attention(x, k, v, keys)
         got = sdpa.attention_out(part, x, k, v)
         torch.testing.assert_close(got[: len(flat)], want, rtol=1e-10, atol=1e-10)
+
+
+def test_flash_attn_2_refuses_the_draft_extend_window_part() -> None:
+    """The window part has its phase's class, so FA2 refuses rows of varying query counts in
+    it as in the full part."""
+    cfg = PoolConfig(max_bs=2, max_context_len=1024, page_size=256, device="cpu",
+                     num_draft_tokens=ND, sliding_window=300)
+    view = BufferPool(cfg).draft_extend.view(2)
+    assert type(view.window) is type(view)
+    k = torch.zeros(6, 256, H_KV, D, dtype=torch.bfloat16)
+    fa2 = fa.fa2_kwargs  # (the full part is refused for the same reason)
+    for part in (view, view.window):
+        with pytest.raises(LayoutError, match="same query count"):
+            fa2(part, torch.zeros(2 * ND, H, D, dtype=torch.bfloat16), k, k)

@@ -276,6 +276,11 @@ class PoolConfig:
                 raise LayoutError("PoolConfig: sliding_window needs topk == 1 (a tree's drafts sit "
                                   f"at different depths, so no one window start serves a row), got "
                                   f"topk={self.topk} with sliding_window={w}")
+            # a padded row reads pad_seq_len keys of its window part too: they must fit its table
+            room = min(_ceil_div(w, self.page_size) + 1, self.max_pages) * self.page_size
+            need(self.pad_seq_len <= room,
+                 f"pad_seq_len must fit the window parts' page tables (<= {room} tokens with "
+                 f"sliding_window={w}, page_size={self.page_size})", self.pad_seq_len)
         need(isinstance(self.layout, Layout) and bool(self.layout),
              "layout must be a non-empty attnpool.Layout", self.layout)
         need(isinstance(self.impl, Impl), "impl must be an attnpool.Impl", self.impl)

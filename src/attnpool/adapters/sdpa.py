@@ -210,7 +210,7 @@ def run_plan(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
                          f"{tuple(v_cache.shape)}")
     if softcap or sinks is not None:
         return _explicit(pl, q, k_cache, v_cache, softmax_scale, k_scale, v_scale,
-                         check_softcap(softcap), check_sinks(sinks, h, q.device)).out
+                         check_softcap(softcap), check_sinks(sinks, h, q.device, None)).out
     ks, vs = cache_scales(k_cache, h_kv, k_scale, v_scale)
     k, v = gather_kv(pl, k_cache, q.dtype, ks), gather_kv(pl, v_cache, q.dtype, vs)
     mask = pl.allowed
@@ -256,9 +256,12 @@ def _explicit(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor,
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     # A query with no key has lse = -inf: exp(-inf - 0) = 0 weights, so its output is 0.
     probs = scores.sub_(torch.where(torch.isneginf(lse), 0.0, lse)).exp_()
-    o = torch.matmul(probs, v).to(q.dtype)
-    out = scatter(ungroup(o, pl), pl, 0.0)
-    lse_q = scatter(ungroup(lse, pl)[..., 0], pl, float("-inf"))
+    o, lse_l = ungroup(torch.matmul(probs, v).to(q.dtype), pl), ungroup(lse, pl)[..., 0]
+    if pl.keyed is not None:  # a clamped plan's queries with no key: output 0, no log-sum-exp
+        o = torch.where(pl.keyed, o, 0)
+        lse_l = torch.where(pl.keyed[:, :, 0], lse_l, float("-inf"))
+    out = scatter(o, pl, 0.0)
+    lse_q = scatter(lse_l, pl, float("-inf"))
     if sinks is not None:  # (in the scores' precision, before lse goes to float32)
         out, lse_q = with_sinks(out, lse_q, sinks)
     return Attn(out, lse_q.float())
@@ -320,7 +323,8 @@ def paged_attention(
             are dequantized (``stored * scale``, :func:`attnpool.kv.quant.dequantize`) first.
         softcap: logit softcapping, ``softcap * tanh(scores / softcap)`` after the scale and
             before the mask (:mod:`~attnpool.adapters.variants`); 0: off.
-        sinks: float32 ``[H]`` attention-sink logits on ``q``'s device, joining every query
+        sinks: ``[H]`` attention-sink logits on ``q``'s device (float32, or the model's own
+            floating dtype: the adapter computes in float32 at least), joining every query
             row's softmax denominator (:func:`~attnpool.adapters.variants.with_sinks`); the
             returned log-sum-exp includes them.
 
@@ -332,7 +336,7 @@ def paged_attention(
     pl = _checked_plan(view, q, k_cache, v_cache, o.get("layout"), clamp=False)
     return _explicit(pl, q, k_cache, v_cache, o.get("softmax_scale"), o.get("k_scale"),
                      o.get("v_scale"), check_softcap(o.get("softcap", 0.0)),
-                     check_sinks(o.get("sinks"), q.shape[1], q.device))
+                     check_sinks(o.get("sinks"), q.shape[1], q.device, None))
 
 
 def paged_attention_out(
@@ -373,7 +377,7 @@ def attention(
     """
     o = _options(opts, "attention")
     sinks = o.get("sinks")
-    checked = check_sinks(sinks, q.shape[1], q.device) if isinstance(q, Tensor) else sinks
+    checked = check_sinks(sinks, q.shape[1], q.device, None) if isinstance(q, Tensor) else sinks
 
     def one(part: PagedView, first: bool, s: Tensor | None) -> Attn:
         each: AttnOptions = {**o, "sinks": s}

@@ -266,17 +266,21 @@ class PhaseBase(Generic[ViewT]):
         return None if self._wbuf is None else self._empty_pages()
 
     def _window_view(self, rows: int, cu_seqlens_q: Tensor, max_q: int, max_k: int,
-                     b: PagedBuffers | None = None) -> PagedView | None:
+                     b: PagedBuffers | None = None, cls: type[PagedView] = PagedView,
+                     **extra: Any) -> PagedView | None:
         """The window part's view of ``rows`` rows (``b``: a draft step's buffers; default the
         phase's window part), causal with ``window_left = W - 1``; its key bound is the full
-        part's, capped by the window table's width in tokens. None without a window part."""
+        part's, capped by the window table's width in tokens. ``cls`` (and its ``extra``
+        fields) is the full part's class, so an adapter that tells parts apart by class (FA2
+        refuses rows of varying query counts) treats both parts alike. None without a window
+        part."""
         wb = self._wbuf if b is None else b
         if wb is None or self.cfg.sliding_window is None:
             return None
         cap = self.cfg.window_pages(self.phase) * self.cfg.page_size
         return part_view(wb, rows, cu_seqlens_q, max_q=max_q, max_k=min(max_k, cap),
                          page_size=self.cfg.page_size, causal=True, stamp=self._stamp,
-                         window_left=self.cfg.sliding_window - 1)
+                         cls=cls, window_left=self.cfg.sliding_window - 1, **extra)
 
     def _not_ours(self, name: str, t: Tensor) -> Tensor:
         """Refuse an input that lives inside the pool's own arena (e.g. a view's
@@ -337,6 +341,10 @@ class PhaseBase(Generic[ViewT]):
                                            shared.get("req_to_token"), shared.get("block_table"))
         wt = self._window_table(table, blk, shared.get("window_req_to_token"),
                                 shared.get("window_block_table"))
+        if wt is not None and shared.get("req_pool_indices") is None and wt.shape[0] < n:
+            raise CapacityError(f"window_block_table without req_pool_indices needs a row per "
+                                f"input row (row i of the batch is table row i): >= {n} rows, "
+                                f"got {wt.shape[0]}")
         lens = None if cpu is None else host_lens("seq_lens_cpu", cpu, n, 1, hi)
         return Inputs(seq_lens, n, rpi, table, blk, lens, wt, num_real, cpu)
 

@@ -163,5 +163,5 @@ class DecodePhase(PhaseBase[DecodeView]):
     def _make_view(self, bs: int, max_seqlen_k: int) -> DecodeView:
         return part_view(self._b, bs, self._arange, max_q=1, max_k=max_seqlen_k,
                          page_size=self.cfg.page_size, causal=True, cls=DecodeView,
-                         stamp=self._stamp, window=self._window_view(bs, self._arange, 1,
-                                                                     max_seqlen_k))
+                         stamp=self._stamp, window=self._window_view(
+                             bs, self._arange, 1, max_seqlen_k, cls=DecodeView))

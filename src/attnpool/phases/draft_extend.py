@@ -110,4 +110,5 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
         return part_view(self._b, bs, self._cu_q, max_q=self.cfg.num_draft_tokens, max_k=max_k,
                          page_size=self.cfg.page_size, causal=True, cls=DraftExtendView,
                          stamp=self._stamp, window=self._window_view(
-                             bs, self._cu_q, self.cfg.num_draft_tokens, max_k))
+                             bs, self._cu_q, self.cfg.num_draft_tokens, max_k,
+                             cls=DraftExtendView))

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ..arena import Arena
 from ..config import Phase
-from ..errors import CapacityError, LayoutError
+from ..errors import CapacityError, InputError, LayoutError
 from ..views import ExtendView
 from ._views import part_view
 from .base import PhaseBase, Shared
@@ -106,6 +106,9 @@ class ExtendPhase(PhaseBase[ExtendView]):
                 raise LayoutError("window_out_slots needs PoolConfig(sliding_window=...), got "
                                   "one from a pool without a window")
             wslots = self._out_slots(window_out_slots, total, "window_out_slots")
+            if slots is not None and _overlap(slots, wslots):
+                raise InputError("out_slots and window_out_slots must not overlap (two groups' "
+                                 "slot mappings written by one update), got overlapping tensors")
         self._check_values(x, cfg.max_context_len, [("extend_lens", ext, 1, cfg.max_context_len)],
                            [("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
                            at_most=[("extend_lens", "seq_lens")], sum_at_most=("extend_lens", t_max))
@@ -156,7 +159,8 @@ class ExtendPhase(PhaseBase[ExtendView]):
         if win:
             win["window_out_slots"] = wslots
         return (self._paged_launch(ops, self._b, bs, seq_lens, rpi, table, blk, q_lens=ext,
-                                   cu_seqlens_q=self._cu_q, q_total=self.max_tokens,
+                                   max_q=self.max_tokens, cu_seqlens_q=self._cu_q,
+                                   q_total=self.max_tokens,
                                    positions=self._pos, out_slots=slots, num_real=num_real,
                                    width=width, **win),)
 
@@ -173,4 +177,11 @@ class ExtendPhase(PhaseBase[ExtendView]):
         return part_view(self._b, bs, self._cu_q, max_q=max_q, max_k=max_k,
                          page_size=self.cfg.page_size, causal=True, cls=ExtendView,
                          positions=self._pos, stamp=self._stamp,
-                         window=self._window_view(bs, self._cu_q, max_q, max_k))
+                         window=self._window_view(bs, self._cu_q, max_q, max_k, cls=ExtendView,
+                                                  positions=self._pos))
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether two 1-D contiguous tensors share any byte."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

@@ -44,6 +44,16 @@ def table_width(table: Tensor, block_size: int | None = None) -> int:
     return table.shape[1] * (block_size or 1)
 
 
+def window_width(w: PagedBuffers) -> int:
+    """Page columns a window part holds: its page table's width, or for a CSR-only part its
+    ``kv_indices`` capacity per row (``rows * width + 1`` elements). Window lengths are clamped
+    to it on both paths, so no value can list more pages than the part has room for."""
+    if w.page_table is not None:
+        return int(w.page_table.shape[1])
+    assert w.kv_indices is not None and w.kv_last_page_len is not None  # (the CSR triple)
+    return (w.kv_indices.shape[0] - 1) // max(1, w.kv_last_page_len.shape[-1])
+
+
 def table_slots(table: Tensor, rows: Tensor, cols: Tensor, block_size: int | None = None
                 ) -> Tensor:
     """Token slots of request rows ``rows`` at token positions ``cols`` (broadcast together,

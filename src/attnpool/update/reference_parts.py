@@ -21,6 +21,7 @@ from .reference_ops import (
     paged_,
     table_width,
     tree_expand,
+    window_width,
 )
 
 
@@ -137,20 +138,22 @@ def _window_(w: PagedBuffers | None, window_size: int | None, window_table: Tens
         raise LayoutError("window_size, window_table and window_out_slots need a window part "
                           f"and a window_size, got window={w is not None}, "
                           f"window_size={window_size!r}")
+    if window_out_slots is not None and q_lens is None:
+        raise InputError("window_out_slots needs q_lens (the extend query part)")
     p = page_size
     table = req_to_token if window_table is None else window_table
     if max_len is None:
         cols = b.page_table.shape[1] if b.page_table is not None else -(
             -table_width(req_to_token, block_size) // p)
         max_len = cols * p
-    cap = w.page_table.shape[1] if w.page_table is not None else -(
-        -table_width(table, block_size) // p)
-    total = (seq_lens + extra if extra else seq_lens).clamp(0, max(max_len - (steps - 1), 0))
+    cap = window_width(w)
+    # (int64: a window start computed from an out-of-contract length cannot wrap around)
+    total = (seq_lens.to(torch.int64) + extra).clamp(0, max(max_len - (steps - 1), 0))
     qc = None if q_lens is None else q_lens.clamp(0, INT32_MAX if max_q is None else max_q)
     q: Tensor | int = max(extra, 1) if qc is None else qc
     first = (total - q - (window_size - 1)).clamp_(min=0)
     shift = floor_div(first, p).mul_(p)
-    lens = (total - shift).clamp_(max=max(cap * p - (steps - 1), 0))
+    lens = (total - shift).clamp_(0, max(cap * p - (steps - 1), 0))
     off = shift if token_offset is None else shift + token_offset
     paged_part_(w, bs=bs, seq_lens=lens, req_pool_indices=req_pool_indices, req_to_token=table,
                 extra=0, page_size=p, pad_seq_len=pad_seq_len, pad_page=pad_page,

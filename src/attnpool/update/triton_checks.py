@@ -21,6 +21,7 @@ from ..config import INT_DTYPES, is_int
 from ..errors import CapacityError, InputError, LayoutError
 from ..inputs import check_table, check_tensor
 from .reference import PagedBuffers
+from .reference_ops import window_width
 
 INT = INT_DTYPES
 I32 = (torch.int32,)
@@ -237,23 +238,20 @@ def window_args(
     if wt.dtype != table.dtype:
         raise InputError(f"the window table must have the request table's dtype {table.dtype}, "
                          f"got {wt.dtype}")
-    w_cols, _, _ = block(wt, block_size)
-    t_cols, _, _ = block(table, block_size)
-    if w_cols < t_cols:
-        raise CapacityError(f"the window table must cover as many positions as the request table "
-                            f"({t_cols}), got {w_cols}")
+    w_cols, _, _ = block(wt, block_size)  # (columns are clamped into it, as the part's own)
     lay = layouts(w, bs, dev, pad_pages, steps if steps > 1 else 0)
     if lay != has_layouts:
         raise LayoutError(f"the window part must keep the part's layouts (page table, CSR) = "
                           f"{has_layouts}, got {lay}")
+    wslot_cap = 0
     if window_out_slots is not None:
         need(tokens, InputError, "window_out_slots needs the part's token buffers (extend)")
-        vec("window_out_slots", window_out_slots, window_out_slots.shape[0], dev)
-    wslot_cap = window_out_slots.shape[0] if window_out_slots is not None else 0
-    if w.page_table is not None:
-        cap, pt_stride = w.page_table.shape[1], w.page_table.stride(0)
-    else:
-        cap, pt_stride = -(-w_cols // page_size), 0
+        need(isinstance(window_out_slots, Tensor), InputError,
+             f"window_out_slots must be a torch.Tensor, got {type(window_out_slots).__name__}")
+        wslot_cap = window_out_slots.shape[0]
+        vec("window_out_slots", window_out_slots, wslot_cap, dev)
+    cap = window_width(w)
+    pt_stride = w.page_table.stride(0) if w.page_table is not None else 0
     args = (
         wt, window_out_slots if window_out_slots is not None else dummy,
         w.cache_seqlens, w.cu_seqlens_k,

@@ -102,14 +102,16 @@ def _paged_part(  # type: ignore[no-untyped-def]
     s = tl.minimum(tl.maximum(s, 0), max_len)
     if FULL_PAGES:
         s = _floor_div(s, P) * P  # a draft tree's prefix pass: whole pages only
-    shift = s * 0
-    if WIN:
+    shift = s.to(tl.int64) * 0
+    if WIN:  # (int64: an out-of-contract length cannot wrap the window start around)
+        s64 = s.to(tl.int64)
         if HAS_Q:
-            qw = tl.minimum(tl.maximum(tl.load(qlen_ptr + offs, mask=real, other=0), 0), max_q)
+            qw = tl.minimum(tl.maximum(tl.load(qlen_ptr + offs, mask=real, other=0), 0),
+                            max_q).to(tl.int64)
         else:
-            qw = s * 0 + win_q
-        shift = _floor_div(tl.maximum(s - qw - win + 1, 0), P) * P
-        s = tl.minimum(s - shift, win_max_len)
+            qw = s64 * 0 + win_q
+        shift = _floor_div(tl.maximum(s64 - qw - win + 1, 0), P) * P
+        s = tl.minimum(tl.maximum(s64 - shift, 0), win_max_len).to(s.dtype)
     lens = tl.where(inb, tl.where(real, s.to(tl.int32), pad_len), 0)
     my_len = _pick(lens, me)
     my_cum = _pick(tl.cumsum(lens, axis=0), me)
@@ -123,7 +125,7 @@ def _paged_part(  # type: ignore[no-untyped-def]
         if pid == 0:
             tl.store(cuk_ptr + d * cu_sstride, my_cum * 0)
     my_len = my_len + tl.where(is_real, steps - 1, 0)  # pages cover the last step
-    my_shift = _pick(tl.where(real, shift, 0), me).to(tl.int64)
+    my_shift = _pick(tl.where(real, shift, 0), me)
 
     if HAS_Q:
         q = tl.load(qlen_ptr + offs, mask=real, other=0)
