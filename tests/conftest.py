@@ -81,3 +81,50 @@ def install(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, Any], No
 
     yield put
     fa.clear_kernel_cache()
+
+
+# ---- compile coverage ----------------------------------------------------------------------------
+# `attnpool kernels` compiles, for a GPU target, every kernel specialization its enumeration of pool
+# configs launches (tests/test_kernels_compile.py). So that no launch escapes that check, every
+# specialization a pool launches during this pytest run (the interpreter runs them) is recorded,
+# and the run fails at its end if the enumeration lacks one: a new phase part, flag or argument
+# type then needs a config in attnpool/tools/kernel_cases.py. Checked at the end, whatever ran.
+_POOL_LAUNCHES: Any = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _POOL_LAUNCHES
+    if HAS_TRITON:
+        from attnpool.tools.kernels import Recorder
+        from attnpool.update import triton_checks
+
+        _POOL_LAUNCHES = Recorder(pools_only=True)
+        triton_checks.RECORD = _POOL_LAUNCHES
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    rec = _POOL_LAUNCHES
+    if rec is None:
+        return
+    from attnpool.update import triton_checks
+
+    triton_checks.RECORD = None
+    if not rec.specs or exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        return
+    from attnpool.tools.kernels import enumerate_specs, missing
+
+    try:
+        gaps = missing(rec.specs, enumerate_specs())
+    except Exception as e:  # the enumeration itself broke: the compile check covers nothing
+        gaps = [f"(enumerating failed: {type(e).__name__}: {e})"]
+    if gaps:
+        tr = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = [f"{len(gaps)} kernel specialization(s) launched by pools in this run are "
+                 "not enumerated by attnpool.tools.kernel_cases (so never compiled for a GPU):",
+                 *(f"  {g}" for g in gaps)]
+        for line in lines:
+            if tr is not None:
+                tr.write_line(line, red=True)
+            else:
+                print(line, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -76,6 +76,10 @@ BAD_ARGS = [
     (("plan", "--draft-tokens", "2000", "--context", "1024"), ("num_draft_tokens", "2000")),
     (("plan", "--bogus"), ("--bogus",)),
     (("bench", "--e2e", "--plot", "x.png"), ("--plot",)),
+    (("bench", "--model", "smollm2"), ("--model", "add --e2e")),
+    (("demo", "--toy", "--prompt", "Hi"), ("--toy", "--prompt")),
+    (("fetch", "tinyllama"), ("invalid choice: 'tinyllama'", "smollm2")),
+    (("fetch",), ("name",)),
     ((), ("plan,demo,bench",)),
 ]
 
@@ -175,7 +179,8 @@ def test_import_attnpool_is_lazy_and_complete() -> None:
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-def test_demo_runs_on_cpu() -> None:
+def test_demo_runs_on_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    monkeypatch.setenv("ATTNPOOL_CACHE", str(tmp_path))  # no checkpoint: the tiny random model
     out = _run("demo", "--device", "cpu", "--steps", "6", timeout=300)
     assert out.returncode == 0, out.stderr
     assert "steps/s" in out.stdout

@@ -60,9 +60,19 @@ def test_head_layout_the_cache_cannot_hold() -> None:
         PagedGenerator(bad, max_bs=2, max_context_len=32)
 
 
-def test_sliding_window_layers_are_refused() -> None:
+def test_sliding_window_layers_are_served() -> None:
+    """Once refused, now served through the window parts (tests/test_hf_families.py has every
+    family): Qwen2's sliding layers give generate's tokens with a window the prompts exceed."""
     m = hf_tiny.qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=0)
-    with pytest.raises(LayoutError, match="sliding_attention"):
+    ps = hf_tiny.prompts((15, 20))
+    gen = PagedGenerator(m, max_bs=2, max_context_len=48, page_size=4)
+    assert gen.pool.cfg.sliding_window == 8
+    assert gen.generate(ps, 10) == hf_tiny.greedy(m, ps, 10)
+
+
+def test_chunked_layers_are_refused() -> None:
+    m = hf_tiny.llama(layer_types=["chunked_attention", "full_attention"])
+    with pytest.raises(LayoutError, match="chunked_attention"):
         PagedGenerator(m, max_bs=2, max_context_len=32)
 
 

@@ -3,18 +3,23 @@
 Unit tests of :class:`attnpool.kv.paging.PageAllocator`, then the generator under a KV cache too
 small for ``max_bs`` requests at once: requests wait for pages, every admission is checked
 against the live requests' pages, and the outputs still equal ``model.generate`` (with the cache
-poisoned, so a request reading pages another one overwrote, or never wrote, would show).
+poisoned, so a request reading pages another one overwrote, or never wrote, would show). Last,
+the per-step store the generator's layers write through (:class:`attnpool.kv.cache.StepStore`)
+writes the bytes :meth:`KVCachePool.store_kv_` writes, on both store paths and both layouts.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from attnpool import CapacityError, InputError
+from attnpool import CapacityError, Impl, InputError, LayoutError
 from attnpool.integrations.transformers import PagedGenerator
+from attnpool.kv import KVCacheConfig, KVCachePool, KVKind, KVLayout
 from attnpool.kv.paging import Allocation, PageAllocator
 
 import hf_tiny
+from opcount import count
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.usefixtures("one_thread")]
@@ -95,3 +100,68 @@ def test_requests_wait_for_pages_and_never_share_them(spec: bool) -> None:
     assert watch.peak < 4  # pages, not max_bs, limited the batch: some requests waited
     assert max(gen.stats.batch_sizes) < 4
     assert gen.alloc.live() == () and gen.alloc.free_pages == pages - 1
+
+
+def _caches(layout: KVLayout, n: int, seed: int = 0) -> tuple[KVCachePool, KVCachePool, torch.Tensor]:
+    """Two poisoned caches with the same slot mapping: distinct slots, -1 padding, one slot past
+    the cache (skipped, like -1)."""
+    cfg = KVCacheConfig(num_pages=7, page_size=4, max_tokens=16, num_layers=3, num_kv_heads=2,
+                        head_dim=8, dtype=torch.float32, layout=layout, device="cpu")
+    a, b = KVCachePool(cfg, poison=True), KVCachePool(cfg, poison=True)
+    g = torch.Generator().manual_seed(seed)
+    slots = (torch.randperm(cfg.num_slots - 4, generator=g)[:n] + 4).tolist()  # never the pad page
+    slots[1], slots[-1] = -1, cfg.num_slots + 3
+    t = torch.tensor(slots)
+    a.update_slots_(t, bs=n + 2)
+    b.update_slots_(t, bs=n + 2)
+    return a, b, t
+
+
+@pytest.mark.parametrize("impl", [Impl.REFERENCE, pytest.param(Impl.TRITON, marks=pytest.mark.triton)])
+@pytest.mark.parametrize("layout", [KVLayout.NHD, KVLayout.HND])
+def test_step_store_writes_what_store_kv_writes(layout: KVLayout, impl: Impl) -> None:
+    n = 9
+    a, b, _ = _caches(layout, n)
+    store = a.step_store(n + 2, impl=impl)  # two padded tokens (slot -1) too
+    g = torch.Generator().manual_seed(1)
+    for layer in range(3):
+        # the integration's sources: [T, H, D] views of transformers' [1, H, T, D] (strided)
+        k = torch.randn(1, 2, n + 2, 8, generator=g)[0].transpose(0, 1)
+        v = torch.randn(1, 2, n + 2, 8, generator=g)[0].transpose(0, 1)
+        store(layer, k, v)
+        b.store_kv_(layer, k, v, impl=Impl.REFERENCE)
+    for layer in range(3):  # bitwise, poison (NaN) included: nothing else was written
+        for x, y in ((a.k_cache(layer), b.k_cache(layer)), (a.v_cache(layer), b.v_cache(layer))):
+            assert torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+
+
+def test_step_store_costs_two_ops_per_layer() -> None:
+    a, _, _ = _caches(KVLayout.NHD, 6)
+    store = a.step_store(6, impl=Impl.REFERENCE)
+    k = torch.randn(6, 2, 8)
+    c = count(lambda: store(0, k, k))
+    assert c.num_ops == 2, dict(c.ops)  # one index_copy_ per part, nothing recomputed
+
+
+def test_step_store_refuses_bad_input_before_writing() -> None:
+    a, _, _ = _caches(KVLayout.NHD, 6)
+    store = a.step_store(6, impl=Impl.REFERENCE)
+    before = a.storage.clone()
+    k = torch.randn(6, 2, 8)
+    for bad, what in ((lambda: store(3, k, k), r"layer must be an int in \[0, 3\), got 3"),
+                      (lambda: store(0, k[:5], k), r"k must be torch.float32 \(6, 2, 8\)"),
+                      (lambda: store(0, k, k.double()), r"v must be torch.float32 .* got torch.float64"),
+                      (lambda: store(0, k, torch.randn(6, 2, 16)[..., ::2]), "stride 1")):
+        with pytest.raises(InputError, match=what):
+            bad()
+    assert torch.equal(before, a.storage)
+    with pytest.raises(CapacityError):
+        a.step_store(17)
+    mla = KVCacheConfig(num_pages=4, page_size=4, max_tokens=8, num_layers=1, kind=KVKind.MLA,
+                        kv_lora_rank=8, rope_dim=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(LayoutError, match="MLA"):
+        KVCachePool(mla).step_store(2)
+    fp8 = KVCacheConfig(num_pages=4, page_size=4, max_tokens=8, num_layers=1, num_kv_heads=1,
+                        head_dim=8, dtype=torch.float8_e4m3fn, device="cpu")
+    with pytest.raises(LayoutError, match="fp8"):
+        KVCachePool(fp8).step_store(2)

@@ -5,9 +5,10 @@ function. The generator passes one, ``attnpool=StepContext(...)``: the view of t
 (decode, extend, verify, a draft step, draft extend) and the :class:`attnpool.KVCachePool` the
 layers store into. The function then does what an engine's attention backend does:
 
-1. store the step's new K/V with :meth:`KVCachePool.store_kv_` at the pool's ``slot_mapping``
-   (written once per step by the generator, before the forward; padded tokens have slot -1 and
-   are skipped),
+1. store the step's new K/V at the pool's ``slot_mapping`` (written once per step by the
+   generator, before the forward; padded tokens have slot -1 and are skipped) through a
+   :class:`attnpool.kv.cache.StepStore`: each token's page and offset are computed once per
+   forward, not once per layer,
 2. attend over the paged cache through an adapter: SDPA (any device, any float dtype) or
    flash-attn FA3/FA2 on CUDA when importable and the dtype/page size allow.
 
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..adapters import sdpa
+from ..adapters.sdpa_plan import Plan
 from ..errors import InputError, LayoutError
 from ..kv import KVCachePool
 from ..views import (
@@ -45,8 +47,6 @@ from ..views import (
 #: The name the function is registered under in transformers' ``AttentionInterface``.
 ATTN_NAME = "attnpool"
 
-#: Forward kwargs a model may pass that this function cannot honour when set.
-_UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
 
 
 class Backend(enum.Enum):
@@ -86,7 +86,55 @@ def resolve_backend(backend: Backend, device: torch.device, dtype: torch.dtype,
     return backend
 
 
-Run = Callable[[Tensor, Tensor, Tensor, "float | None"], Tensor]
+class Run:
+    """The adapter call of one forward, for every layer: ``run(q, k_cache, v_cache, scale,
+    window=False, softcap=0.0, sinks=None) -> out``.
+
+    ``window`` picks the view's sliding-window part (the layers transformers calls with a
+    ``sliding_window``), else the full part. SDPA: each part's gather plan (token slots, masks,
+    query lanes) is computed once per forward, the first time a layer reads that part, instead
+    of once per layer. flash-attn reads the view's tensors directly, so there is nothing to
+    prepare (FA2 only runs parts with one query count for every row; prefill and draft extend
+    parts go through SDPA).
+    """
+
+    __slots__ = ("_args", "_plans", "backend", "view")
+
+    def __init__(self, backend: Backend, view: object, num_q: int, num_heads: int,
+                 num_kv_heads: int, dtype: torch.dtype, prefix_free: bool) -> None:
+        self.backend, self.view = backend, view
+        self._args = (num_q, num_heads, num_kv_heads, dtype, prefix_free)
+        self._plans: dict[bool, Plan] = {}
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None, *,
+                 window: bool = False, softcap: float = 0.0, sinks: Tensor | None = None
+                 ) -> Tensor:
+        view = self.view
+        if window:
+            view = getattr(view, "window", None)
+            if view is None:
+                raise LayoutError("a sliding-window layer needs a pool with sliding_window "
+                                  "(the view has no window part)")
+        part = _single_pass(view)
+        backend = self.backend
+        if backend is Backend.FA2 and isinstance(part, (ExtendView, DraftExtendView)):
+            backend = Backend.SDPA  # FA2 takes the same query count for every row: not these
+        if backend is Backend.SDPA:
+            if part is None:  # a tree view: two passes merged by log-sum-exp, per layer
+                return sdpa.attention_out(view, q, k, v, softmax_scale=scale, softcap=softcap,
+                                          sinks=sinks)
+            pl = self._plans.get(window)
+            if pl is None:
+                num_q, heads, kv_heads, dtype, prefix_free = self._args
+                pl = self._plans[window] = sdpa.plan(
+                    part, num_q=num_q, num_heads=heads, num_kv_heads=kv_heads, dtype=dtype,
+                    prefix_free=prefix_free)
+            return sdpa.run_plan(pl, q, k, v, softmax_scale=scale, softcap=softcap, sinks=sinks)
+        from ..adapters import flash_attn as fa  # lazy: CUDA-only kernels
+
+        ver = fa.FlashAttnVersion.FA3 if backend is Backend.FA3 else fa.FlashAttnVersion.FA2
+        return fa.attention(view, q, k, v, version=ver, softmax_scale=scale, softcap=softcap,
+                            sinks=sinks).out
 
 
 def _single_pass(view: object) -> PagedView | None:
@@ -100,29 +148,13 @@ def _single_pass(view: object) -> PagedView | None:
 
 def bind(backend: Backend, view: object, num_q: int, num_heads: int, num_kv_heads: int,
          dtype: torch.dtype, prefix_free: bool = False) -> Run:
-    """``run(q, k_cache, v_cache, scale) -> out`` for every layer of one forward over ``view``.
-
-    SDPA: the view's :func:`attnpool.adapters.sdpa.plan` (token slots, masks, query lanes) is
-    computed here, once per forward, instead of once per layer. flash-attn reads the view's
-    tensors directly, so there is nothing to prepare (FA2 only runs parts with one query count
-    for every row; prefill and draft extend parts go through SDPA). ``prefix_free``: the view
-    is a prefill with nothing cached (see :func:`attnpool.adapters.sdpa.plan`).
-    """
-    part = _single_pass(view)
-    if backend is Backend.FA2 and isinstance(part, (ExtendView, DraftExtendView)):
-        backend = Backend.SDPA  # FA2 takes the same query count for every row: not these
-    if backend is Backend.SDPA:
-        if part is None:  # a tree view: two passes merged by log-sum-exp, per layer
-            return lambda q, k, v, s: sdpa.attention_out(view, q, k, v, softmax_scale=s)
-        pl = sdpa.plan(part, num_q=num_q, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                       dtype=dtype, prefix_free=prefix_free)
-        return lambda q, k, v, s: sdpa.run_plan(pl, q, k, v, softmax_scale=s)
-    if backend in (Backend.FA3, Backend.FA2):
-        from ..adapters import flash_attn as fa  # lazy: CUDA-only kernels
-
-        ver = fa.FlashAttnVersion.FA3 if backend is Backend.FA3 else fa.FlashAttnVersion.FA2
-        return lambda q, k, v, s: fa.attention(view, q, k, v, version=ver, softmax_scale=s).out
-    raise InputError(f"resolve the backend first, got {backend}")
+    """:class:`Run` for every layer of one forward over ``view`` (``backend`` resolved).
+    ``prefix_free``: the view is a prefill with nothing cached (see
+    :func:`attnpool.adapters.sdpa.plan`); a model with softcapping or sinks must not pass it
+    (those need the plan's mask)."""
+    if backend not in (Backend.SDPA, Backend.FA3, Backend.FA2):
+        raise InputError(f"resolve the backend first, got {backend}")
+    return Run(backend, view, num_q, num_heads, num_kv_heads, dtype, prefix_free)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,21 +165,34 @@ class StepContext:
         view: the phase view of this forward (a :class:`attnpool.PagedView`, or a chain
             :class:`attnpool.VerifyView` / :class:`attnpool.DraftStepView`).
         kv: the model's KV cache; ``kv.slot_mapping[:T]`` holds this step's new-token slots.
-        run: the adapter call bound to ``view`` (:func:`bind`).
+        run: the adapter call bound to ``view`` (:func:`bind`, a :class:`Run`; any callable
+            with its arguments, e.g. a timing wrapper).
         caches: ``(k_cache, v_cache)`` of every layer, ``kv.k_cache(i)`` / ``kv.v_cache(i)``
             looked up once (the cache never moves), not once per layer and step.
+        store: ``kv.step_store(T)``: the step's K/V store, its slots resolved once for every
+            layer (built after the step's slot mapping is written; a
+            :class:`~attnpool.kv.cache.StepStore`, or any callable with its arguments
+            ``(layer, k, v)``).
+        sliding_window: the pool's window (``PoolConfig.sliding_window``), which every layer
+            called with a ``sliding_window`` must match, or None.
     """
 
     view: object
     kv: KVCachePool
-    run: Run
+    run: Callable[..., Tensor]
     caches: tuple[tuple[Tensor, Tensor], ...]
+    store: Callable[[int, Tensor, Tensor], None]
+    sliding_window: int | None = None
 
 
-def as_decode(view: PagedView) -> DecodeView:
+def as_decode(view: PagedView, window: PagedView | None = None) -> DecodeView:
     """A one-query-per-row part (a chain draft step) seen as a :class:`DecodeView`: the same
-    tensors, so the SDPA adapter takes its decode path (row ``i`` is query ``i``)."""
-    return DecodeView(**{f.name: getattr(view, f.name) for f in fields(view)})
+    tensors, so the SDPA adapter takes its decode path (row ``i`` is query ``i``); ``window``:
+    the step's sliding-window part, seen the same way."""
+    kw = {f.name: getattr(view, f.name) for f in fields(view)}
+    if window is not None:
+        kw["window"] = as_decode(window)
+    return DecodeView(**kw)
 
 
 def attnpool_attention(
@@ -168,7 +213,9 @@ def attnpool_attention(
         attention_mask: ignored: masking comes from the view (lengths, causal), and transformers
             builds none for an implementation without a registered mask function.
         scaling: softmax scale (default ``1 / sqrt(D)``).
-        kwargs: must carry ``attnpool`` (a :class:`StepContext`).
+        kwargs: must carry ``attnpool`` (a :class:`StepContext`). ``sliding_window`` (the
+            window layers': their view's window part), ``softcap`` (Gemma 2's logit
+            softcapping) and ``s_aux`` (gpt-oss's per-head sinks) go to the adapter.
 
     Returns:
         ``(out [1, T, H, D], None)``.
@@ -178,10 +225,10 @@ def attnpool_attention(
         raise InputError(f"attn_implementation={ATTN_NAME!r} needs the forward kwarg attnpool="
                          f"StepContext(...) (run the model through PagedGenerator), got "
                          f"{type(ctx).__name__}")
-    for name in _UNSUPPORTED:
-        if kwargs.get(name) is not None:
-            raise LayoutError(f"attnpool attention does not support {name} (got "
-                              f"{kwargs[name]!r}): only full causal attention")
+    window = kwargs.get("sliding_window")
+    if window is not None and window != ctx.sliding_window:
+        raise LayoutError(f"layer {getattr(module, 'layer_idx', None)}: sliding_window={window!r}, "
+                          f"but the pool's window parts are built for {ctx.sliding_window}")
     layer = getattr(module, "layer_idx", None)
     if not isinstance(layer, int) or not 0 <= layer < len(ctx.caches):
         raise LayoutError(f"attention module {type(module).__name__}: layer_idx must be an int "
@@ -196,7 +243,8 @@ def attnpool_attention(
                           f"(K and V), the model gave keys {tuple(key.shape)} and values "
                           f"{tuple(value.shape)}")
     q = query[0].transpose(0, 1)  # [T, H, D]: a view of transformers' layout
-    kv.store_kv_(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    ctx.store(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_cache, v_cache = ctx.caches[layer]
-    out = ctx.run(q, k_cache, v_cache, scaling)
+    out = ctx.run(q, k_cache, v_cache, scaling, window=window is not None,
+                  softcap=kwargs.get("softcap") or 0.0, sinks=kwargs.get("s_aux"))
     return out[None], None

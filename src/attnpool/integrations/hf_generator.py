@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..config import PoolConfig
-from ..errors import CapacityError, InputError
+from ..errors import CapacityError, InputError, LayoutError
 from ..kv.paging import PageAllocator
 from ..pool import BufferPool
 from . import hf_spec
@@ -107,6 +107,11 @@ class PagedGenerator:
                 raise InputError(f"draft_model must share the model's vocabulary and device: "
                                  f"expected {spec.vocab_size} tokens on {spec.device}, got "
                                  f"{dspec.vocab_size} on {dspec.device}")
+            if None not in (dspec.sliding_window, spec.sliding_window) and \
+                    dspec.sliding_window != spec.sliding_window:
+                raise LayoutError(f"draft_model's sliding_window ({dspec.sliding_window}) must be "
+                                  f"the model's ({spec.sliding_window}) or None: one pool's "
+                                  "window parts serve both")
         if cuda_graphs not in ("auto", True, False):
             raise InputError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
         graphs = spec.device.type == "cuda" if cuda_graphs == "auto" else bool(cuda_graphs)
@@ -124,7 +129,9 @@ class PagedGenerator:
         cfg = PoolConfig(max_bs=max_bs, max_context_len=self.context, page_size=page_size,
                          device=spec.device, num_draft_tokens=n + 1 if n else 0,
                          spec_steps=max(n - 1, 0), max_extend_tokens=self.max_prefill_tokens,
-                         num_pages=_int("num_pages", pages, 2))
+                         num_pages=_int("num_pages", pages, 2),
+                         sliding_window=spec.sliding_window or (
+                             dspec.sliding_window if dspec is not None else None))
         self.pool = BufferPool(cfg)
         max_tokens = max(self.max_prefill_tokens, max_bs * (n + 1))
 

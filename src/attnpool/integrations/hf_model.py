@@ -3,13 +3,17 @@
 A model can be served when its attention is the functional kind transformers dispatches through
 ``AttentionInterface`` (so ours can replace it) and its KV heads fit one MHA/GQA
 :class:`attnpool.KVCachePool`: ``H_kv`` heads of ``head_dim`` for K and V alike, ``H`` a multiple
-of ``H_kv``, full causal attention in every layer. Anything else (sliding windows, encoder-decoder,
-MLA latents, different K and V head sizes) is refused with :class:`attnpool.LayoutError` before
-any buffer is allocated.
+of ``H_kv``; full causal or sliding-window attention layers (the pool then keeps window parts:
+``PoolConfig(sliding_window=config.sliding_window)``), with or without logit softcapping and
+attention sinks (both reach the attention function as its ``softcap`` / ``s_aux`` kwargs).
+Anything else (chunked layers, encoder-decoder, MLA latents, different K and V head sizes) is
+refused with :class:`attnpool.LayoutError` before any buffer is allocated.
 
-The forward: batch 1, all tokens of the step packed, ``position_ids`` per token, ``use_cache=False``
-and ``past_key_values=None`` (the pool's KV cache is the only cache), and the
-:class:`~attnpool.integrations.hf_attention.StepContext` as the kwarg ``attnpool``.
+The forward: batch 1, all tokens of the step packed, ``position_ids`` per token and
+``use_cache=False`` (the pool's KV cache is the only cache: no transformers cache is passed or
+built, under either of its names, ``past_key_values`` before transformers 5.24 and ``cache``
+after), and the :class:`~attnpool.integrations.hf_attention.StepContext` as the kwarg
+``attnpool``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ class ModelSpec:
         head_dim: ``D`` of queries, keys and values.
         vocab_size: logits per token.
         dtype: parameter dtype (the KV cache's). device: where the parameters live.
+        sliding_window: ``W`` of the model's sliding-window layers (``config.sliding_window``,
+            which transformers passes to those layers' attention as ``sliding_window``), or None
+            when every layer attends to the whole sequence.
+        variants: the model softcaps its logits or has attention sinks (their adapter paths
+            need a masked plan: no prefill shortcut through SDPA's own causal mask).
     """
 
     num_layers: int
@@ -45,6 +54,8 @@ class ModelSpec:
     vocab_size: int
     dtype: torch.dtype
     device: torch.device
+    sliding_window: int | None = None
+    variants: bool = False
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -88,17 +99,24 @@ def model_spec(model: Any, what: str = "model") -> ModelSpec:
             raise LayoutError(f"{what}: {name}={v}: latent (MLA) or mixed K/V head sizes do not "
                               f"fit an MHA/GQA cache of {kv_heads} heads x {head_dim}")
     types = set(_get(cfg, "layer_types", ["full_attention"]))
-    if types - {"full_attention"}:
-        raise LayoutError(f"{what}: only full causal attention layers are supported, config has "
-                          f"layer_types {sorted(types)}")
-    if _get(cfg, "attn_logit_softcapping") is not None:
-        raise LayoutError(f"{what}: attention logit softcapping is not supported")
+    if types - {"full_attention", "sliding_attention"}:
+        raise LayoutError(f"{what}: full and sliding-window attention layers are served, config "
+                          f"has layer_types {sorted(types)}")
+    window = _get(cfg, "sliding_window")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise LayoutError(f"{what}: sliding_window must be an int >= 1, got {window!r}")
+    if "sliding_attention" in types and window is None:
+        raise LayoutError(f"{what}: sliding_attention layers need config.sliding_window, got None")
     p = next(model.parameters(), None)
     if p is None:
         raise InputError(f"{what} has no parameters")
     if not p.dtype.is_floating_point:
         raise LayoutError(f"{what}: parameters must be floating point, got {p.dtype}")
-    return ModelSpec(layers, heads, kv_heads, head_dim, vocab, p.dtype, p.device)
+    variants = (_get(cfg, "attn_logit_softcapping") is not None
+                or any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter)
+                       for m in model.modules()))
+    return ModelSpec(layers, heads, kv_heads, head_dim, vocab, p.dtype, p.device, window,
+                     variants)
 
 
 @contextlib.contextmanager
@@ -131,6 +149,6 @@ def forward_logits(model: Any, ids: Tensor, positions: Tensor, ctx: StepContext,
             token of each prefilled request): the LM head runs on those rows only.
     """
     out = model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                past_key_values=None, attnpool=ctx, logits_to_keep=0 if keep is None else keep)
+                attnpool=ctx, logits_to_keep=0 if keep is None else keep)
     logits: Tensor = out.logits[0]
     return logits

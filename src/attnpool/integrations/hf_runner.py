@@ -47,11 +47,14 @@ class ModelRunner:
 
     def context(self, view: object, num_q: int, prefix_free: bool = False) -> StepContext:
         """The forward kwarg for ``num_q`` packed tokens over ``view`` (the attention call bound
-        to it: for SDPA, the view's gather plan, computed once for every layer).
+        to it: for SDPA, the view's gather plan, computed once for every layer; the KV store
+        bound to ``slot_mapping[:num_q]``, so call it after the step's slots are written).
         ``prefix_free``: a prefill of whole prompts (nothing cached before them)."""
         s = self.spec
-        run = bind(self.backend, view, num_q, s.num_heads, s.num_kv_heads, s.dtype, prefix_free)
-        return StepContext(view, self.kv, run, self.caches)
+        run = bind(self.backend, view, num_q, s.num_heads, s.num_kv_heads, s.dtype,
+                   prefix_free and not s.variants)
+        return StepContext(view, self.kv, run, self.caches, self.kv.step_store(num_q),
+                           s.sliding_window)
 
     def forward(self, ctx: StepContext, ids: Tensor, positions: Tensor,
                 keep: Tensor | None = None) -> Tensor:

@@ -76,7 +76,8 @@ def _draft_steps(gen: RoundHost, running: list[Request], rows: list[int]) -> lis
         if s:
             t0 = time.perf_counter()
         draft.kv.update_slots_(blk[3 + s])
-        ctx = draft.context(as_decode(dview.steps[s].prefix), n)
+        step = dview.steps[s]
+        ctx = draft.context(as_decode(step.prefix, step.window), n)
         pos = blk[0] + s
         gen._metadata(t0)
         props.append(draft.forward(ctx, props[-1], pos).argmax(-1))

@@ -25,6 +25,8 @@ device tensor, with no host sync, so a CUDA graph captured on ``slot_view(bs)`` 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -36,8 +38,74 @@ from ..inputs import check_count, check_tensor
 from .config import PAD_PAGE, KVCacheConfig, KVKind, KVLayout, align
 from .quant import MODEL_DTYPES, check_scales, dequantize, is_fp8, store_reference_
 
-__all__ = ["KVCacheConfig", "KVCachePool", "KVKind", "KVLayout", "store_reference_"]
+__all__ = ["KVCacheConfig", "KVCachePool", "KVKind", "KVLayout", "StepStore", "store_reference_"]
 
+_Parts = tuple[tuple[Tensor, Tensor], ...]
+
+
+class StepStore:
+    """The MHA store of one forward, for every layer: what :meth:`KVCachePool.store_kv_` does,
+    with the per-step work done once (:meth:`KVCachePool.step_store`).
+
+    Every layer stores the same tokens, so where each goes (page and offset, or the scratch page
+    when skipped) and all about the cache (kind, dtype, parts, which store runs) is fixed here,
+    once; ``store_kv_`` redoes it per call. A layer's call checks only its ``k`` and ``v`` (shape,
+    dtype, unit last stride: attribute reads) and issues one copy per part: ``index_copy_`` of
+    token rows (reference path, ``NHD``: the part seen as ``[(num_pages + 1) * P, H, D]``) or one
+    fused launch. Built during a CUDA graph capture, the index ops are recorded with the forward
+    and read ``slot_mapping`` at each replay.
+    """
+
+    __slots__ = ("_fused", "_heads", "_index", "_layers", "_n", "_parts", "_slots", "cfg")
+
+    def __init__(self, kv: KVCachePool, n: int, impl: Impl) -> None:
+        cfg = self.cfg = kv.cfg
+        if cfg.kind is not KVKind.MHA:
+            raise LayoutError(f"a step store writes K and V (an MHA cache), this cache is "
+                              f"{cfg.kind.name}: use store_mla_")
+        if is_fp8(cfg.dtype):
+            raise LayoutError(f"a step store copies model-dtype rows; this cache is {cfg.dtype} "
+                              "(fp8): use store_kv_ with k_scale / v_scale")
+        if not isinstance(impl, Impl):
+            raise InputError(f"impl must be an attnpool.Impl, got {impl!r}")
+        self._n = kv._check_bs(n)
+        self._heads = (cfg.num_kv_heads, cfg.head_dim)
+        self._layers = cfg.num_layers
+        self._fused = resolve_impl(impl, cfg.torch_device) is Impl.TRITON
+        self._slots = s = kv.slot_mapping[:n]
+        p, ns = cfg.page_size, cfg.num_slots
+        skip = (s < 0) | (s >= ns)
+        if self._fused or cfg.layout is not KVLayout.NHD:
+            # fused: the kernel reads the slots itself; HND: (page, offset) index pairs
+            self._parts = kv._layer_parts[0]
+            page = torch.where(skip, ns // p, torch.div(s, p, rounding_mode="floor"))
+            self._index: tuple[Tensor, ...] = (page, torch.where(skip, 0, torch.remainder(s, p)))
+        else:  # NHD: a token slot is a row of the part flattened to [(num_pages + 1) * P, H, D]
+            self._parts = kv._layer_parts[1]
+            self._index = (torch.where(skip, ns, s),)  # skipped tokens: the scratch page's row 0
+
+    def __call__(self, layer: int, k: Tensor, v: Tensor) -> None:
+        """Write layer ``layer``'s ``k``, ``v`` ``[n, H, D]`` (the cache's dtype and device, unit
+        last stride); tokens whose slot is negative or past the cache are skipped."""
+        if not 0 <= layer < self._layers:
+            raise InputError(f"layer must be an int in [0, {self._layers}), got {layer!r}")
+        want = (self._n, *self._heads)
+        for name, t in (("k", k), ("v", v)):
+            if t.shape != want or t.dtype != self.cfg.dtype or (self._n and t.stride(2) != 1):
+                raise InputError(f"{name} must be {self.cfg.dtype} {want} with stride 1 in its "
+                                 f"last dim, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+        kp, vp = self._parts[layer]
+        if self._fused:
+            from . import store_kernels
+
+            store_kernels.store_(((k, kp), (v, vp)), self._slots, self.cfg.page_size,
+                                 self.cfg.num_slots)
+        elif len(self._index) == 1:
+            kp.index_copy_(0, self._index[0], k)
+            vp.index_copy_(0, self._index[0], v)
+        else:
+            kp.index_put_(self._index, k)
+            vp.index_put_(self._index, v)
 
 
 class KVCachePool:
@@ -228,6 +296,23 @@ class KVCachePool:
         slots = self._slots(slot_mapping, k_.shape[0])
         sc = self._scales((("k_scale", k_scale), ("v_scale", v_scale)), check_scales)
         self._store(((k_, kp), (v_, vp)), slots, impl, check_range, sc)
+
+    @functools.cached_property
+    def _layer_parts(self) -> tuple[_Parts, _Parts]:
+        """Every MHA layer's ``(K, V)`` parts in NHD order (scratch page included), and the same
+        flattened to token rows (NHD caches): looked up once, the cache never moves."""
+        parts = tuple((self._part(i, 0), self._part(i, 1)) for i in range(self.cfg.num_layers))
+        if self.cfg.layout is not KVLayout.NHD:
+            return parts, parts
+        hd = (self.cfg.num_kv_heads, self.cfg.head_dim)
+        return parts, tuple((a.view(-1, *hd), b.view(-1, *hd)) for a, b in parts)
+
+    def step_store(self, n: int, *, impl: Impl = Impl.AUTO) -> StepStore:
+        """The store of one forward of ``n`` tokens at ``slot_mapping[:n]``, for every layer
+        (:class:`StepStore`): call it after :meth:`update_slots_`, once per step, and
+        ``store(layer, k, v)`` in each layer. Same bytes as :meth:`store_kv_` per layer, without
+        recomputing each slot's page and offset and re-checking the cache on every call."""
+        return StepStore(self, n, impl)
 
     def store_mla_(self, layer: int, latent: Tensor, rope: Tensor | None = None,
                    slot_mapping: Tensor | None = None, *, scale: Tensor | None = None,

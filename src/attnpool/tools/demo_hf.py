@@ -1,22 +1,32 @@
-"""``attnpool demo`` with transformers installed: a real model generating through a pool.
+"""``attnpool demo`` with transformers installed: a model generating through a pool.
 
-A tiny random Llama (GQA, built from a config: nothing is downloaded) serves a dozen prompts with
-:class:`~attnpool.integrations.transformers.PagedGenerator`: continuous batching over ``max_bs``
-slots, prefill through ``pool.extend``, decode steps through ``pool.decode``, a paged KV cache
-whose pages return to the free list as requests finish. The demo checks its output against
-``model.generate`` run per prompt, then runs the same prompts with speculative decoding
-(``pool.draft``, ``pool.verify``, ``pool.draft_extend``) and checks it returns the same tokens.
+With a checkpoint (``--model``, or SmolLM2 when ``attnpool fetch smollm2`` has cached it):
+questions go through the model's chat template, :class:`~attnpool.integrations.transformers.
+PagedGenerator` answers them all (continuous batching over ``max_bs = 8`` slots, prefill through
+``pool.extend``, decode steps through ``pool.decode``, a paged KV cache whose pages return to the
+free list as answers end at the end-of-turn token), then ``model.generate`` answers the same
+prompts the usual way (left-padded batches of 8). The demo prints each question and answer, the
+attention kernel that ran, both speeds, and whether the tokens are identical.
+
+Without a checkpoint, a tiny random Llama (GQA, built from a config: nothing is downloaded)
+serves a dozen prompts; the demo checks its output against ``model.generate`` run per prompt,
+then runs the same prompts with speculative decoding (``pool.draft``, ``pool.verify``,
+``pool.draft_extend``) and checks it returns the same tokens. Its tokens are noise: the demo
+says how to get the trained model.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 
 from ..config import Layout
+from ..errors import InputError
 from ..integrations.hf_attention import Backend
 from ..integrations.tiny import random_prompts, tiny_llama
+from . import fetch
 from .bench import device_of
 
 #: the model: 2 layers, 4 query / 2 KV heads of 32, vocabulary 512
@@ -36,11 +46,94 @@ def kernel_name(backend: Backend, layout: Layout) -> str:
     return f"PyTorch SDPA (attnpool.adapters.sdpa) {where}"
 
 
-def run_hf_demo(device: str = "auto", steps: int = 40, seed: int = 0) -> int:
-    """Generate ``steps`` new tokens per prompt; returns 0, or exits when a check fails."""
+#: Questions the demo asks a checkpoint by default (``--prompt`` replaces them).
+DEMO_QUESTIONS = 8
+#: New tokens per prompt: the tiny model's, and the most a checkpoint's answer gets (the
+#: command line's help names the same two: ``cli.DEMO_STEPS``, ``cli.DEMO_STEPS_CHECKPOINT``).
+TINY_STEPS, CHECKPOINT_STEPS = 40, 128
+#: Requests decoded together with a checkpoint.
+CHECKPOINT_BS = 8
+
+
+def run_hf_demo(device: str = "auto", steps: int | None = None, seed: int = 0,
+                model: str | None = None, questions: Sequence[str] | None = None) -> int:
+    """The checkpoint demo when there is one (``model``, else the cached SmolLM2), else the
+    tiny random model's; returns 0, or 1 when a check fails."""
+    dev = device_of(device)
+    if model is None and fetch.cached("smollm2") is not None:
+        model = "smollm2"
+    if model is not None:
+        return run_checkpoint_demo(model, dev, steps or CHECKPOINT_STEPS, questions)
+    if questions:
+        raise InputError("--prompt needs a trained model: fetch one with `python -m attnpool "
+                         "fetch smollm2` (or pass --model PATH)")
+    print("no trained checkpoint is cached, so this runs a tiny random model (its tokens are "
+          "noise). For a trained one: python -m attnpool fetch smollm2, then python -m "
+          "attnpool demo")
+    return run_tiny_demo(dev, steps or TINY_STEPS, seed)
+
+
+def run_checkpoint_demo(model: str, dev: torch.device, steps: int,
+                        questions: Sequence[str] | None = None) -> int:
+    """Answer ``questions`` (default: the first :data:`DEMO_QUESTIONS` of
+    :data:`attnpool.tools.checkpoint.QUESTIONS`) with a checkpoint, through attnpool and
+    through ``model.generate``; 0 when the tokens are identical, else 1."""
+    from ..integrations.transformers import PagedGenerator
+    from .bench_e2e import Workload, run_hf_generate
+    from .checkpoint import QUESTIONS, load, note, prompts_of
+
+    for i, q in enumerate(questions or ()):
+        if not q.strip():
+            raise InputError(f"--prompt {i + 1} is empty: expected a question")
+    loaded = load(model, dev)
+    qs = list(questions or QUESTIONS[:DEMO_QUESTIONS])
+    prompts = prompts_of(loaded, qs)
+    cfg, tok = loaded.model.config, loaded.tokenizer
+    bs = min(CHECKPOINT_BS, len(prompts))
+    print(f"attnpool demo (transformers) on {dev}: {loaded.name}, {cfg.num_hidden_layers} "
+          f"layers, {cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads, "
+          f"float32, {torch.get_num_threads()} thread(s); {len(prompts)} "
+          f"{'chat' if loaded.chat else 'text'} prompts of {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens, up to {steps} new tokens, "
+          f"{'no end token' if loaded.eos is None else f'stop at token {loaded.eos}'}, "
+          f"max_bs={bs}, page_size={PAGE}")
+    wl = Workload("demo", tuple(map(tuple, prompts)), steps, bs, PAGE, loaded.eos)
+    gen = PagedGenerator(loaded.model, max_bs=bs, max_context_len=wl.context, page_size=PAGE)
+    print(f"attention: {kernel_name(gen.target.backend, gen.pool.cfg.layout)}")
+    warm = Workload("warm-up", wl.prompts[:1], 2, 1, PAGE, loaded.eos)
+    gen.generate(wl.lists()[:1], 2)  # first-call allocations, for both methods alike
+    run_hf_generate(loaded.model, warm)
+    note(f"answering {len(prompts)} prompts through attnpool (PagedGenerator) ...")
+    out = gen.generate(wl.lists(), steps, eos_token_id=loaded.eos)
+    st = gen.stats
+    note(f"answering them again with model.generate (left-padded batches of {bs}) ...")
+    ref = run_hf_generate(loaded.model, wl)
+    for i, (q, o) in enumerate(zip(qs, out, strict=True)):
+        text = tok.decode(o, skip_special_tokens=True).strip()
+        print(f"\nQ{i + 1}: {q}\nA{i + 1}: {text}")
+    same = [a == b for a, b in zip(out, ref.outputs, strict=True)]
+    hf_tps = ref.tokens / ref.wall_s
+    print(f"\nattnpool (PagedGenerator): {st.tokens_per_s:.1f} tokens/s ({st.new_tokens} "
+          f"tokens in {st.wall_s:.2f}s, {st.decode_steps} decode steps + {st.prefill_forwards} "
+          f"prefills, batch sizes {min(st.batch_sizes)}-{max(st.batch_sizes)}, metadata "
+          f"{st.metadata_us_per_step:.0f} us per forward)")
+    print(f"model.generate (batched): {hf_tps:.1f} tokens/s ({ref.tokens} tokens in "
+          f"{ref.wall_s:.2f}s); attnpool / generate = {st.tokens_per_s / hf_tps:.2f}x")
+    if all(same):
+        print(f"tokens identical to model.generate (do_sample=False): {len(same)}/{len(same)} "
+              "prompts")
+        return 0
+    bad = [i + 1 for i, ok in enumerate(same) if not ok]
+    print(f"tokens identical to model.generate: {sum(same)}/{len(same)} prompts; answers "
+          f"{bad} differ (float32: a near-tie of two logits can resolve either way)")
+    return 1
+
+
+def run_tiny_demo(dev: torch.device, steps: int = TINY_STEPS, seed: int = 0) -> int:
+    """Generate ``steps`` new tokens per prompt with the tiny random model; returns 0, or exits
+    when a check fails."""
     from ..integrations.transformers import PagedGenerator
 
-    dev = device_of(device)
     threads = torch.get_num_threads()
     if dev.type == "cpu":
         torch.set_num_threads(1)  # tiny tensors: extra threads only contend (see demo.py)

@@ -8,6 +8,13 @@ parallel scan in registers; no serial loop over the batch, no second launch, no 
 synchronisation between programs). Page writes loop over a row's own live pages only, so the
 bytes written grow with the live pages, not with the table width.
 
+Registers: that scan holds the part's whole row vector (the batch rounded up to a power of two,
+``BLOCK``) in each program's registers, a few vectors at a time. Up to 4096 rows (every part of
+a pool with ``max_bs <= 512`` and up to 8 queries per request) no specialization spills on sm_80
+or sm_90 beyond a few bytes ptxas leaves at Triton's register-allocation level; parts of 8192
+rows and more do spill (hundreds of bytes to a few KiB: ``python -m attnpool kernels``). Such
+pools still write the right bytes; removing the spills needs the scan in fixed-size chunks.
+
 Every address is bounded without reading lengths on the host: row indices are clamped into the
 caller's table, token columns into its width, page columns into the page table's width and CSR
 positions into ``kv_indices``. Out-of-range inputs (which only a host sync could detect) thus

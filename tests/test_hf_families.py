@@ -1,0 +1,119 @@
+"""Every decoder family of transformers that dispatches its attention through
+``AttentionInterface`` gives ``model.generate``'s greedy tokens through ``PagedGenerator``.
+
+Tiny random models (two layers, float64, ``initializer_range=0.3``), built from configs: no
+download. Windows (4) and prompts (13 and 6 tokens, 5 new) are sized so that sliding windows
+bite in every sliding layer. Three modes per family: page size 1, page size 4, and speculative
+decoding (the draft is the model itself, three draft tokens, pages of 4). Mixture-of-experts
+models run their experts eagerly (transformers' grouped kernels take no float64).
+
+Families still refused are checked to be refused before any work, with the reason named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from attnpool import LayoutError  # noqa: E402
+from attnpool.integrations.transformers import PagedGenerator  # noqa: E402
+
+V, W = 96, 4
+BASE: dict[str, Any] = dict(
+    vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    initializer_range=0.3, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+MOE = {"num_experts_per_tok": 2}
+#: model_type -> config overrides (``None`` drops a base key the family does not have)
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {}, "qwen2": {}, "qwen3": {"head_dim": 16},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 2, "moe_intermediate_size": 16, **MOE},
+    "mistral": {"sliding_window": None}, "mistral-window": {"sliding_window": W},
+    "mixtral": {"num_local_experts": 2, **MOE},
+    "gemma2": {"head_dim": 16, "sliding_window": W, "query_pre_attn_scalar": 16},
+    "gemma3_text": {"head_dim": 16, "sliding_window": W, "query_pre_attn_scalar": 16,
+                    "sliding_window_pattern": 2},
+    "phi3": {}, "olmo2": {}, "olmo3": {"sliding_window": W},
+    "gpt_neox": {"num_key_value_heads": None},
+    "gpt2": {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 256,
+             "num_key_value_heads": None},
+    "cohere": {}, "cohere2": {"sliding_window": W}, "granite": {}, "starcoder2": {},
+    "gpt_oss": {"head_dim": 16, "sliding_window": W, "num_local_experts": 2, **MOE},
+    "smollm3": {}, "exaone4": {"sliding_window": W}, "glm4": {},
+}
+REFUSED: dict[str, tuple[dict[str, Any], str]] = {
+    "llama4_text": ({"head_dim": 16, "attention_chunk_size": 4, "num_local_experts": 2,
+                     "intermediate_size_mlp": 96}, "chunked_attention"),
+    "deepseek_v3": ({"kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+                     "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 8,
+                     "n_routed_experts": 4, "moe_intermediate_size": 32,
+                     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, **MOE},
+                    "kv_lora_rank"),
+    # their attention is not dispatched through AttentionInterface: nothing to replace
+    "falcon": ({"num_key_value_heads": None}, "does not dispatch its attention"),
+    "stablelm": ({}, "does not dispatch its attention"),
+}
+PROMPTS = [[3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43], [2, 4, 6, 8, 10, 12]]
+NEW = 5
+
+
+def build(name: str, overrides: dict[str, Any]) -> Any:
+    kw = {k: v for k, v in {**BASE, **overrides}.items()
+          if not (v is None and k == "num_key_value_heads")}
+    cfg = transformers.AutoConfig.for_model(name.split("-")[0], **kw)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
+    return model.to(torch.float64).eval()
+
+
+def reference(model: Any) -> list[list[int]]:
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p])
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                               do_sample=False, pad_token_id=0, eos_token_id=None)
+            out.append(g[0, len(p):].tolist())
+    return out
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest) -> tuple[str, Any, list[list[int]]]:
+    name: str = request.param
+    model = build(name, FAMILIES[name])
+    return name, model, reference(model)
+
+
+@pytest.mark.parametrize("mode", ["page1", "page4", "spec"])
+def test_family_gives_generates_tokens(family: tuple[str, Any, list[list[int]]],
+                                       mode: str) -> None:
+    name, model, ref = family
+    kw: dict[str, Any] = {"max_bs": 2, "max_context_len": 40}
+    if mode == "spec":
+        kw.update(page_size=4, draft_model=model, num_draft_tokens=3)
+    else:
+        kw["page_size"] = 1 if mode == "page1" else 4
+    gen = PagedGenerator(model, **kw)
+    assert gen.generate(PROMPTS, max_new_tokens=NEW) == ref, name
+    window = getattr(model.config, "sliding_window", None)
+    assert gen.pool.cfg.sliding_window == window
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_family_not_yet_served_is_refused_up_front(name: str) -> None:
+    overrides, reason = REFUSED[name]
+    model = build(name, overrides)
+    with pytest.raises(LayoutError, match=reason):
+        PagedGenerator(model, max_bs=2, max_context_len=40)
+
+
+def test_a_draft_with_another_window_is_refused() -> None:
+    target = build("mistral-window", {"sliding_window": W})
+    draft = build("mistral-window", {"sliding_window": 2 * W})
+    with pytest.raises(LayoutError, match="one pool's window parts serve both"):
+        PagedGenerator(target, max_bs=2, max_context_len=40, draft_model=draft,
+                       num_draft_tokens=3)
