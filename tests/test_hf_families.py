@@ -22,6 +22,8 @@ transformers = pytest.importorskip("transformers")
 from attnpool import LayoutError  # noqa: E402
 from attnpool.integrations.transformers import PagedGenerator  # noqa: E402
 
+import hf_tiny  # noqa: E402
+
 V, W = 96, 4
 BASE: dict[str, Any] = dict(
     vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -70,22 +72,11 @@ def build(name: str, overrides: dict[str, Any]) -> Any:
     return model.to(torch.float64).eval()
 
 
-def reference(model: Any) -> list[list[int]]:
-    out = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = torch.tensor([p])
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                               do_sample=False, pad_token_id=0, eos_token_id=None)
-            out.append(g[0, len(p):].tolist())
-    return out
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request: pytest.FixtureRequest) -> tuple[str, Any, list[list[int]]]:
     name: str = request.param
     model = build(name, FAMILIES[name])
-    return name, model, reference(model)
+    return name, model, hf_tiny.greedy(model, PROMPTS, NEW)
 
 
 @pytest.mark.parametrize("mode", ["page1", "page4", "spec"])

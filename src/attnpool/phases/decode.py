@@ -118,7 +118,8 @@ class DecodePhase(PhaseBase[DecodeView]):
             ids = list(request_ids)
             if len(ids) != n:
                 raise InputError(f"request_ids must have n={n} values, got {len(ids)}")
-        self._check_values(x, cfg.max_context_len)
+        if self.validate:  # (the value lists are built only then)
+            self._check_values(x, cfg.max_context_len)
         flags = self._keep_flags(ids, bs)
         keep = None if flags is None else self._keep[:bs]
         width = self._width(host)

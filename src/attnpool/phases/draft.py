@@ -123,7 +123,8 @@ class DraftPhase(PhaseBase[DraftView]):
             if loc.shape[1] != steps or loc.shape[2] != cfg.topk:
                 raise InputError(f"out_cache_loc must be [n, {steps}, {cfg.topk}], "
                                  f"got {tuple(loc.shape)}")
-        self._check_values(x, cfg.max_context_len - steps)
+        if self.validate:  # (the value lists are built only then)
+            self._check_values(x, cfg.max_context_len - steps)
         width = self._width(host, 0 if self.tree else steps)
         # --- writes start here (every part's inputs were checked above) ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None,

@@ -80,9 +80,10 @@ class EncoderPhase(PhaseBase[EncoderView]):
             host_lens("encoder_lens_cpu + seq_lens_cpu",
                       [a + b for a, b in zip(enc_host, host, strict=True)], n, 2,
                       cfg.max_context_len)
-        self._check_values(x, cfg.max_context_len, [("encoder_lens", enc, 1, cfg.max_encoder_len)],
-                           [("encoder_lens_cpu", encoder_lens_cpu, "encoder_lens")],
-                           sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len))
+        if self.validate:  # (the value lists are built only then)
+            self._check_values(x, cfg.max_context_len, [("encoder_lens", enc, 1, cfg.max_encoder_len)],
+                               [("encoder_lens_cpu", encoder_lens_cpu, "encoder_lens")],
+                               sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len))
         # (the cross part caps its width at its own capacity, ceil(max_encoder_len / P))
         enc_width, width = self._width(enc_host), self._width(host)
         # --- writes start here (both parts' inputs were checked above) ---

@@ -109,9 +109,10 @@ class ExtendPhase(PhaseBase[ExtendView]):
             if slots is not None and _overlap(slots, wslots):
                 raise InputError("out_slots and window_out_slots must not overlap (two groups' "
                                  "slot mappings written by one update), got overlapping tensors")
-        self._check_values(x, cfg.max_context_len, [("extend_lens", ext, 1, cfg.max_context_len)],
-                           [("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
-                           at_most=[("extend_lens", "seq_lens")], sum_at_most=("extend_lens", t_max))
+        if self.validate:  # (the value lists are built only then)
+            self._check_values(x, cfg.max_context_len, [("extend_lens", ext, 1, cfg.max_context_len)],
+                               [("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
+                               at_most=[("extend_lens", "seq_lens")], sum_at_most=("extend_lens", t_max))
         width = self._width(host)
         # --- writes start here ---
         self._run((bs, blk, table.shape, table.stride(0), num_real is None,

@@ -87,7 +87,8 @@ class LocalPhase(PhaseBase[LocalView]):
         q, extra, per = self._shape(for_phase)
         x = self._inputs(bs, seq_lens, shared, cfg.max_context_len - extra)
         seq_lens, n, rpi, table, blk, _, _w, num_real, _ = x
-        self._check_values(x, cfg.max_context_len - extra)
+        if self.validate:  # (the value lists are built only then)
+            self._check_values(x, cfg.max_context_len - extra)
         # --- writes start here ---
         self._run((bs, extra, q, per, blk, table.shape, table.stride(0), num_real is None), bs,
                   (n, seq_lens, rpi, table, blk, num_real, for_phase))

@@ -77,7 +77,8 @@ class VerifyPhase(PhaseBase[VerifyView]):
                 raise InputError(f"tree_mask must be [n, {nd}, {nd}], got {tuple(mask.shape)}")
         elif tree_mask is not None:
             raise InputError(f"tree_mask is only for topk > 1, got one with topk={cfg.topk}")
-        self._check_values(x, cfg.max_context_len - nd, tree_mask=mask)
+        if self.validate:  # (the value lists are built only then)
+            self._check_values(x, cfg.max_context_len - nd, tree_mask=mask)
         add = 0 if self.tree else nd
         width = self._width(host, add)
         # --- writes start here (every part's inputs were checked above) ---

@@ -298,11 +298,11 @@ def _store(rec: Recorder, dtype: torch.dtype, kind: dict[str, Any], layout: Any,
                     f"{' per-head scales' if per_head else ''}")
         try:
             if cfg.kind is KVKind.MHA:
-                x = torch.zeros((3, heads, cfg.head_dim), dtype=src)
+                x = torch.zeros((3, heads, cfg.head_dim), dtype=src)  # ok: tool inputs, once per case
                 kv.store_kv_(0, x, x.clone(), slots, k_scale=sc, v_scale=sc, impl=Impl.TRITON)
             else:
-                lat = torch.zeros((3, cfg.kv_lora_rank), dtype=src)
-                rope = torch.zeros((3, cfg.rope_dim), dtype=src) if cfg.rope_dim else None
+                lat = torch.zeros((3, cfg.kv_lora_rank), dtype=src)  # ok: tool inputs
+                rope = torch.zeros((3, cfg.rope_dim), dtype=src) if cfg.rope_dim else None  # ok: tool
                 kv.store_mla_(0, lat, rope, slots, scale=sc, impl=Impl.TRITON)
         except InputError:
             continue  # a source dtype this cache refuses
