@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -61,3 +62,36 @@ def test_update_with_a_window_part(record: Callable[..., None], timed: Callable[
     record("window-update", case.name, "with-window" if window else "full-only", cfg,
            baseline="full-only", update_path=phase.impl.value)
     timed(fn)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("window", [128, 1024])
+def test_window_pages_held_after_a_long_generation(benchmark: Any, record: Callable[..., None],
+                                                   page: int, window: int) -> None:
+    """KV pages one request holds after 2,000 generated tokens (plus a 32-token prompt), in one
+    run of a model with one sliding-window layer and one full layer: the full layer keeps every
+    page of the request (what a window layer would hold without freeing), the window layer's
+    cache only what a future window can still read (:mod:`attnpool.kv.window_paging`)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Cohere2Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+        initializer_range=0.3, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"], eos_token_id=None,
+        bos_token_id=None, pad_token_id=None)
+    model = transformers.Cohere2ForCausalLM(cfg).eval()
+    from attnpool.integrations.transformers import PagedGenerator
+
+    new, prompt = 2000, list(range(32))
+    gen = PagedGenerator(model, max_bs=1, max_context_len=len(prompt) + new, page_size=page)
+    benchmark.pedantic(lambda: gen.generate([prompt], max_new_tokens=new), rounds=1,
+                       iterations=1)
+    st, walloc = gen.stats, gen.walloc
+    assert walloc is not None and st.new_tokens == new
+    record("window-pages", f"W{window}-p{page}", "freeing", gen.pool.cfg,
+           full_layer_pages=st.full_pages_peak, window_layer_pages=st.window_pages_peak,
+           window_span_pages=walloc.span, held_ratio=st.window_pages_peak / st.full_pages_peak)
+    print(f"\nW={window} page={page}: after {new} tokens the full layer holds "
+          f"{st.full_pages_peak} pages, the window layer {st.window_pages_peak} "
+          f"(span {walloc.span}); {st.tokens_per_s:.0f} tokens/s")

@@ -3,7 +3,8 @@
 It knows nothing about pages, views or layouts: each query is given the list of KV token slots it
 may attend (built by a test from the phase semantics and the engine's ``req_to_token`` table), and
 attention is a plain softmax in float64, one query at a time. Slot ``s`` is row ``s`` of the cache
-flattened to ``[tokens, H_kv, D]``.
+flattened to ``[tokens, H_kv, D]``; V's head size ``Dv`` may differ from K's (the output has
+``Dv``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from torch import Tensor
 
 
 def flat(cache: Tensor) -> Tensor:
-    """``[num_pages, P, H_kv, D]`` -> ``[num_pages * P, H_kv, D]`` (token slot = page * P + offset)."""
+    """``[num_pages, P, H_kv, D]`` -> ``[num_pages * P, H_kv, D]`` (token slot = page * P + offset;
+    any last dim)."""
     return cache.reshape(-1, cache.shape[2], cache.shape[3])
 
 
@@ -38,11 +40,11 @@ def dense_attention(
 
     Args:
         q: ``[>= len(keys), H, D]``.
-        k_cache, v_cache: ``[num_pages, P, H_kv, D]``.
+        k_cache, v_cache: ``[num_pages, P, H_kv, D]`` and ``[num_pages, P, H_kv, Dv]``.
         keys: per query, the slots it attends (any order; a slot listed twice counts twice).
 
     Returns:
-        ``(out [len(keys), H, D], lse [len(keys), H])`` in float64; a query with no keys gets
+        ``(out [len(keys), H, Dv], lse [len(keys), H])`` in float64; a query with no keys gets
         output 0 and lse ``-inf``.
     """
     k, v = flat(k_cache).double(), flat(v_cache).double()

@@ -30,6 +30,13 @@ Modelled FA3 details (the parts the adapter must get right):
 * sinks: only vLLM's build takes them (``flash_attn_varlen_func(s_aux=)``); its FA3 path checks a
   Hopper GPU, at most 64 query heads, equal Q/V head sizes, bfloat16 and shape ``(num_heads,)``.
   Upstream FA3's ``flash_attn_with_kvcache`` has no such argument.
+* K and V of different head sizes: ``mha_fwd`` takes ``head_size_v = v.size(-1)`` and, when it
+  differs from q's, only ``head_size`` in (128, 192] with ``head_size_v`` in (96, 128], or
+  ``head_size <= 64`` with ``head_size_v <= 512`` (fp16 / bf16 past 256), on Hopper alone; v must
+  be ``(num_pages, page_size, num_heads_k, head_size_v)``; the output has ``head_size_v``.
+  ``get_scheduler_metadata(headdim_v=)`` (default ``headdim``) enters FA3's tile choice, so a
+  plan for other head sizes is a different plan: the fake tags its metadata with the planned
+  ``(headdim, headdim_v)`` and, unlike FA3 (which runs it), refuses a call with other sizes.
 * fp8: q, k and v must share one dtype, ``float8_e4m3fn`` being the only fp8 one (sm90 and up),
   with head dims that are multiples of 16. Only then are ``q_descale`` / ``k_descale`` /
   ``v_descale`` read: each float32 with sizes ``(batch_size, num_heads_k)`` and any strides, as
@@ -50,6 +57,11 @@ from attnpool.adapters import sdpa
 
 NUM_SM = 132
 BLOCK_N = 128  # KV block of the fake split heuristic
+
+
+def dims_tag(headdim: int, headdim_v: int) -> int:
+    """The fake's tag of a plan's head sizes, kept in the metadata after the split counts."""
+    return headdim * 1024 + headdim_v
 
 
 def check(cond: bool, msg: str) -> None:
@@ -188,6 +200,7 @@ class FA3:
         md = torch.full((metadata_size(batch_size, ceff, splits, self.arch, left >= 0),), 77,
                         dtype=torch.int32, device=cache_seqlens.device)
         md[:batch_size] = _row_splits(cache_seqlens[:batch_size], splits)
+        md[batch_size] = dims_tag(headdim, headdim if headdim_v is None else headdim_v)
         if self.arch >= 90 or splits > 1:
             md[-1] = 0  # the tile-count semaphore, zeroed by the planner
         return md
@@ -255,9 +268,21 @@ class FA3:
         check(head_size <= 256, "FlashAttention forward only supports head dimension at most 256")
         check(num_heads % num_heads_k == 0,
               "Number of heads in key/value must divide number of heads in query")
+        head_size_v = v.shape[-1]
+        if head_size_v != head_size:
+            check((128 < head_size <= 192 and 96 < head_size_v <= 128)
+                  or (head_size <= 64 and head_size_v <= 512),
+                  "If V headdim is different from Q/K dim, we only support Q/K headdim in "
+                  "(128, 192] and V headdim in (96, 128], or (Q/K <= 64 and V <= 512).")
+            check(self.arch == 90, "Only Hopper supports different V headdim")
+            if head_size_v > 256:
+                check(q_type in (torch.float16, torch.bfloat16),
+                      "HeaddimV > 256 requires fp16 and bf16 data type")
         check(q.dim() == 3, "q must have shape (total_q, num_heads, head_size)")
         check(k.shape == (k.shape[0], page_size, num_heads_k, head_size),
               "k must have shape (num_pages, page_size, num_heads_k, head_size)")
+        check(v.shape == (k.shape[0], page_size, num_heads_k, head_size_v),
+              "v must have shape (num_pages, page_size, num_heads_k, head_size_v)")
         check(seqused_k.dtype == torch.int32, "seqused_k must have dtype int32")
         check(seqused_k.is_contiguous(), "seqused_k must be contiguous")
         check(tuple(seqused_k.shape) == (batch_size,), "seqused_k must have shape (batch_size)")
@@ -282,6 +307,12 @@ class FA3:
             check(scheduler_metadata.dtype == torch.int32,
                   "scheduler_metadata must have dtype int32")
             want = _row_splits(seqused_k, splits)
+            tag = int(scheduler_metadata[batch_size])
+            if tag != dims_tag(head_size, head_size_v):
+                raise RuntimeError(
+                    f"fake FA3: scheduler_metadata was planned for (headdim, headdim_v) = "
+                    f"{divmod(tag, 1024)}, this call has ({head_size}, {head_size_v}); FA3 would "
+                    "run the mismatched plan")
             if not torch.equal(scheduler_metadata[:batch_size], want):
                 raise RuntimeError(
                     "fake FA3: scheduler_metadata plans splits "
@@ -348,7 +379,8 @@ class FA3:
 
 
 class FA2:
-    """flash-attn 2.8.x ``flash_attn_with_kvcache`` (paged path) and its C++ checks."""
+    """flash-attn 2.8.x ``flash_attn_with_kvcache`` (paged path) and its C++ checks: among them
+    ``CHECK_SHAPE`` of both caches with q's head size, so K and V head sizes must be equal."""
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
@@ -388,6 +420,10 @@ class FA2:
         check(tuple(block_table.shape) == (batch_size, block_table.shape[1]),
               "block_table must have shape (batch_size, max_num_blocks_per_seq)")
         check(cache_seqlens.dtype == torch.int32, "seqlens_k must have dtype int32")
+        check(tuple(k_cache.shape) == (k_cache.shape[0], page_block_size, num_heads_k, head_size),
+              "kcache must have shape (num_blocks, page_block_size, num_heads_k, head_size_og)")
+        check(tuple(v_cache.shape) == (k_cache.shape[0], page_block_size, num_heads_k, head_size),
+              "vcache must have shape (num_blocks, page_block_size, num_heads_k, head_size_og)")
         check(tuple(cache_seqlens.shape) == (batch_size,), "seqlens_k must have shape (batch_size)")
         cu = torch.arange(0, (batch_size + 1) * seqlen_q, seqlen_q, dtype=torch.int32)
         seqlen_k = block_table.shape[1] * page_block_size

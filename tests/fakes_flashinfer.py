@@ -24,6 +24,13 @@ decode wrapper's ``run(sinks=)`` applies them only on the ``trtllm-gen`` and ``c
 backends and drops them on the others (as FlashInfer's ``decode.py`` forwards them); the prefill
 wrapper's ``run`` has no such argument.
 
+Head sizes: the prefill wrapper's ``plan(head_dim_qk, page_size, head_dim_vo=None)`` (None:
+``head_dim_qk``) compiles a kernel for the pair, and its ``run`` allocates the output with
+``v_cache``'s last dim; the ``cute-dsl`` backend raises ``NotImplementedError`` for a pair that
+differs. The decode wrapper's ``plan`` takes one ``head_dim`` for q, k and v. A ``run`` whose q, k
+or v head size is not the planned one has no exception in FlashInfer (the kernel reads rows of
+the planned width) and is made loud here.
+
 fp8 caches: ``plan``'s ``kv_data_type`` must be the cache's dtype (checked at ``run``), and
 ``run(q_scale=, k_scale=, v_scale=)`` are Python floats: ``q_scale`` and ``k_scale`` multiply the
 softmax scale on the host, ``v_scale`` multiplies the output after the kernel, in its dtype.
@@ -116,6 +123,14 @@ def _compute(q: Tensor, k: Tensor, v: Tensor, qo: Tensor, indptr: Tensor, indice
     return out, lse
 
 
+def _check_dims(q: Tensor, k: Tensor, v: Tensor, qk: int, vo: int) -> None:
+    got = (q.shape[-1], k.shape[-1], v.shape[-1])
+    if got != (qk, qk, vo):
+        raise RuntimeError(f"fake FlashInfer: q, k, v head sizes {got} differ from the planned "
+                           f"{(qk, qk, vo)} (head_dim_qk, head_dim_qk, head_dim_vo); the kernel "
+                           "would read rows of the planned width")
+
+
 class _Wrapper:
     def __init__(self, float_workspace_buffer: Tensor, kv_layout: str) -> None:
         _aligned(float_workspace_buffer, "float_workspace_buffer")
@@ -197,6 +212,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
             self._paged_kv_indices_buf = indices.clone()
             self._paged_kv_last_page_len_buf = last_page_len.clone()
         self._page_size = page_size
+        self._head_dims = (head_dim, head_dim)
         self._planned(kw, head_dim)
 
     def run(self, q: Tensor, paged_kv_cache: tuple[Tensor, Tensor], *args: Any,
@@ -205,6 +221,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
             sinks: Tensor | None = None, **kw: Any) -> Any:
         k, v = paged_kv_cache
         _check_dtypes(q, k, self._q_dtype, self._kv_dtype)
+        _check_dims(q, k, v, *self._head_dims)
         if self._backend not in ("trtllm-gen", "cute-dsl"):
             sinks = None  # dropped: only those backends forward it
         assert self._paged_kv_last_page_len_buf is not None
@@ -239,6 +256,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                  backend: str = "auto", jit_args: Any = None, jit_kwargs: Any = None,
                  variant_owns_mask: bool = False) -> None:
         super().__init__(float_workspace_buffer, kv_layout)
+        self._backend = backend
         if use_cuda_graph:
             for name, t in (("qo_indptr_buf", qo_indptr_buf),
                             ("paged_kv_indptr_buf", paged_kv_indptr_buf),
@@ -264,9 +282,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
 
     def plan(self, qo_indptr: Tensor, paged_kv_indptr: Tensor, paged_kv_indices: Tensor,
              paged_kv_last_page_len: Tensor, num_qo_heads: int, num_kv_heads: int,
-             head_dim_qk: int, page_size: int, *args: Any, causal: bool = False,
-             **kw: Any) -> None:
+             head_dim_qk: int, page_size: int, head_dim_vo: int | None = None, *args: Any,
+             causal: bool = False, **kw: Any) -> None:
         _aligned(self._float_workspace_buffer, "float_workspace_buffer")
+        if head_dim_vo is None:
+            head_dim_vo = head_dim_qk
         batch_size = len(qo_indptr) - 1
         host = qo_indptr.to("cpu")
         self._qo_indptr_last = int(host[-1])
@@ -305,7 +325,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         if num_qo_heads % num_kv_heads:
             raise RuntimeError(f"num_qo_heads {num_qo_heads} should be divisible by num_kv_heads "
                                f"{num_kv_heads}")
+        if self._backend == "cute-dsl" and head_dim_vo != head_dim_qk:
+            raise NotImplementedError("cute-dsl backend requires head_dim_vo == head_dim_qk")
         self._causal = causal
+        self._head_dims = (head_dim_qk, head_dim_vo)
         self._planned(kw, head_dim_qk)
 
     def run(self, q: Tensor, paged_kv_cache: tuple[Tensor, Tensor], *args: Any,
@@ -313,6 +336,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             v_scale: float | None = None, return_lse: bool = False, **kw: Any) -> Any:
         k, v = paged_kv_cache
         _check_dtypes(q, k, self._q_dtype, self._kv_dtype)
+        _check_dims(q, k, v, *self._head_dims)
         sm_scale = _sm_scale(self._sm_scale, q_scale, k_scale)
         if q.size(0) != self._qo_indptr_last:
             raise ValueError(

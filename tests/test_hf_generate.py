@@ -24,9 +24,11 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
 
 def _poisoned(gen: PagedGenerator) -> PagedGenerator:
     gen.pool.poison_()
-    gen.target.kv.poison_()
+    for kv in gen.target.caches_used:
+        kv.poison_()
     if gen.draft is not None:
-        gen.draft.kv.poison_()
+        for kv in gen.draft.caches_used:
+            kv.poison_()
     return gen
 
 

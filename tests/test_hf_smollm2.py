@@ -70,9 +70,11 @@ def reference(smollm2: checkpoint.Loaded, prompts: list[list[int]]) -> list[list
 
 def _poisoned(gen: PagedGenerator) -> PagedGenerator:
     gen.pool.poison_()
-    gen.target.kv.poison_()
+    for kv in gen.target.caches_used:
+        kv.poison_()
     if gen.draft is not None:
-        gen.draft.kv.poison_()
+        for kv in gen.draft.caches_used:
+            kv.poison_()
     return gen
 
 

@@ -9,7 +9,9 @@
 * :mod:`attnpool.adapters.flashinfer`: FlashInfer CUDA-graph wrappers on the pool's FLASHINFER
   buffers, and planning from a view before replay.
 
-Every adapter returns the same convention: the output ``[total_q, H, D]`` packed like the queries
+Every adapter returns the same convention: the output ``[total_q, H, Dv]`` (V's head size, which
+may differ from the queries' ``D``: each adapter's docstring says where its library allows it)
+packed like the queries
 (``cu_seqlens_q``) and the natural-log log-sum-exp ``[total_q, H]`` float32, so two passes of a
 tree view merge with :func:`merge_by_lse` whatever kernel produced them (an empty row's
 log-sum-exp is ``-inf``, or ``+inf`` from flash-attn; both read as "no keys").

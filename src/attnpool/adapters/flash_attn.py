@@ -25,7 +25,18 @@ a copy (:func:`attnpool.adapters.fp8.fa3_fp8_kwargs`); plan its scheduler with `
 torch.float8_e4m3fn``. FA2 has no fp8 KV: an fp8 cache is refused with a
 :class:`attnpool.LayoutError`. Scales with a model-dtype cache are refused (:class:`InputError`).
 
-Outputs follow the adapters' convention, ``out [total_q, H, D]`` and natural-log ``lse [total_q,
+K and V of different head sizes (``D != Dv``, ``KVCacheConfig(head_dim_v=)``): FA3 takes them
+where its kernels exist, on Hopper only: ``D`` in (128, 192] with ``Dv`` in (96, 128] (DeepSeek's
+192 / 128), or ``D <= 64`` with ``Dv <= 512`` (``Dv > 256`` not in fp8); its scheduler is planned
+with ``headdim_v`` (:func:`scheduler_metadata_`'s ``head_dim_v``). Other pairs are refused with
+:class:`attnpool.LayoutError` before the call (:data:`FA3_HEAD_DIMS`). FA2 (flash-attn 2.x's
+``flash_attn_with_kvcache`` checks ``v_cache`` against the query's head size) is refused too: the
+workaround engines use for its dense varlen path, zero-padding V to ``D`` and slicing the output,
+would here copy a layer's whole paged V cache on every call, and a captured graph would read that
+copy instead of the cache the engine writes. A cache that must serve FA2 stores V zero-padded to
+``D`` (``head_dim_v = head_dim``) and the caller slices ``out[..., :Dv]``.
+
+Outputs follow the adapters' convention, ``out [total_q, H, Dv]`` and natural-log ``lse [total_q,
 H]`` (FA3 returns ``lse [H, total_q]``, FA2 ``[bs, H, seqlen_q]``), so tree passes merge with
 :func:`attnpool.adapters.sdpa.merge_by_lse`. A row with no keys gets ``lse = +inf`` from flash-attn
 (not ``-inf``); the merge treats both as empty. FA3's ``out`` has ``q.shape[0]`` rows and writes
@@ -63,6 +74,32 @@ if TYPE_CHECKING:
 
 #: FA2's paged KV cache needs ``page_block_size % FA2_PAGE_MULTIPLE == 0``.
 FA2_PAGE_MULTIPLE = 256
+#: FA3's ``(D, Dv)`` ranges, ``lo < size <= hi``, where K and V head sizes may differ (Hopper):
+#: its ``mha_fwd`` refuses every other pair with ``D != Dv``.
+FA3_HEAD_DIMS: tuple[tuple[tuple[int, int], tuple[int, int]], ...] = (
+    ((128, 192), (96, 128)),
+    ((0, 64), (0, 512)),
+)
+
+
+def check_fa3_head_dims(d: int, dv: int, fp8: bool = False) -> None:
+    """Refuse K / V head sizes FA3 has no kernel for, before the call (FA3's own check raises a
+    RuntimeError from inside the extension): equal sizes always pass; different ones need one of
+    :data:`FA3_HEAD_DIMS` (and fp16 / bf16 when ``Dv > 256``). FA3 also needs a Hopper GPU for
+    them, which only the kernel can see.
+
+    Raises:
+        LayoutError: naming the pair and the ranges FA3 takes.
+    """
+    if d == dv:
+        return
+    ok = any(a < d <= b and c < dv <= e for (a, b), (c, e) in FA3_HEAD_DIMS)
+    if not ok or (fp8 and dv > 256):
+        why = ("fp8 needs Dv <= 256" if ok else "FA3 takes D != Dv only for D in (128, 192] with "
+               "Dv in (96, 128], or D <= 64 with Dv <= 512 (Hopper)")
+        raise LayoutError(f"flash-attn 3 has no kernel for K head size D={d} with V head size "
+                          f"Dv={dv}: {why}; use FlashInfer's prefill wrapper (head_dim_vo) or "
+                          "the sdpa adapter")
 
 
 def fa3_kwargs(
@@ -86,9 +123,10 @@ def fa3_kwargs(
             cache as pages of ``view.page_size`` tokens, see :func:`cache_as_pages`).
         q: packed ``[total_q, H, D]`` with at least ``cu_seqlens_q[bs]`` rows (the padded query
             buffer a graph reads is fine), last dim contiguous.
-        k_cache, v_cache: ``[num_pages, P, H_kv, D]``.
+        k_cache, v_cache: ``[num_pages, P, H_kv, D]`` and ``[num_pages, P, H_kv, Dv]``; ``Dv != D``
+            only where FA3 has kernels (:func:`check_fa3_head_dims`).
         scheduler_metadata: what :func:`scheduler_metadata_` returned for this view (omitted
-            when None).
+            when None); planned with ``head_dim_v`` when ``Dv != D``.
         k_scale, v_scale: an fp8 cache's float32 ``[1]`` or ``[H_kv]`` scales, passed as
             ``k_descale`` / ``v_descale`` (:func:`~attnpool.adapters.fp8.fa3_fp8_kwargs`);
             omitted for a raw read.
@@ -98,6 +136,7 @@ def fa3_kwargs(
     """
     table = _paged(view)
     _, _, d = check_qkv(q, k_cache, v_cache)
+    check_fa3_head_dims(d, v_cache.shape[3], is_fp8(k_cache.dtype))
     if q.stride(-1) != 1:
         raise InputError(f"q must have a contiguous last dim, got strides {q.stride()}")
     kw: dict[str, Any] = {
@@ -163,11 +202,12 @@ def fa2_kwargs(
     FA2 takes ``q [bs, seqlen_q, H, D]``: every row has ``seqlen_q = view.max_seqlen_q`` queries,
     so ``q`` must hold exactly ``bs * max_seqlen_q`` packed rows (it is reshaped, not copied).
     Views whose rows have varying query counts (draft extend, local verify) are refused, and so
-    are fp8 caches: FA2's kernels take float16 / bfloat16 K/V only and have no descale argument.
+    are fp8 caches (FA2's kernels take float16 / bfloat16 K/V only and have no descale argument)
+    and K / V of different head sizes (see the module docstring: no padding is done here).
 
     Raises:
-        LayoutError: page size not a multiple of 256, no page table, varying queries per row, or
-            an fp8 cache.
+        LayoutError: page size not a multiple of 256, no page table, varying queries per row, an
+            fp8 cache, or ``v_cache``'s head size differing from ``k_cache``'s.
         InputError: ``q`` rows do not match ``bs * max_seqlen_q``.
     """
     table = _paged(view)
@@ -183,6 +223,12 @@ def fa2_kwargs(
         raise LayoutError(f"flash-attn 2 needs the same query count in every row; "
                           f"{type(view).__name__} rows vary, use FA3 or the sdpa adapter")
     h, _, d = check_qkv(q, k_cache, v_cache)
+    if v_cache.shape[3] != d:
+        raise LayoutError(f"flash-attn 2 needs equal K and V head sizes, got D={d}, "
+                          f"Dv={v_cache.shape[3]}: zero-padding V here would copy the whole paged "
+                          "V cache per call (and a graph would read the copy); store V padded to "
+                          "D (head_dim_v = head_dim) and slice the output, or use FA3 (Hopper, "
+                          "D in (128, 192] with Dv in (96, 128]), FlashInfer or the sdpa adapter")
     sq = view.max_seqlen_q
     if q.shape[0] != view.bs * sq:
         raise InputError(f"q must have bs * max_seqlen_q = {view.bs * sq} rows, got {q.shape[0]}")
@@ -227,7 +273,7 @@ def run(
     sinks: Tensor | None = None,
 ) -> Attn:
     """Call the paged kernel on one part; return ``(out, lse)`` in the adapters' convention
-    (``[total_q, H, D]``, ``[total_q, H]``; ``total_q = q.shape[0]``, FA2: ``bs * seqlen_q``).
+    (``[total_q, H, Dv]``, ``[total_q, H]``; ``total_q = q.shape[0]``, FA2: ``bs * seqlen_q``).
 
     Args:
         kernel: the entry point (default :func:`load_fa3` / :func:`load_fa2`); its ``name`` says
@@ -240,7 +286,9 @@ def run(
         softcap: logit softcapping (0: off), FA2 and FA3 alike.
         sinks: per-query-head sink logits ``[H]``, handed to the kernel's own argument: vLLM's
             FA3 build takes ``s_aux`` (bfloat16: cast once at load), sgl-kernel's ``sinks``.
-            A build without one, and FA2, raise :class:`LayoutError` naming what is missing.
+            A build without one, and FA2, raise :class:`LayoutError` naming what is missing;
+            so does ``s_aux`` with K and V of different head sizes (vLLM's build needs them
+            equal).
     """
     k = pick_kernel(version, fn, kernel)
     if version is FlashAttnVersion.FA3:
@@ -253,6 +301,10 @@ def run(
             if name is None:
                 raise LayoutError(f"{k.name} has no attention-sink argument (vLLM's FA3 build "
                                   "takes s_aux, sgl-kernel's sinks); use such a build or the sdpa "
+                                  "adapter, which applies sinks exactly from the log-sum-exp")
+            if name == "s_aux" and k_cache.shape[-1] != v_cache.shape[-1]:
+                raise LayoutError(f"{k.name}'s s_aux needs equal K and V head sizes, got "
+                                  f"D={k_cache.shape[-1]}, Dv={v_cache.shape[-1]}; use the sdpa "
                                   "adapter, which applies sinks exactly from the log-sum-exp")
             kw[name] = check_sinks(sinks, q.shape[1], q.device,
                                    torch.bfloat16 if name == "s_aux" else None)

@@ -53,6 +53,7 @@ def scheduler_metadata_(
     fn: Kernel | None = None,
     kernel: FlashKernel | None = None,
     softcap: float = 0.0,
+    head_dim_v: int | None = None,
 ) -> Tensor:
     """Plan FA3's scheduler for ``view`` into the pool's ``scheduler_metadata`` buffer.
 
@@ -76,6 +77,10 @@ def scheduler_metadata_(
     Args:
         fn: ``get_scheduler_metadata`` to use (default: the loaded FA3 module's).
         kernel: the FA3 entry point (default :func:`load_fa3`).
+        head_dim_v: V's head size when it differs from ``head_dim`` (K / V of different sizes),
+            passed as FA3's ``headdim_v``: FA3 picks its tiles, hence its splits, from both, so
+            a plan made without it does not fit the kernel's call. ``None`` or ``head_dim``:
+            not passed.
 
     Raises:
         LayoutError: the pool was built without ``fa3_scheduler_metadata=True``, the module has
@@ -100,6 +105,7 @@ def scheduler_metadata_(
         cache_seqlens=view.cache_seqlens, qkv_dtype=qkv_dtype, cu_seqlens_q=view.cu_seqlens_q,
         page_size=view.page_size, causal=view.causal, **window_kwargs(view),
         **({"has_softcap": True} if check_softcap(softcap) else {}),
+        **({} if head_dim_v in (None, head_dim) else {"headdim_v": head_dim_v}),
     )
     if not isinstance(md, Tensor) or md.dim() != 1 or md.dtype != torch.int32:
         got = (tuple(md.shape), md.dtype) if isinstance(md, Tensor) else type(md).__name__

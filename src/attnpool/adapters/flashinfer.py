@@ -33,7 +33,16 @@ Plans with fewer rows are fine: the rows past the planned count are not computed
 The float workspace must be zeroed before its first use (FlashInfer's documented requirement; a
 ``torch.empty`` buffer holds garbage): :class:`GraphWrappers` zeroes it once at construction.
 
-Outputs follow the adapters' convention (``out [total_q, H, D]``, natural-log ``lse [total_q,
+K and V of different head sizes (``D != Dv``, ``KVCacheConfig(head_dim_v=)``): the prefill
+wrapper's ``plan`` takes ``head_dim_qk`` and ``head_dim_vo`` (FlashInfer picks a backend that has
+the pair), so :func:`plan` passes ``head_dim_vo`` from its ``head_dim_v``. The decode wrapper's
+``plan`` takes one ``head_dim`` (its kernels, and its tensor-core path, use it for both), so a
+decode part of such a cache is refused with :class:`attnpool.LayoutError` and planned on a prefill
+wrapper instead: ``make_wrapper(kind=WrapperKind.PREFILL)``, or ``GraphWrappers(prefill_only=
+True)`` (decode views carry ``cu_seqlens_q = arange(bs + 1)``, which the prefill wrapper takes as
+its ``qo_indptr``). The ``cute-dsl`` backend requires equal sizes and is refused for them too.
+
+Outputs follow the adapters' convention (``out [total_q, H, Dv]``, natural-log ``lse [total_q,
 H]``): FlashInfer returns a base-2 log-sum-exp, which is multiplied by ``ln 2`` here.
 
 fp8 KV caches (``float8_e4m3fn`` or ``float8_e5m2``, queries in the model dtype): plan with
@@ -155,6 +164,7 @@ def plan(
     kind: WrapperKind | None = None,
     rows: int | None = None,
     softcap: float = 0.0,
+    head_dim_v: int | None = None,
 ) -> int:
     """Plan ``wrapper`` (built by :func:`make_wrapper` on this view's buffers) for the batch the
     view now holds; return the query rows it will compute (``rows`` if given, else
@@ -164,12 +174,18 @@ def plan(
     ``q_dtype``. ``window_left`` is the view's (-1, or ``W - 1`` for a sliding-window part):
     FlashInfer fixes it at plan time (``run`` may only repeat it), so a window part has its own
     wrapper and plan (:class:`GraphWrappers` keys wrappers by the part's buffers). ``softcap``
-    (0: off) is FlashInfer's ``logits_soft_cap``, also fixed at plan time."""
+    (0: off) is FlashInfer's ``logits_soft_cap``, also fixed at plan time. ``head_dim_v``: V's
+    head size when it differs from ``head_dim`` (passed as the prefill plan's ``head_dim_vo``;
+    ``None`` or ``head_dim``: not passed). A decode wrapper, and the ``cute-dsl`` backend, take
+    equal sizes only: :class:`LayoutError` (see the module docstring)."""
     indptr, indices, last = _csr(view)
     if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         raise InputError(f"num_qo_heads must be a multiple of num_kv_heads ({num_kv_heads}), "
                          f"got {num_qo_heads}")
     kind = kind or wrapper_kind(view)
+    split = head_dim_v is not None and head_dim_v != head_dim
+    if split:
+        _check_split(wrapper, kind, head_dim, head_dim_v)
     rows = planned_rows(view, kind) if rows is None else rows
     common: dict[str, Any] = {
         "q_data_type": q_dtype, "kv_data_type": kv_dtype or q_dtype,
@@ -182,15 +198,31 @@ def plan(
         wrapper.plan(indptr, indices, last, num_qo_heads, num_kv_heads, head_dim,
                      view.page_size, **common)
     else:
+        if split:
+            common["head_dim_vo"] = head_dim_v
         wrapper.plan(view.cu_seqlens_q, indptr, indices, last, num_qo_heads, num_kv_heads,
                      head_dim, view.page_size, causal=view.causal, **common)
     return rows
 
 
+def _check_split(wrapper: Any, kind: WrapperKind, d: int, dv: object) -> None:
+    """K and V of different head sizes: only a prefill wrapper off the ``cute-dsl`` backend."""
+    if not isinstance(dv, int) or isinstance(dv, bool) or dv < 1:
+        raise InputError(f"head_dim_v must be an int >= 1 or None, got {dv!r}")
+    if kind is WrapperKind.DECODE:
+        raise LayoutError(f"FlashInfer's decode wrapper takes one head_dim; K and V head sizes "
+                          f"differ (D={d}, Dv={dv}): plan this part on a prefill wrapper, whose "
+                          "plan takes head_dim_vo (make_wrapper(kind=WrapperKind.PREFILL), or "
+                          "GraphWrappers(prefill_only=True))")
+    if getattr(wrapper, "_backend", None) == "cute-dsl":
+        raise LayoutError(f"FlashInfer's cute-dsl backend requires head_dim_vo == head_dim_qk, "
+                          f"got D={d}, Dv={dv}: build the wrappers with another backend")
+
+
 def run(wrapper: Any, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
         rows: int | None = None, k_scale: float | None = None, v_scale: float | None = None,
         sinks: Tensor | None = None) -> Attn:
-    """Run a planned wrapper: ``(out [q.shape[0], H, D], natural-log lse [q.shape[0], H])``.
+    """Run a planned wrapper: ``(out [q.shape[0], H, Dv], natural-log lse [q.shape[0], H])``.
 
     The wrapper gets ``q[:rows]``, exactly the rows it computes (see the module docstring); rows
     past them come back as 0 and ``-inf``. The cache is read as pages of ``view.page_size`` tokens
@@ -258,24 +290,30 @@ class GraphWrappers:
         use_tensor_cores: passed to decode wrappers.
         zero_workspace: zero ``workspace`` now, before any wrapper uses it (FlashInfer requires a
             zeroed workspace at first use); pass False only for one that is already zero.
+        prefill_only: build a prefill wrapper for every part, decode parts included: what a cache
+            whose K and V head sizes differ needs (the decode wrapper takes one head size).
     """
 
     def __init__(self, workspace: Tensor, *, decode_cls: type[Any] | None = None,
                  prefill_cls: type[Any] | None = None, use_tensor_cores: bool = False,
-                 zero_workspace: bool = True, backend: str | None = None) -> None:
+                 zero_workspace: bool = True, backend: str | None = None,
+                 prefill_only: bool = False) -> None:
         if zero_workspace:
             workspace.zero_()
         self.workspace = workspace
         self._cls = {WrapperKind.DECODE: decode_cls, WrapperKind.PREFILL: prefill_cls}
         self.use_tensor_cores = use_tensor_cores
         self.backend = backend
+        self.prefill_only = prefill_only
+        self._dims: dict[tuple[int, int, WrapperKind], tuple[int, int]] = {}
         self._by_key: dict[tuple[int, int, WrapperKind], Any] = {}
         self._rows: dict[tuple[int, int, WrapperKind], int] = {}
         self._max_rows: dict[tuple[int, int, WrapperKind], int] = {}
 
     def _key(self, view: PagedView) -> tuple[int, int, WrapperKind]:
         indptr, _, _ = _csr(view)
-        return (indptr.data_ptr(), view.bs, wrapper_kind(view))
+        return (indptr.data_ptr(), view.bs,
+                WrapperKind.PREFILL if self.prefill_only else wrapper_kind(view))
 
     def wrapper(self, view: PagedView) -> Any:
         """The wrapper of ``view``'s part and batch size, created on first use."""
@@ -293,9 +331,12 @@ class GraphWrappers:
 
     def plan(self, view: PagedView, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              q_dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
-             sm_scale: float | None = None, softcap: float = 0.0) -> Any:
+             sm_scale: float | None = None, softcap: float = 0.0,
+             head_dim_v: int | None = None) -> Any:
         """Plan the wrapper of ``view`` (created by :meth:`wrapper` before capture) for the batch
-        ``view`` now holds; returns it.
+        ``view`` now holds; returns it. ``head_dim_v``: see :func:`plan`; :meth:`run` then checks
+        the caches' head sizes against the planned ones (a kernel planned for other sizes would
+        read and write rows of the wrong width).
 
         Raises:
             LayoutError: the batch has more query rows than the wrapper's first plan.
@@ -311,7 +352,9 @@ class GraphWrappers:
                 "count as its maximum: plan the capture view (pool.<phase>.view(bs)) first")
         self._rows[key] = plan(w, view, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                                head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                               sm_scale=sm_scale, kind=key[2], rows=rows, softcap=softcap)
+                               sm_scale=sm_scale, kind=key[2], rows=rows, softcap=softcap,
+                               head_dim_v=head_dim_v)
+        self._dims[key] = (head_dim, head_dim if head_dim_v is None else head_dim_v)
         return w
 
     def run(self, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
@@ -321,10 +364,17 @@ class GraphWrappers:
         creates no wrapper and reads nothing from the device on the host). ``k_scale`` /
         ``v_scale``: an fp8 cache's scales as floats (see :func:`run`)."""
         w = self._existing(view)
-        rows = self._rows.get(self._key(view))
+        key = self._key(view)
+        rows = self._rows.get(key)
         if rows is None:
             raise LayoutError(f"the wrapper for this part at bs={view.bs} was never planned; "
                               "call plan(view, ...) before run")
+        want = self._dims[key]
+        got = tuple(c.shape[-1] if isinstance(c, Tensor) and c.dim() else None
+                    for c in (k_cache, v_cache))
+        if got != want and None not in got:  # (not tensors: run's own check names them)
+            raise InputError(f"k_cache / v_cache head sizes {got} differ from the (head_dim, "
+                             f"head_dim_v) {want} this wrapper was planned for")
         return run(w, view, q, k_cache, v_cache, rows=rows, k_scale=k_scale, v_scale=v_scale,
                    sinks=sinks)
 

@@ -175,6 +175,10 @@ class StepContext:
             ``(layer, k, v)``).
         sliding_window: the pool's window (``PoolConfig.sliding_window``), which every layer
             called with a ``sliding_window`` must match, or None.
+        window_layers: the layers whose KV lives in the window cache (``caches`` and ``store``
+            already point them there); empty when the model keeps every layer in one cache.
+            A layer in it must be called with a ``sliding_window`` and no other may be: its
+            pages are addressed by the window table only, which the full part never reads.
     """
 
     view: object
@@ -183,6 +187,7 @@ class StepContext:
     caches: tuple[tuple[Tensor, Tensor], ...]
     store: Callable[[int, Tensor, Tensor], None]
     sliding_window: int | None = None
+    window_layers: frozenset[int] = frozenset()
 
 
 def as_decode(view: PagedView, window: PagedView | None = None) -> DecodeView:
@@ -236,6 +241,10 @@ def attnpool_attention(
     if query.dim() != 4 or query.shape[0] != 1 or key.shape[0] != 1:
         raise InputError(f"expected packed queries [1, H, T, D] and keys [1, H_kv, T, D], got "
                          f"{tuple(query.shape)} and {tuple(key.shape)}")
+    if ctx.window_layers and (layer in ctx.window_layers) != (window is not None):
+        raise LayoutError(f"layer {layer}: called with sliding_window={window!r}, but the model's "
+                          f"config puts its KV in the {'window' if window is None else 'full'} "
+                          "cache (config.layer_types disagrees with the layer)")
     kv = ctx.kv
     want = (kv.cfg.num_kv_heads, kv.cfg.head_dim)
     if (key.shape[1], key.shape[3]) != want or value.shape[3] != kv.cfg.head_dim:

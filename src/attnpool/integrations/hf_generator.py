@@ -15,6 +15,10 @@ Per call of :meth:`PagedGenerator.generate`:
   a graph. With a draft model, a step is one speculative round, run eagerly
   (:mod:`attnpool.integrations.hf_spec`).
 * Finished requests (``max_new_tokens`` or ``eos_token_id``) leave between steps.
+* **Sliding-window layers** keep their KV in a cache of their own, addressed by
+  ``window_req_to_token``: a request holds only the window pages its next step can read or
+  write; the pages behind every future window go back to the free list between steps
+  (:mod:`attnpool.kv.window_paging`), so a long generation holds ``O(W)`` of them, not ``O(L)``.
 
 Host data (token lists, page ids) stays on the host; each step moves one small int64 block of
 inputs (lengths, rows, ids, positions, slots) to the device, and reads back the chosen tokens.
@@ -24,6 +28,7 @@ metadata ops, and without autograd's version and view bookkeeping each costs les
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -35,12 +40,13 @@ from torch import Tensor
 from ..config import PoolConfig
 from ..errors import CapacityError, InputError, LayoutError
 from ..kv.paging import PageAllocator
+from ..kv.window_paging import WindowPageAllocator
 from ..pool import BufferPool
 from . import hf_spec
 from .hf_attention import Backend
 from .hf_model import ModelSpec, attnpool_attention_on, model_spec
 from .hf_runner import DecodeGraphs, ModelRunner
-from .hf_state import GenerationStats, Request
+from .hf_state import GenerationStats, Request, Tables
 
 
 def _int(name: str, v: object, lo: int) -> int:
@@ -71,6 +77,9 @@ class PagedGenerator:
             ``max_bs`` contexts, at most 8192, at least one context).
         backend: attention kernel (:class:`~attnpool.integrations.hf_attention.Backend`).
         capture_sizes: padded batch sizes to capture (default: 1, 2, 4, 8, 16, 24, ...).
+        num_window_pages: pages of the sliding-window layers' cache, the pad page included
+            (models with such layers; default: every running request's steady window span, plus
+            one prefill batch of prompts, at most what the full cache would take).
     """
 
     def __init__(
@@ -88,6 +97,7 @@ class PagedGenerator:
         max_prefill_tokens: int | None = None,
         backend: Backend = Backend.AUTO,
         capture_sizes: Sequence[int] | None = None,
+        num_window_pages: int | None = None,
     ) -> None:
         spec = model_spec(model)
         _int("max_bs", max_bs, 1)
@@ -124,21 +134,33 @@ class PagedGenerator:
         default_t = max(self.context, min(max_bs * self.context, 8192))
         self.max_prefill_tokens = _int("max_prefill_tokens", default_t
                                        if max_prefill_tokens is None else max_prefill_tokens, 1)
-        pages = num_pages if num_pages is not None else \
-            max_bs * -(-self.context // max(1, page_size)) + 1
+        specs = [spec] if dspec is None else [spec, dspec]
+        self.has_full = any(s.full_layers for s in specs)
+        window = spec.sliding_window or (dspec.sliding_window if dspec is not None else None)
+        full_default = max_bs * -(-self.context // max(1, page_size)) + 1
+        pages = _int("num_pages", num_pages if num_pages is not None else
+                     full_default if self.has_full else 2, 2)
+        self.walloc: WindowPageAllocator | None = None
+        wpages = 2
+        if any(s.window_layers for s in specs):
+            assert window is not None  # window layers exist only with a window
+            probe = WindowPageAllocator(2, page_size, window, n + 2 if n else 1)
+            steady = max_bs * (probe.span + 1) + probe.pages_for(self.max_prefill_tokens) + 1
+            wpages = _int("num_window_pages", num_window_pages if num_window_pages is not None
+                          else min(full_default, steady), 2)
+            self.walloc = WindowPageAllocator(wpages, page_size, window, probe.lookahead)
         cfg = PoolConfig(max_bs=max_bs, max_context_len=self.context, page_size=page_size,
                          device=spec.device, num_draft_tokens=n + 1 if n else 0,
                          spec_steps=max(n - 1, 0), max_extend_tokens=self.max_prefill_tokens,
-                         num_pages=_int("num_pages", pages, 2),
-                         sliding_window=spec.sliding_window or (
-                             dspec.sliding_window if dspec is not None else None))
+                         num_pages=max(pages, wpages), sliding_window=window)
         self.pool = BufferPool(cfg)
         max_tokens = max(self.max_prefill_tokens, max_bs * (n + 1))
 
         def runner(m: Any, ms: ModelSpec) -> ModelRunner:
             r = ModelRunner(m, ms, num_pages=pages, page_size=page_size, max_tokens=max_tokens,
-                            backend=backend)
-            r.kv.check_pool_config(cfg)  # one update writes pool metadata and cache slots
+                            backend=backend, window_pages=wpages)
+            for kv in r.caches_used:  # one update writes pool metadata and cache slots
+                kv.check_pool_config(dataclasses.replace(cfg, num_pages=kv.cfg.num_pages))
             return r
 
         self.target = runner(model, spec)
@@ -150,6 +172,12 @@ class PagedGenerator:
         self.req_to_token = torch.zeros(  # ok: engine table, once
             max_bs, cfg.max_pages * page_size, dtype=torch.int32, device=spec.device)
         self._page_offsets = torch.arange(page_size, dtype=torch.int32, device=spec.device)
+        # The window layers' table: entries of pages behind the window keep stale ids (never
+        # read); a request's new window pages are written as it takes them.
+        self.window_req_to_token = None if self.walloc is None else torch.zeros_like(
+            self.req_to_token)  # ok: engine table, once
+        self.tables = Tables(req_to_token=self.req_to_token,
+                             window_req_to_token=self.window_req_to_token)
         self.use_graphs, self.capture_sizes = graphs, capture_sizes
         self._graphs: DecodeGraphs | None = None
         self.stats = GenerationStats()
@@ -178,9 +206,7 @@ class PagedGenerator:
                 self._run(reqs)
         finally:  # an exception mid-run (the model's, say) must not leak pages or rows
             for r in reqs:
-                if r.alloc is not None:
-                    self.alloc.release(r.alloc)
-                    r.alloc = None
+                self._release(r)
         st.wall_s = time.perf_counter() - t0
         st.new_tokens = sum(len(r.out) for r in reqs)
         return [r.out for r in reqs]
@@ -229,7 +255,10 @@ class PagedGenerator:
             if len(toks) + 1 > self.max_prefill_tokens:
                 raise CapacityError(f"prompt {i}: {len(toks)} tokens (+1) must be <= "
                                     f"max_prefill_tokens={self.max_prefill_tokens}")
-            self.alloc.check_fits(self._tokens_needed(len(toks), max_new))
+            need = self._tokens_needed(len(toks), max_new)
+            self.alloc.check_fits(need if self.has_full else 0)
+            if self.walloc is not None:
+                self.walloc.check_fits(len(toks), need)
             out.append(Request(i, toks, len(toks), max_new, eos))
         return out
 
@@ -246,34 +275,91 @@ class PagedGenerator:
             r = waiting[0]
             if r.prompt_len + 1 > budget:
                 break
-            alloc = self.alloc.admit(self._tokens_needed(r.prompt_len, r.max_new))
+            need = self._tokens_needed(r.prompt_len, r.max_new)
+            alloc = self.alloc.admit(need if self.has_full else 0)
             if alloc is None:
                 break
+            if self.walloc is not None:
+                r.walloc = self.walloc.admit(alloc.row, r.prompt_len, need)
+                if r.walloc is None:
+                    self.alloc.release(alloc)
+                    break
             waiting.popleft()
             r.alloc, budget = alloc, budget - r.prompt_len - 1
-            # the request's row of req_to_token: every position of its pages, one write
-            pages = torch.tensor(alloc.pages, dtype=torch.int32).to(self.device)
-            p = self.alloc.page_size
-            row = (pages[:, None] * p + self._page_offsets).view(-1)
-            self.req_to_token[alloc.row, : row.shape[0]].copy_(row)
+            if alloc.pages:  # the request's row of req_to_token: every position of its pages
+                pages = torch.tensor(alloc.pages, dtype=torch.int32).to(self.device)
+                p = self.alloc.page_size
+                row = (pages[:, None] * p + self._page_offsets).view(-1)
+                self.req_to_token[alloc.row, : row.shape[0]].copy_(row)
             joined.append(r)
+        self._window_pages(joined, [0] * len(joined), [r.prompt_len for r in joined])
         return joined
+
+    def _window_pages(self, reqs: Sequence[Request], first: Sequence[int],
+                      end: Sequence[int]) -> None:
+        """Move each request's window pages: free those no query from ``first[i]`` on can see,
+        take those for positions ``< end[i]``, and write the new ones into the window table
+        (one device write for all)."""
+        wa, table = self.walloc, self.window_req_to_token
+        if wa is None or table is None:
+            return
+        new = [(r.walloc.row, j, page) for r, f, e in zip(reqs, first, end, strict=True)
+               if r.walloc is not None for j, page in wa.advance(r.walloc, f, e)]
+        if new:
+            idx = torch.tensor(new, dtype=torch.int64).to(self.device)
+            p = wa.page_size
+            table[idx[:, :1], idx[:, 1:2] * p + self._page_offsets] = \
+                (idx[:, 2:] * p + self._page_offsets).to(table.dtype)
+
+    def _pages_held(self, running: Sequence[Request]) -> None:
+        st = self.stats
+        st.full_pages_peak = max(st.full_pages_peak, sum(
+            len(r.alloc.pages) for r in running if r.alloc is not None))
+        st.window_pages_peak = max(st.window_pages_peak, sum(
+            r.walloc.held for r in running if r.walloc is not None))
+
+    def _release(self, r: Request) -> None:
+        if r.alloc is not None:
+            self.alloc.release(r.alloc)
+            r.alloc = None
+        if r.walloc is not None and self.walloc is not None:
+            self.walloc.release(r.walloc)
+            r.walloc = None
 
     def _retire(self, reqs: list[Request]) -> list[Request]:
         """Release finished requests' pages and rows; return the others."""
         keep = []
         for r in reqs:
-            if r.done and r.alloc is not None:
-                self.alloc.release(r.alloc)
-                r.alloc = None
-            elif not r.done:
+            if r.done:
+                self._release(r)
+            else:
                 keep.append(r)
         return keep
 
     def slots(self, r: Request, start: int, count: int) -> list[int]:
-        """Token slots of positions ``start .. start + count - 1`` of ``r``."""
+        """Full-cache token slots of positions ``start .. start + count - 1`` of ``r`` (-1 when
+        no model has full-attention layers: nothing is stored there)."""
         assert r.alloc is not None  # only live requests run
+        if not self.has_full:
+            return [-1] * count
         return [self.alloc.slot(r.alloc, pos) for pos in range(start, start + count)]
+
+    def window_slots(self, r: Request, start: int, count: int) -> list[int]:
+        """Window-cache token slots of the same positions (empty without window layers)."""
+        if self.walloc is None:
+            return []
+        assert r.walloc is not None  # only live requests run
+        return [self.walloc.slot(r.walloc, pos) for pos in range(start, start + count)]
+
+    def step_pages(self, running: Sequence[Request]) -> None:
+        """Before a step: each request's window pages cover what the step reads and writes
+        (from its first query ``kv_len`` to the positions it may write, its ``lookahead``)."""
+        if self.walloc is not None:
+            ahead = self.walloc.lookahead
+            self._window_pages(running, [r.kv_len for r in running], [
+                min(r.kv_len + ahead, self._tokens_needed(r.prompt_len, r.max_new))
+                for r in running])
+        self._pages_held(running)
 
     def host_block(self, rows: Sequence[Sequence[int]]) -> Tensor:
         """Equal-length int rows as one int64 tensor on the device (one copy, no-op on CPU)."""
@@ -295,10 +381,12 @@ class PagedGenerator:
             last.append(acc - 1)
         blk = self.host_block([seq, ext, rows, last])
         ids = self.host_block([[t for ts in tokens for t in ts]])[0]
+        kv, wkv = runner.kv, runner.window_kv
         view = self.pool.extend.update_(
             len(reqs), seq_lens=blk[0], extend_lens=blk[1], req_pool_indices=blk[2],
-            req_to_token=self.req_to_token, seq_lens_cpu=seq, extend_lens_cpu=ext,
-            out_slots=runner.kv.slot_mapping[:total])
+            seq_lens_cpu=seq, extend_lens_cpu=ext, **self.tables,
+            out_slots=None if kv is None else kv.slot_mapping[:total],
+            window_out_slots=None if wkv is None else wkv.slot_mapping[:total])
         ctx = runner.context(view, total, prefix_free=not any(prefix))
         self._metadata(t0)
         logits = runner.forward(ctx, ids, view.positions[:total], keep=blk[3])
@@ -319,29 +407,37 @@ class PagedGenerator:
                 st.draft_forwards += 1
                 for r, d in zip(live, props, strict=True):
                     r.draft_len, r.proposal = len(r.tokens), d
+        if self.walloc is not None:  # the prompt's early pages are behind every future window
+            self._window_pages(joined, [r.kv_len for r in joined], [0] * len(joined))
+            for r in joined:
+                if r.walloc is not None:
+                    self.walloc.settle(r.walloc, self._tokens_needed(r.prompt_len, r.max_new))
 
     # ---- decode --------------------------------------------------------------------------------
     def _decode(self, running: list[Request]) -> None:
         """One greedy decode step of every running request."""
         t0 = time.perf_counter()
         n = len(running)
+        self.step_pages(running)
         pos = [r.kv_len for r in running]
+        wslots = [s for r in running for s in self.window_slots(r, r.kv_len, 1)]
         blk = self.host_block([
             [p + 1 for p in pos], [r.alloc.row for r in running if r.alloc is not None],
             [r.tokens[-1] for r in running], pos,
-            [self.alloc.slot(r.alloc, r.kv_len) for r in running if r.alloc is not None]])
+            [s for r in running for s in self.slots(r, r.kv_len, 1)], *([wslots] if wslots else [])])
         seq = [p + 1 for p in pos]
+        wrow = blk[5] if wslots else None
         g = self._graphs
         if g is not None:
-            self.target.kv.update_slots_(blk[4], g.padded_size(n))
-            toks = g.run(blk[2:4].T, seq_lens=blk[0], req_pool_indices=blk[1],
-                         req_to_token=self.req_to_token, seq_lens_cpu=seq)
+            self.target.set_slots(blk[4], wrow, g.padded_size(n))
+            toks = g.run(blk[2:4].T, seq_lens=blk[0], req_pool_indices=blk[1], seq_lens_cpu=seq,
+                         **self.tables)
             self.stats.metadata_s += g.prepared_at - t0
             self.stats.metadata_calls += 1
         else:
-            self.target.kv.update_slots_(blk[4])
+            self.target.set_slots(blk[4], wrow)
             view = self.pool.decode.update_(n, seq_lens=blk[0], req_pool_indices=blk[1],
-                                            req_to_token=self.req_to_token, seq_lens_cpu=seq)
+                                            seq_lens_cpu=seq, **self.tables)
             ctx = self.target.context(view, n)
             self._metadata(t0)
             toks = self.target.forward(ctx, blk[2], blk[3]).argmax(-1)

@@ -45,6 +45,10 @@ class ModelSpec:
             when every layer attends to the whole sequence.
         variants: the model softcaps its logits or has attention sinks (their adapter paths
             need a masked plan: no prefill shortcut through SDPA's own causal mask).
+        sliding_layers: per layer, True for a sliding-window layer (``config.layer_types``; a
+            config with a window and no ``layer_types``, Mistral's, slides in every layer). The
+            generator keeps those layers' KV in their own cache, whose pages it frees once
+            they fall behind every future window.
     """
 
     num_layers: int
@@ -56,6 +60,18 @@ class ModelSpec:
     device: torch.device
     sliding_window: int | None = None
     variants: bool = False
+    sliding_layers: tuple[bool, ...] = ()
+
+    @property
+    def window_layers(self) -> tuple[int, ...]:
+        """Indices of the sliding-window layers."""
+        return tuple(i for i, s in enumerate(self.sliding_layers) if s)
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        """Indices of the full-attention layers."""
+        return tuple(i for i in range(self.num_layers)
+                     if not (self.sliding_layers and self.sliding_layers[i]))
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -98,11 +114,13 @@ def model_spec(model: Any, what: str = "model") -> ModelSpec:
         if v is not None and not (name == "v_head_dim" and v == head_dim):
             raise LayoutError(f"{what}: {name}={v}: latent (MLA) or mixed K/V head sizes do not "
                               f"fit an MHA/GQA cache of {kv_heads} heads x {head_dim}")
-    types = set(_get(cfg, "layer_types", ["full_attention"]))
+    window = _get(cfg, "sliding_window")
+    layer_types = list(_get(cfg, "layer_types", [
+        "full_attention" if window is None else "sliding_attention"] * layers))
+    types = set(layer_types)
     if types - {"full_attention", "sliding_attention"}:
         raise LayoutError(f"{what}: full and sliding-window attention layers are served, config "
                           f"has layer_types {sorted(types)}")
-    window = _get(cfg, "sliding_window")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise LayoutError(f"{what}: sliding_window must be an int >= 1, got {window!r}")
     if "sliding_attention" in types and window is None:
@@ -115,8 +133,12 @@ def model_spec(model: Any, what: str = "model") -> ModelSpec:
     variants = (_get(cfg, "attn_logit_softcapping") is not None
                 or any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter)
                        for m in model.modules()))
+    if len(layer_types) != layers:
+        raise LayoutError(f"{what}: config.layer_types has {len(layer_types)} entries for "
+                          f"{layers} layers")
+    sliding = tuple(t == "sliding_attention" for t in layer_types) if window else ()
     return ModelSpec(layers, heads, kv_heads, head_dim, vocab, p.dtype, p.device, window,
-                     variants)
+                     variants, sliding)
 
 
 @contextlib.contextmanager

@@ -1,14 +1,20 @@
-"""One model served from a pool: its paged KV cache, its attention backend, its decode graphs.
+"""One model served from a pool: its paged KV caches, its attention backend, its decode graphs.
 
 The generator owns one :class:`ModelRunner` per model (target, and the draft when speculative
-decoding is on). Both share the generator's :class:`attnpool.BufferPool` and ``req_to_token``:
-a request's page ids are the same in both caches, only the bytes behind them differ.
+decoding is on). Both share the generator's :class:`attnpool.BufferPool`, ``req_to_token`` and
+``window_req_to_token``: a request's page ids are the same in both models' caches, only the
+bytes behind them differ.
+
+A model with sliding-window layers keeps their KV in a second cache, ``window_kv``, addressed by
+the window table, whose pages the generator frees once every future window has passed them
+(:mod:`attnpool.kv.window_paging`); its full-attention layers stay in ``kv``. Either cache is
+None when the model has no layer of that kind.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,18 +38,47 @@ class ModelRunner:
         num_pages, page_size: the cache's pages (page 0 is the pad page).
         max_tokens: the most tokens one forward stores (the slot mapping's size).
         backend: :class:`Backend` (``AUTO`` resolves per device, dtype and page size).
+        window_pages: pages of the sliding-window layers' cache (used when the model has such
+            layers).
     """
 
     def __init__(self, model: Any, spec: ModelSpec, *, num_pages: int, page_size: int,
-                 max_tokens: int, backend: Backend) -> None:
+                 max_tokens: int, backend: Backend, window_pages: int = 2) -> None:
         self.model, self.spec = model, spec
-        self.kv = KVCachePool(KVCacheConfig(
-            num_pages=num_pages, page_size=page_size, max_tokens=max_tokens,
-            num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            dtype=spec.dtype, device=spec.device))
+
+        def cache(pages: int, layers: int) -> KVCachePool | None:
+            return None if not layers else KVCachePool(KVCacheConfig(
+                num_pages=pages, page_size=page_size, max_tokens=max_tokens, num_layers=layers,
+                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=spec.dtype,
+                device=spec.device))
+
+        full, slid = spec.full_layers, spec.window_layers
+        self.kv, self.window_kv = cache(num_pages, len(full)), cache(window_pages, len(slid))
         self.backend = resolve_backend(backend, spec.device, spec.dtype, page_size)
-        self.caches = tuple((self.kv.k_cache(i), self.kv.v_cache(i))
-                            for i in range(spec.num_layers))
+        # per model layer: (its cache is the window one, its layer in that cache)
+        where = {i: (False, j) for j, i in enumerate(full)} | \
+            {i: (True, j) for j, i in enumerate(slid)}
+        self.route = tuple(where[i] for i in range(spec.num_layers))
+        self.caches = tuple((self._cache(w).k_cache(j), self._cache(w).v_cache(j))
+                            for w, j in self.route)
+
+    def _cache(self, window: bool) -> KVCachePool:
+        kv = self.window_kv if window else self.kv
+        assert kv is not None  # route names only caches that exist
+        return kv
+
+    @property
+    def caches_used(self) -> tuple[KVCachePool, ...]:
+        """The caches this model has (full, window), those that exist."""
+        return tuple(kv for kv in (self.kv, self.window_kv) if kv is not None)
+
+    def set_slots(self, full: Tensor | None, window: Tensor | None, bs: int | None = None) -> None:
+        """Write the step's new-token slots into each cache's slot mapping (``-1`` pads up to
+        ``bs``); a cache the model lacks is skipped."""
+        if self.kv is not None and full is not None:
+            self.kv.update_slots_(full, bs)
+        if self.window_kv is not None and window is not None:
+            self.window_kv.update_slots_(window, bs)
 
     def context(self, view: object, num_q: int, prefix_free: bool = False) -> StepContext:
         """The forward kwarg for ``num_q`` packed tokens over ``view`` (the attention call bound
@@ -53,13 +88,35 @@ class ModelRunner:
         s = self.spec
         run = bind(self.backend, view, num_q, s.num_heads, s.num_kv_heads, s.dtype,
                    prefix_free and not s.variants)
-        return StepContext(view, self.kv, run, self.caches, self.kv.step_store(num_q),
-                           s.sliding_window)
+        kv, wkv = self.kv, self.window_kv
+        full = None if kv is None else kv.step_store(num_q)
+        if wkv is None:
+            assert full is not None and kv is not None
+            return StepContext(view, kv, run, self.caches, full, s.sliding_window)
+        store = SplitStore(full, wkv.step_store(num_q), self.route)
+        return StepContext(view, wkv if kv is None else kv, run, self.caches, store,
+                           s.sliding_window, frozenset(s.window_layers))
 
     def forward(self, ctx: StepContext, ids: Tensor, positions: Tensor,
                 keep: Tensor | None = None) -> Tensor:
         """Logits of one packed step whose new-token slots are already in ``kv.slot_mapping``."""
         return forward_logits(self.model, ids, positions, ctx, keep)
+
+
+class SplitStore:
+    """A step's KV store over two caches: each layer stores into its own (full or window)."""
+
+    __slots__ = ("_stores",)
+
+    def __init__(self, full: Callable[[int, Tensor, Tensor], None] | None,
+                 window: Callable[[int, Tensor, Tensor], None],
+                 route: tuple[tuple[bool, int], ...]) -> None:
+        self._stores = tuple((window if w else full, j) for w, j in route)
+
+    def __call__(self, layer: int, k: Tensor, v: Tensor) -> None:
+        store, j = self._stores[layer]
+        assert store is not None  # a full layer's store exists when the model has full layers
+        store(j, k, v)
 
 
 class DecodeGraphs:
@@ -75,8 +132,8 @@ class DecodeGraphs:
                  capture_sizes: Sequence[int] | None = None) -> None:
         self.runner, self.pool = runner, pool
         # Capture runs the forward on padded rows only: every token it stores must be skipped.
-        runner.kv.update_slots_(torch.empty(0, dtype=torch.int64, device=runner.spec.device),
-                                pool.cfg.max_bs)
+        none = torch.empty(0, dtype=torch.int64, device=runner.spec.device)
+        runner.set_slots(none, none, pool.cfg.max_bs)
         self.prepared_at = 0.0
 
         def forward(view: Any, x: Tensor) -> Tensor:

@@ -33,7 +33,7 @@ from torch import Tensor
 from ..pool import BufferPool
 from .hf_attention import as_decode
 from .hf_runner import ModelRunner
-from .hf_state import GenerationStats, Request
+from .hf_state import GenerationStats, Request, Tables
 
 
 class RoundHost(Protocol):
@@ -46,11 +46,15 @@ class RoundHost(Protocol):
     pool: BufferPool
     target: ModelRunner
     draft: ModelRunner | None
-    req_to_token: Tensor
+    tables: Tables
     num_draft_tokens: int
     stats: GenerationStats
 
     def slots(self, r: Request, start: int, count: int) -> list[int]: ...
+
+    def window_slots(self, r: Request, start: int, count: int) -> list[int]: ...
+
+    def step_pages(self, running: Sequence[Request]) -> None: ...
 
     def host_block(self, rows: Sequence[Sequence[int]]) -> Tensor: ...
 
@@ -64,18 +68,19 @@ def _draft_steps(gen: RoundHost, running: list[Request], rows: list[int]) -> lis
     t0 = time.perf_counter()
     base = [r.draft_len for r in running]
     # step s's new-token slots (position L + s) are row 3 + s: all steps in one host block
-    per_step = zip(*(gen.slots(r, r.draft_len, steps) for r in running), strict=True)
-    blk = gen.host_block([base, rows, [r.proposal for r in running], *per_step])
+    per_step = list(zip(*(gen.slots(r, r.draft_len, steps) for r in running), strict=True))
+    window = list(zip(*(gen.window_slots(r, r.draft_len, steps) for r in running), strict=True))
+    blk = gen.host_block([base, rows, [r.proposal for r in running], *per_step, *window])
     props = [blk[2]]
     if not steps:
         gen._metadata(t0)
         return props
     dview = gen.pool.draft.update_(n, seq_lens=blk[0], req_pool_indices=blk[1],
-                                   req_to_token=gen.req_to_token, seq_lens_cpu=base)
+                                   seq_lens_cpu=base, **gen.tables)
     for s in range(steps):
         if s:
             t0 = time.perf_counter()
-        draft.kv.update_slots_(blk[3 + s])
+        draft.set_slots(blk[3 + s], blk[3 + steps + s] if window else None)
         step = dview.steps[s]
         ctx = draft.context(as_decode(step.prefix, step.window), n)
         pos = blk[0] + s
@@ -93,12 +98,13 @@ def _verify(gen: RoundHost, running: list[Request], rows: list[int],
     kvl = [r.kv_len for r in running]
     flat_pos = [p + j for p in kvl for j in range(nq)]
     flat_slots = [s for r in running for s in gen.slots(r, r.kv_len, nq)]
+    wslots = [s for r in running for s in gen.window_slots(r, r.kv_len, nq)]
     blk = gen.host_block([kvl, rows, [r.tokens[-1] for r in running]])
-    tok = gen.host_block([flat_slots, flat_pos])
+    tok = gen.host_block([flat_slots, flat_pos, *([wslots] if wslots else [])])
     ids = torch.stack([blk[2], *props], dim=1).view(-1)  # [n * (N + 1)]: request-major
     view = gen.pool.verify.update_(n, seq_lens=blk[0], req_pool_indices=blk[1],
-                                   req_to_token=gen.req_to_token, seq_lens_cpu=kvl)
-    gen.target.kv.update_slots_(tok[0])
+                                   seq_lens_cpu=kvl, **gen.tables)
+    gen.target.set_slots(tok[0], tok[2] if wslots else None)
     ctx = gen.target.context(view, n * nq)
     gen._metadata(t0)
     t = gen.target.forward(ctx, ids, tok[1]).argmax(-1).view(n, nq)
@@ -122,14 +128,17 @@ def _draft_extend(gen: RoundHost, live: list[Request], new: list[list[int]]) -> 
         total += a
         last.append(total - 1)
     blk = gen.host_block([seq, acc, [r.alloc.row for r in live if r.alloc is not None], last])
+    wslots = [x for r, s, a in zip(live, start, acc, strict=True)
+              for x in gen.window_slots(r, s, a)]
     flat = gen.host_block([
         [t for ts in new for t in ts],
         [s + j for s, a in zip(start, acc, strict=True) for j in range(a)],
-        [x for r, s, a in zip(live, start, acc, strict=True) for x in gen.slots(r, s, a)]])
+        [x for r, s, a in zip(live, start, acc, strict=True) for x in gen.slots(r, s, a)],
+        *([wslots] if wslots else [])])
     view = gen.pool.draft_extend.update_(len(live), seq_lens=blk[0], accept_lens=blk[1],
-                                         req_pool_indices=blk[2], req_to_token=gen.req_to_token,
-                                         seq_lens_cpu=seq, accept_lens_cpu=acc)
-    draft.kv.update_slots_(flat[2])
+                                         req_pool_indices=blk[2], seq_lens_cpu=seq,
+                                         accept_lens_cpu=acc, **gen.tables)
+    draft.set_slots(flat[2], flat[3] if wslots else None)
     ctx = draft.context(view, total)
     gen._metadata(t0)
     props: list[int] = draft.forward(ctx, flat[0], flat[1], keep=blk[3]).argmax(-1).tolist()
@@ -140,6 +149,7 @@ def _draft_extend(gen: RoundHost, live: list[Request], new: list[list[int]]) -> 
 
 def spec_round(gen: RoundHost, running: list[Request]) -> None:
     """One round for every running request (see the module docstring)."""
+    gen.step_pages(running)
     rows = [r.alloc.row for r in running if r.alloc is not None]
     props = _draft_steps(gen, running, rows)
     committed = _verify(gen, running, rows, props)

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
+
+from torch import Tensor
 
 from ..kv.paging import Allocation
+from ..kv.window_paging import WindowAllocation
+
+
+class Tables(TypedDict):
+    """The engine tables every ``update_`` of the generator gets: the full layers' and the
+    window layers' (None: the window parts read the full table)."""
+
+    req_to_token: Tensor
+    window_req_to_token: Tensor | None
 
 
 @dataclass
@@ -23,6 +35,7 @@ class Request:
     max_new: int
     eos: int | None
     alloc: Allocation | None = None
+    walloc: WindowAllocation | None = None
     kv_len: int = 0
     draft_len: int = 0
     proposal: int = -1
@@ -60,6 +73,9 @@ class GenerationStats:
         metadata_calls: how many times that was done (one per forward).
         wall_s: the whole call.
         proposed, accepted: draft tokens proposed and accepted by the target (speculative only).
+        full_pages_peak, window_pages_peak: most KV pages the running requests held at once,
+            between steps, in the full-attention cache and in the sliding-window layers' cache
+            (whose pages behind every future window are freed as generation goes on).
     """
 
     requests: int = 0
@@ -72,6 +88,8 @@ class GenerationStats:
     wall_s: float = 0.0
     proposed: int = 0
     accepted: int = 0
+    full_pages_peak: int = 0
+    window_pages_peak: int = 0
     batch_sizes: list[int] = field(default_factory=list)
 
     @property

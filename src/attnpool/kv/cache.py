@@ -6,6 +6,12 @@ each page ``[page_size, num_kv_heads, head_dim]`` (``KVLayout.NHD``, flash-attn'
 ``[num_kv_heads, page_size, head_dim]`` (``KVLayout.HND``, a FlashInfer option). MLA has one part
 whose row is the latent (``kv_lora_rank``) followed by the rope part (``rope_dim``), one head.
 
+K and V of different head sizes (``KVCacheConfig(head_dim_v=)``): the same bytes in the same
+order, layer by layer, K's ``num_pages + 1`` pages of ``head_dim`` rows followed by V's of
+``head_dim_v`` rows, so no byte is spent on padding and the equal-size cache is the special case.
+Each part is then its own strided view ``[num_layers, num_pages + 1, ...page]`` of the one
+allocation (a layer's pages stay contiguous); there is no stacked ``[.., parts, ..]`` tensor.
+
 Pages. Page 0 is the **pad page**: attention metadata of padded rows points there (``pad_page = 0``
 in :class:`attnpool.PoolConfig`), so the engine's allocator must never hand it out. It is zeroed at
 construction (the constructor's only write): padded rows then compute finite, discarded values.
@@ -37,75 +43,9 @@ from ..errors import CapacityError, InputError, LayoutError, PoolError
 from ..inputs import check_count, check_tensor
 from .config import PAD_PAGE, KVCacheConfig, KVKind, KVLayout, align
 from .quant import MODEL_DTYPES, check_scales, dequantize, is_fp8, store_reference_
+from .step import Parts, StepStore
 
 __all__ = ["KVCacheConfig", "KVCachePool", "KVKind", "KVLayout", "StepStore", "store_reference_"]
-
-_Parts = tuple[tuple[Tensor, Tensor], ...]
-
-
-class StepStore:
-    """The MHA store of one forward, for every layer: what :meth:`KVCachePool.store_kv_` does,
-    with the per-step work done once (:meth:`KVCachePool.step_store`).
-
-    Every layer stores the same tokens, so where each goes (page and offset, or the scratch page
-    when skipped) and all about the cache (kind, dtype, parts, which store runs) is fixed here,
-    once; ``store_kv_`` redoes it per call. A layer's call checks only its ``k`` and ``v`` (shape,
-    dtype, unit last stride: attribute reads) and issues one copy per part: ``index_copy_`` of
-    token rows (reference path, ``NHD``: the part seen as ``[(num_pages + 1) * P, H, D]``) or one
-    fused launch. Built during a CUDA graph capture, the index ops are recorded with the forward
-    and read ``slot_mapping`` at each replay.
-    """
-
-    __slots__ = ("_fused", "_heads", "_index", "_layers", "_n", "_parts", "_slots", "cfg")
-
-    def __init__(self, kv: KVCachePool, n: int, impl: Impl) -> None:
-        cfg = self.cfg = kv.cfg
-        if cfg.kind is not KVKind.MHA:
-            raise LayoutError(f"a step store writes K and V (an MHA cache), this cache is "
-                              f"{cfg.kind.name}: use store_mla_")
-        if is_fp8(cfg.dtype):
-            raise LayoutError(f"a step store copies model-dtype rows; this cache is {cfg.dtype} "
-                              "(fp8): use store_kv_ with k_scale / v_scale")
-        if not isinstance(impl, Impl):
-            raise InputError(f"impl must be an attnpool.Impl, got {impl!r}")
-        self._n = kv._check_bs(n)
-        self._heads = (cfg.num_kv_heads, cfg.head_dim)
-        self._layers = cfg.num_layers
-        self._fused = resolve_impl(impl, cfg.torch_device) is Impl.TRITON
-        self._slots = s = kv.slot_mapping[:n]
-        p, ns = cfg.page_size, cfg.num_slots
-        skip = (s < 0) | (s >= ns)
-        if self._fused or cfg.layout is not KVLayout.NHD:
-            # fused: the kernel reads the slots itself; HND: (page, offset) index pairs
-            self._parts = kv._layer_parts[0]
-            page = torch.where(skip, ns // p, torch.div(s, p, rounding_mode="floor"))
-            self._index: tuple[Tensor, ...] = (page, torch.where(skip, 0, torch.remainder(s, p)))
-        else:  # NHD: a token slot is a row of the part flattened to [(num_pages + 1) * P, H, D]
-            self._parts = kv._layer_parts[1]
-            self._index = (torch.where(skip, ns, s),)  # skipped tokens: the scratch page's row 0
-
-    def __call__(self, layer: int, k: Tensor, v: Tensor) -> None:
-        """Write layer ``layer``'s ``k``, ``v`` ``[n, H, D]`` (the cache's dtype and device, unit
-        last stride); tokens whose slot is negative or past the cache are skipped."""
-        if not 0 <= layer < self._layers:
-            raise InputError(f"layer must be an int in [0, {self._layers}), got {layer!r}")
-        want = (self._n, *self._heads)
-        for name, t in (("k", k), ("v", v)):
-            if t.shape != want or t.dtype != self.cfg.dtype or (self._n and t.stride(2) != 1):
-                raise InputError(f"{name} must be {self.cfg.dtype} {want} with stride 1 in its "
-                                 f"last dim, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
-        kp, vp = self._parts[layer]
-        if self._fused:
-            from . import store_kernels
-
-            store_kernels.store_(((k, kp), (v, vp)), self._slots, self.cfg.page_size,
-                                 self.cfg.num_slots)
-        elif len(self._index) == 1:
-            kp.index_copy_(0, self._index[0], k)
-            vp.index_copy_(0, self._index[0], v)
-        else:
-            kp.index_put_(self._index, k)
-            vp.index_put_(self._index, v)
 
 
 class KVCachePool:
@@ -122,45 +62,65 @@ class KVCachePool:
             raise PoolError(f"KVCachePool expects a KVCacheConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.poisoned = poison
-        shape = (cfg.num_layers, cfg.parts, cfg.num_pages + 1, *cfg.page_shape())
         cache_nbytes = cfg.cache_nbytes
         off = align(cache_nbytes)
         self.nbytes = cfg.nbytes
         # The one allocation. torch.empty: no memset (see the module docstring).
         self.storage = torch.empty(self.nbytes, dtype=torch.uint8, device=cfg.torch_device)
-        self._cache = self.storage[:cache_nbytes].view(cfg.dtype).view(shape)
+        self._flat = self.storage[:cache_nbytes].view(cfg.dtype)
+        #: every layer part stacked ``[num_layers, parts, num_pages + 1, ...page]`` when the parts'
+        #: rows have one size (always but for K != V head sizes); None otherwise
+        self._cache: Tensor | None = None
+        if cfg.equal_parts:
+            self._cache = self._flat.view(cfg.num_layers, cfg.parts, cfg.num_pages + 1,
+                                          *cfg.page_shape())
+            self._regions = tuple(self._cache[:, i] for i in range(cfg.parts))
+        else:
+            self._regions = _carve(self._flat, cfg)
         #: ``[max_tokens] int64``: where each token of a forward stores its K/V (-1: skip).
         self.slot_mapping = self.storage[off:].view(torch.int64)
         self._valid_tokens = 0
         if poison:
             self.poison_()
         else:
+            self._zero_pad_pages()
+
+    def _zero_pad_pages(self) -> None:
+        """Zero page 0 of every layer part: one op on the stacked cache, one per part otherwise."""
+        if self._cache is not None:
             self._cache[:, :, PAD_PAGE].zero_()
+        else:
+            for r in self._regions:
+                r[:, PAD_PAGE].zero_()
 
     # ---- views ---------------------------------------------------------------------------------
     def _part(self, layer: int, part: int) -> Tensor:
         """Layer part with the scratch page, in NHD order ``[num_pages + 1, P, H, row_dim]``."""
         if not is_int(layer) or not 0 <= layer < self.cfg.num_layers:
             raise InputError(f"layer must be an int in [0, {self.cfg.num_layers}), got {layer!r}")
-        t = self._cache[layer, part]
+        t = self._regions[part][layer]
         return t if self.cfg.layout is KVLayout.NHD else t.transpose(1, 2)
 
     def _pages(self, kind: KVKind, layer: int, part: int) -> Tensor:
         if self.cfg.kind is not kind:
             raise LayoutError(f"this cache is {self.cfg.kind.name}, the call needs {kind.name}")
         self._part(layer, part)  # validates layer
-        return self._cache[layer, part, : self.cfg.num_pages]
+        return self._regions[part][layer, : self.cfg.num_pages]
 
     def k_cache(self, layer: int) -> Tensor:
-        """MHA K pages of ``layer``: ``[num_pages, P, H, D]`` (NHD) or ``[num_pages, H, P, D]``."""
+        """MHA K pages of ``layer``: ``[num_pages, P, H, D]`` (NHD) or ``[num_pages, H, P, D]``
+        (contiguous)."""
         return self._pages(KVKind.MHA, layer, 0)
 
     def v_cache(self, layer: int) -> Tensor:
-        """MHA V pages of ``layer`` (same shape as :meth:`k_cache`)."""
+        """MHA V pages of ``layer``: :meth:`k_cache`'s shape with ``head_dim_v`` last
+        (contiguous)."""
         return self._pages(KVKind.MHA, layer, 1)
 
     def kv_cache(self, layer: int) -> Tensor:
-        """MLA pages of ``layer``: ``[num_pages, P, 1, kv_lora_rank + rope_dim]``."""
+        """MLA pages of ``layer``: ``[num_pages, P, 1, kv_lora_rank + rope_dim]``. An MHA cache
+        has no such single tensor (its K and V are separate parts, of different row sizes when
+        ``head_dim_v != head_dim``): :meth:`k_cache` and :meth:`v_cache` give them."""
         return self._pages(KVKind.MLA, layer, 0)
 
     def latent_cache(self, layer: int) -> Tensor:
@@ -218,12 +178,12 @@ class KVCachePool:
         dtypes = MODEL_DTYPES if is_fp8(self.cfg.dtype) else (self.cfg.dtype,)
         src = self._check_tensor(name, t, 3, dtypes)
         if tuple(src.shape[1:]) != (heads, dim) or (n is not None and src.shape[0] != n):
-            want = ("n" if n is None else str(n), heads, dim)
-            raise InputError(f"{name} must have shape {want}, got {tuple(src.shape)}")
+            want = ", ".join(map(str, ("n" if n is None else n, heads, dim)))
+            raise InputError(f"{name} must have shape ({want}), got {tuple(src.shape)}")
         if src.shape[0] and dim and src.stride(2) != 1:
             raise InputError(f"{name} must have stride 1 in its last dim, got {src.stride()}")
         lo = self.storage.data_ptr()
-        if src.numel() and lo <= src.data_ptr() < lo + self._cache.numel() * self._cache.itemsize:
+        if src.numel() and lo <= src.data_ptr() < lo + self.cfg.cache_nbytes:
             # a source read from the cache while the store writes the cache: refused
             raise InputError(f"{name} must not alias the cache's own pages (copy it first), "
                              f"got a tensor at cache offset {src.data_ptr() - lo}")
@@ -291,28 +251,33 @@ class KVCachePool:
         """
         self._pages(KVKind.MHA, layer, 0)
         kp, vp = self._part(layer, 0), self._part(layer, 1)
-        k_ = self._src("k", k, None, self.cfg.head_dim)
-        v_ = self._src("v", v, k_.shape[0], self.cfg.head_dim)
+        dk, dv = self.cfg.part_dims
+        k_ = self._src("k", k, None, dk)
+        v_ = self._src("v", v, k_.shape[0], dv)
         slots = self._slots(slot_mapping, k_.shape[0])
         sc = self._scales((("k_scale", k_scale), ("v_scale", v_scale)), check_scales)
         self._store(((k_, kp), (v_, vp)), slots, impl, check_range, sc)
 
     @functools.cached_property
-    def _layer_parts(self) -> tuple[_Parts, _Parts]:
+    def _layer_parts(self) -> tuple[Parts, Parts]:
         """Every MHA layer's ``(K, V)`` parts in NHD order (scratch page included), and the same
         flattened to token rows (NHD caches): looked up once, the cache never moves."""
         parts = tuple((self._part(i, 0), self._part(i, 1)) for i in range(self.cfg.num_layers))
         if self.cfg.layout is not KVLayout.NHD:
             return parts, parts
-        hd = (self.cfg.num_kv_heads, self.cfg.head_dim)
-        return parts, tuple((a.view(-1, *hd), b.view(-1, *hd)) for a, b in parts)
+        h, (dk, dv) = self.cfg.num_kv_heads, self.cfg.part_dims
+        return parts, tuple((a.view(-1, h, dk), b.view(-1, h, dv)) for a, b in parts)
 
     def step_store(self, n: int, *, impl: Impl = Impl.AUTO) -> StepStore:
         """The store of one forward of ``n`` tokens at ``slot_mapping[:n]``, for every layer
         (:class:`StepStore`): call it after :meth:`update_slots_`, once per step, and
         ``store(layer, k, v)`` in each layer. Same bytes as :meth:`store_kv_` per layer, without
         recomputing each slot's page and offset and re-checking the cache on every call."""
-        return StepStore(self, n, impl)
+        if self.cfg.kind is not KVKind.MHA:
+            raise LayoutError(f"a step store writes K and V (an MHA cache), this cache is "
+                              f"{self.cfg.kind.name}: use store_mla_")
+        return StepStore(self.cfg, self.slot_mapping[: self._check_bs(n)], self._layer_parts,
+                         impl)
 
     def store_mla_(self, layer: int, latent: Tensor, rope: Tensor | None = None,
                    slot_mapping: Tensor | None = None, *, scale: Tensor | None = None,
@@ -360,8 +325,8 @@ class KVCachePool:
 
     def poison_(self) -> None:
         """Fill cache and slot mapping with sentinels (NaN, int64 max); re-zero the pad page."""
-        self._cache.fill_(sentinel(self.cfg.dtype))
-        self._cache[:, :, PAD_PAGE].zero_()
+        self._flat.fill_(sentinel(self.cfg.dtype))
+        self._zero_pad_pages()
         self.slot_mapping.fill_(sentinel(torch.int64))
         self._valid_tokens = 0
 
@@ -407,3 +372,17 @@ class KVCachePool:
         if tokens > c.max_tokens:
             raise CapacityError(f"KVCacheConfig.max_tokens must be >= {tokens} (the pool's largest "
                                 f"forward), got {c.max_tokens}")
+
+
+def _carve(flat: Tensor, cfg: KVCacheConfig) -> tuple[Tensor, ...]:
+    """Each part's ``[num_layers, num_pages + 1, ...page]`` view of the cache's elements ``flat``
+    when the parts' rows differ in size: per layer, part 0's pages then part 1's, back to back
+    (no padding; a layer's part is contiguous). Views only: the one allocation is the storage."""
+    pages = cfg.num_pages + 1
+    sizes = [pages * cfg.page_size * cfg.num_kv_heads * d for d in cfg.part_dims]
+    per_layer = flat.view(cfg.num_layers, sum(sizes))
+    out, start = [], 0
+    for i, n in enumerate(sizes):
+        out.append(per_layer[:, start : start + n].view(cfg.num_layers, pages, *cfg.page_shape(i)))
+        start += n
+    return tuple(out)

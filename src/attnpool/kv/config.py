@@ -63,6 +63,12 @@ class KVCacheConfig:
             cache: stores take model-dtype K/V plus scales and quantize (:mod:`attnpool.kv.quant`).
         layout: page order (:class:`KVLayout`); irrelevant for MLA's single head.
         device: ``"cpu"``, ``"cuda"``, a ``torch.device``, or ``"auto"``.
+        head_dim_v: MHA only, keyword-only: V's head size when it differs from K's (DeepSeek-style
+            192 / 128 heads, where the query/key head is ``nope + rope`` wide and the value head
+            is not). ``None`` means ``head_dim`` and is resolved to it at construction, so
+            ``cfg.head_dim_v`` is always V's size for MHA; an MLA cache refuses it (its single
+            row is ``kv_lora_rank + rope_dim``). K and V then keep rows of their own sizes in
+            the same allocation (:class:`attnpool.KVCachePool`).
     """
 
     num_pages: int
@@ -77,6 +83,7 @@ class KVCacheConfig:
     dtype: torch.dtype = torch.float16
     layout: KVLayout = KVLayout.NHD
     device: str | torch.device = "auto"
+    head_dim_v: int | None = field(default=None, kw_only=True)
     _device: torch.device = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +105,15 @@ class KVCacheConfig:
             raise PoolError(f"KVCacheConfig: {self.kind.name} needs {need}; got head_dim="
                             f"{self.head_dim}, kv_lora_rank={self.kv_lora_rank}, rope_dim="
                             f"{self.rope_dim}, num_kv_heads={self.num_kv_heads}")
+        if self.head_dim_v is None:
+            if self.kind is KVKind.MHA:
+                object.__setattr__(self, "head_dim_v", self.head_dim)
+        elif self.kind is not KVKind.MHA:
+            raise PoolError(f"KVCacheConfig: head_dim_v is for MHA caches (separate K and V "
+                            f"rows); an MLA cache has one latent + rope row (kv_lora_rank, "
+                            f"rope_dim), got head_dim_v={self.head_dim_v!r}")
+        else:
+            _int("head_dim_v", self.head_dim_v, 1)
         object.__setattr__(self, "_device", resolve_device(self.device))
 
     @property
@@ -113,8 +129,24 @@ class KVCacheConfig:
 
     @property
     def row_dim(self) -> int:
-        """Elements per token and head of one part: ``head_dim``, or latent + rope for MLA."""
+        """Elements per token and head of the first part: ``head_dim`` (K's row), or latent +
+        rope for MLA. V's row is :attr:`head_dim_v` (see :attr:`part_dims`)."""
         return self.head_dim if self.kind is KVKind.MHA else self.kv_lora_rank + self.rope_dim
+
+    @property
+    def part_dims(self) -> tuple[int, ...]:
+        """Elements per token and head of each part: ``(head_dim, head_dim_v)`` for MHA,
+        ``(kv_lora_rank + rope_dim,)`` for MLA. Every size and byte count sums these, so a cache
+        whose V rows are narrower than its K rows costs exactly K rows plus V rows."""
+        if self.kind is KVKind.MHA:
+            return (self.head_dim, self.head_dim if self.head_dim_v is None else self.head_dim_v)
+        return (self.row_dim,)
+
+    @property
+    def equal_parts(self) -> bool:
+        """Whether every part has the same row size (always for MLA; for MHA, ``head_dim_v ==
+        head_dim``): only then is the cache one ``[layers, parts, pages + 1, ...]`` tensor."""
+        return len(set(self.part_dims)) == 1
 
     @property
     def num_slots(self) -> int:
@@ -124,7 +156,7 @@ class KVCacheConfig:
     @property
     def bytes_per_token(self) -> int:
         """Cache bytes one token takes across all layers and parts."""
-        per = self.parts * self.num_kv_heads * self.row_dim * self.dtype.itemsize
+        per = self.num_kv_heads * sum(self.part_dims) * self.dtype.itemsize
         return self.num_layers * per
 
     @property
@@ -134,8 +166,8 @@ class KVCacheConfig:
     @property
     def cache_nbytes(self) -> int:
         """Bytes of every layer part's pages, one hidden scratch page each included."""
-        return (self.num_layers * self.parts * (self.num_pages + 1) * self.page_size
-                * self.num_kv_heads * self.row_dim * self.dtype.itemsize)
+        return (self.num_layers * (self.num_pages + 1) * self.page_size
+                * self.num_kv_heads * sum(self.part_dims) * self.dtype.itemsize)
 
     @property
     def nbytes(self) -> int:
@@ -146,8 +178,10 @@ class KVCacheConfig:
     def report(self) -> str:
         """The cache's plan (shape, bytes per token and page, total), computed without allocating:
         an fp8 cache shows half the bytes of a float16 one."""
-        what = (f"K, V x {self.num_kv_heads} heads x {self.head_dim}" if self.kind is KVKind.MHA
-                else f"latent {self.kv_lora_rank} + rope {self.rope_dim}")
+        h, (d, *dv) = self.num_kv_heads, self.part_dims
+        what = (f"latent {self.kv_lora_rank} + rope {self.rope_dim}" if self.kind is KVKind.MLA
+                else f"K, V x {h} heads x {d}" if self.equal_parts
+                else f"K x {h} heads x {d}, V x {h} heads x {dv[0]}")
         return "\n".join([
             f"kv cache: {self.kind.name} {self.layout.name} "
             f"{str(self.dtype).removeprefix('torch.')}, {self.num_layers} layers x "
@@ -160,6 +194,7 @@ class KVCacheConfig:
             f"total:           {fmt_bytes(self.nbytes)} (one allocation)",
         ])
 
-    def page_shape(self) -> tuple[int, int, int]:
-        h, p, d = self.num_kv_heads, self.page_size, self.row_dim
+    def page_shape(self, part: int = 0) -> tuple[int, int, int]:
+        """One page of part ``part`` (0: K or the MLA row, 1: V) in the cache's layout."""
+        h, p, d = self.num_kv_heads, self.page_size, self.part_dims[part]
         return (p, h, d) if self.layout is KVLayout.NHD else (h, p, d)

@@ -7,7 +7,9 @@ two sources into the cache page ``slot // page_size`` at offset ``slot % page_si
 or the latent and rope parts of one MLA row (the second written at a column offset).
 
 The destination strides are passed in NHD order (page, offset in page, head), so the same kernel
-serves NHD and HND caches; the last dimension of every tensor must have stride 1. Offsets are
+serves NHD and HND caches; the last dimension of every tensor must have stride 1. Each destination
+has its own strides: K and V of different head sizes (``KVCacheConfig(head_dim_v=)``) have rows,
+pages and heads of different widths, and one launch still writes both. Offsets are
 computed in int64: a cache of many GiB overflows int32 element offsets.
 
 fp8 caches (``QUANT``): each element becomes ``x / scale`` (float32, correctly rounded division),
@@ -40,6 +42,7 @@ def _store_kernel(  # type: ignore[no-untyped-def]
     src1, src1_tok, src1_head, dst1,
     src2, src2_tok, src2_head, dst2,
     page_stride, off_stride, head_stride,
+    page_stride2, off_stride2, head_stride2,
     num_slots, num_heads, dim1, dim2,
     scale1, scale1_head, scale2, scale2_head,
     PAGE_SIZE: tl.constexpr,
@@ -61,6 +64,7 @@ def _store_kernel(  # type: ignore[no-untyped-def]
     page = slot // PAGE_SIZE
     off = slot % PAGE_SIZE
     base = page * page_stride + off * off_stride + h.to(tl.int64) * head_stride + d
+    base2 = page * page_stride2 + off * off_stride2 + h.to(tl.int64) * head_stride2 + d
     m1 = ok & (d < dim1)
     x1 = tl.load(src1 + t * src1_tok + h * src1_head + d, mask=m1)
     m2 = ok & (d < dim2)
@@ -72,7 +76,7 @@ def _store_kernel(  # type: ignore[no-untyped-def]
         x1 = _fp8_bytes(x1, s1, FP8_MAX, MBITS, EMIN, FP8)
         x2 = _fp8_bytes(x2, s2, FP8_MAX, MBITS, EMIN, FP8)
     tl.store(dst1 + base, x1, mask=m1)
-    tl.store(dst2 + base, x2, mask=m2)
+    tl.store(dst2 + base2, x2, mask=m2)
 
 
 @triton.jit  # type: ignore[untyped-decorator,misc]
@@ -104,8 +108,8 @@ def store_(
     num_slots: int,
     scales: tuple[Tensor, Tensor] | None = None,
 ) -> None:
-    """Write ``src [n, H, d]`` rows into ``dst [pages, P, H, >= d]`` (NHD-ordered strides) for two
-    ``(src, dst)`` pairs sharing destination strides, in one launch over the ``n`` tokens.
+    """Write ``src [n, H, d]`` rows into ``dst [pages, P, H, >= d]`` (NHD-ordered strides, each
+    destination its own) for two ``(src, dst)`` pairs, in one launch over the ``n`` tokens.
 
     The caller (:mod:`attnpool.kv`) has validated shapes, dtypes, devices and unit last strides.
     Every input is addressed through its own strides (a strided ``slot_mapping`` such as
@@ -123,6 +127,7 @@ def store_(
         s1, s1.stride(0), s1.stride(1), d1,
         s2, s2.stride(0), s2.stride(1), d2,
         d1.stride(0), d1.stride(1), d1.stride(2),
+        d2.stride(0), d2.stride(1), d2.stride(2),
         num_slots, heads, s1.shape[2], s2.shape[2],
     ]
     quant: dict[str, Any] = {}

@@ -149,8 +149,9 @@ def run_tiny_demo(dev: torch.device, steps: int = TINY_STEPS, seed: int = 0) -> 
               f"prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {new} new "
               f"tokens each, max_bs={MAX_BS}, page_size={PAGE}")
         gen = PagedGenerator(model, max_bs=MAX_BS, max_context_len=ctx, page_size=PAGE)
+        kv_bytes = sum(kv.nbytes for kv in gen.target.caches_used)
         print(f"pool: {gen.pool.nbytes} bytes of metadata (one allocation), phases "
-              f"{[p.value for p in gen.pool.phases]}; KV cache: {gen.target.kv.nbytes} bytes, "
+              f"{[p.value for p in gen.pool.phases]}; KV cache: {kv_bytes} bytes, "
               f"{gen.alloc.usable_pages} usable pages")
         print(f"attention: {kernel_name(gen.target.backend, gen.pool.cfg.layout)}")
         t0 = time.perf_counter()

@@ -14,8 +14,9 @@ varies what an engine can vary, and the wrappers decide the rest (constexprs, bl
   count the wrappers pick (:func:`tiers`, up to :data:`MAX_ROWS` rows), with page tables wide
   enough for the widest page loop and a large draft tree (:data:`MAX_TREE_TOKENS` tokens);
 * the KV store: every cache dtype (float16, bfloat16, float32, fp8 e4m3 / e5m2 from each model
-  dtype, per-tensor and per-head scales), MHA (one and many heads) and MLA (with and without the
-  rope part), NHD and HND, page sizes 1, 16 and 12, the pool's int64 slots and caller int32 ones.
+  dtype, per-tensor and per-head scales), MHA (one and many heads, K and V of different head
+  sizes) and MLA (with and without the rope part), NHD and HND, page sizes 1, 16 and 12, the
+  pool's int64 slots and caller int32 ones.
 
 The launches are recorded, not run (:class:`~attnpool.tools.kernels.Recorder` with ``dry_run``),
 so the input values only need to pass the host checks: sizes can be those of large engines.
@@ -260,7 +261,7 @@ def _large(rec: Recorder) -> None:
 def _kv(rec: Recorder) -> None:
     """Every store the KV pool launches: each cache dtype from each source dtype it accepts, for
     each kind and page size (NHD, the pool's int64 slots, one scale); then, for a float16 and an
-    fp8 cache, HND, caller int32 slots and per-head scales."""
+    fp8 cache, HND, caller int32 slots, per-head scales and K / V of different head sizes."""
     from ..kv import KVKind, KVLayout
 
     kinds: tuple[dict[str, Any], ...] = (
@@ -275,6 +276,11 @@ def _kv(rec: Recorder) -> None:
     for dtype in (torch.float16, torch.float8_e4m3fn):
         _store(rec, dtype, kinds[0], KVLayout.HND, 16, None, per_head=False)
         _store(rec, dtype, kinds[0], KVLayout.NHD, 16, _t(3, I32, -1), per_head=True)
+        for layout in KVLayout:  # K and V rows of different sizes (DeepSeek's 192 / 128)
+            _store(rec, dtype, _SPLIT_KV, layout, 16, None, per_head=False)
+
+
+_SPLIT_KV: dict[str, Any] = {"num_kv_heads": 8, "head_dim": 192, "head_dim_v": 128}
 
 
 _MODEL = (torch.float16, torch.bfloat16, torch.float32)
@@ -299,7 +305,8 @@ def _store(rec: Recorder, dtype: torch.dtype, kind: dict[str, Any], layout: Any,
         try:
             if cfg.kind is KVKind.MHA:
                 x = torch.zeros((3, heads, cfg.head_dim), dtype=src)  # ok: tool inputs, once per case
-                kv.store_kv_(0, x, x.clone(), slots, k_scale=sc, v_scale=sc, impl=Impl.TRITON)
+                v = torch.zeros((3, heads, cfg.head_dim_v or 0), dtype=src)  # ok: tool inputs
+                kv.store_kv_(0, x, v, slots, k_scale=sc, v_scale=sc, impl=Impl.TRITON)
             else:
                 lat = torch.zeros((3, cfg.kv_lora_rank), dtype=src)  # ok: tool inputs
                 rope = torch.zeros((3, cfg.rope_dim), dtype=src) if cfg.rope_dim else None  # ok: tool
