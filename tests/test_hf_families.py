@@ -46,15 +46,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "cohere": {}, "cohere2": {"sliding_window": W}, "granite": {}, "starcoder2": {},
     "gpt_oss": {"head_dim": 16, "sliding_window": W, "num_local_experts": 2, **MOE},
     "smollm3": {}, "exaone4": {"sliding_window": W}, "glm4": {},
+    # chunked attention (chunks of 4) in 3 of 4 layers, the fourth without RoPE
+    "llama4_text": {"head_dim": 16, "attention_chunk_size": 4, "num_local_experts": 2,
+                    "intermediate_size_mlp": 96, "num_hidden_layers": 4, **MOE},
+    # MLA: keys of 16 + 8 per head, values of 16
+    "deepseek_v3": {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+                    "num_key_value_heads": 4,
+                    "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 8,
+                    "n_routed_experts": 4, "moe_intermediate_size": 32,
+                    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, **MOE},
 }
 REFUSED: dict[str, tuple[dict[str, Any], str]] = {
-    "llama4_text": ({"head_dim": 16, "attention_chunk_size": 4, "num_local_experts": 2,
-                     "intermediate_size_mlp": 96}, "chunked_attention"),
-    "deepseek_v3": ({"kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
-                     "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 8,
-                     "n_routed_experts": 4, "moe_intermediate_size": 32,
-                     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, **MOE},
-                    "kv_lora_rank"),
     # their attention is not dispatched through AttentionInterface: nothing to replace
     "falcon": ({"num_key_value_heads": None}, "does not dispatch its attention"),
     "stablelm": ({}, "does not dispatch its attention"),
@@ -108,3 +110,34 @@ def test_a_draft_with_another_window_is_refused() -> None:
     with pytest.raises(LayoutError, match="one pool's window parts serve both"):
         PagedGenerator(target, max_bs=2, max_context_len=40, draft_model=draft,
                        num_draft_tokens=3)
+
+
+def test_mla_keeps_per_head_keys_and_smaller_values() -> None:
+    """DeepSeek V3: the cache holds what the attention function receives, K of nope + rope per
+    head and V of v_head_dim, for every query head."""
+    model = build("deepseek_v3", FAMILIES["deepseek_v3"])
+    gen = PagedGenerator(model, max_bs=2, max_context_len=40, page_size=4)
+    kv = gen.target.kv
+    assert kv is not None
+    assert (kv.cfg.num_kv_heads, kv.cfg.head_dim, kv.cfg.head_dim_v) == (4, 24, 16)
+    assert kv.v_cache(0).shape[-1] == 16 and kv.k_cache(0).shape[-1] == 24
+
+
+def test_chunked_layers_read_the_local_phase_and_their_limits_are_refused() -> None:
+    model = build("llama4_text", FAMILIES["llama4_text"])
+    gen = PagedGenerator(model, max_bs=2, max_context_len=40, page_size=4)
+    assert gen.pool.cfg.attention_chunk_size == 4 and not gen.use_graphs
+    assert gen.target.spec.chunked_layers == frozenset({0, 1, 2})
+    with pytest.raises(LayoutError, match="runs eagerly"):
+        PagedGenerator(model, max_bs=2, max_context_len=40, cuda_graphs=True)
+    # the no-RoPE layer's temperature reads packed token indices as positions: refused where
+    # that would differ from the positions (floor_scale 16 here)
+    model.config.floor_scale = 16
+    for layer in model.model.layers:
+        layer.self_attn.floor_scale = 16
+    with pytest.raises(LayoutError, match="floor_scale=16"):
+        PagedGenerator(model, max_bs=2, max_context_len=40)
+    other = build("llama4_text", {**FAMILIES["llama4_text"], "attention_chunk_size": 8})
+    with pytest.raises(LayoutError, match="attention_chunk_size must be the model's"):
+        PagedGenerator(model, max_bs=1, max_context_len=12, max_prefill_tokens=12,
+                       draft_model=other, num_draft_tokens=2)

@@ -30,6 +30,11 @@ def test_both_modules_expose_the_same_part_functions(part: str) -> None:
     assert list(a.values()) == list(b.values())
 
 
+def test_the_prefill_shape_of_local_attention_is_the_reference_part_on_both_paths() -> None:
+    """Its rows per request vary, which no fixed-stride kernel covers (LocalPhase says why)."""
+    assert triton_update.local_extend_launch is ref.local_extend_launch
+
+
 def test_keep_flags_take_the_same_arguments_and_the_reference_path_keeps_nothing() -> None:
     """The incremental page table is a fused-path saving: the reference path writes every live
     page (the same bytes), so its flags are all 0 and a phase copies none."""

@@ -187,6 +187,19 @@ def local_rows_per_request(c: PoolConfig) -> int:
     return min(q, (q - 1) // a + 2)
 
 
+def local_extend_rows(c: PoolConfig, bs: int) -> int:
+    """Virtual rows of a prefill of ``bs`` requests (``T = max_extend_tokens`` new tokens in
+    all): request ``i``'s ``q_i`` tokens touch at most ``(q_i-1)//A + 2`` chunks and never more
+    than ``q_i``, so all together at most ``min(T, T//A + 2*bs)``; 0 without an extend phase."""
+    t, a = c.max_extend_tokens, c.attention_chunk_size or 1
+    return min(t, t // a + 2 * bs) if t else 0
+
+
+def local_rows(c: PoolConfig) -> int:
+    """Rows of the local part: the decode / verify shape's or the prefill shape's, the larger."""
+    return max(c.max_bs * local_rows_per_request(c), local_extend_rows(c, c.max_bs))
+
+
 def _local_width(c: PoolConfig) -> int:
     a = c.attention_chunk_size or c.page_size
     return -(-min(a, c.max_context_len) // c.page_size)
@@ -306,9 +319,9 @@ ENCODER_SPECS = paged_specs(
 
 LOCAL_SPECS = (
     BufferSpec("cu_seqlens_q", Phase.LOCAL, I32,
-               lambda c: (c.max_bs * local_rows_per_request(c) + 1,), Pad.CUMSUM,
+               lambda c: (local_rows(c) + 1,), Pad.CUMSUM,
                "queries per virtual batch, cumsum"),
-    *paged_specs(Phase.LOCAL, lambda c: c.max_bs * local_rows_per_request(c), _local_width,
+    *paged_specs(Phase.LOCAL, local_rows, _local_width,
                  what="virtual batch (one chunk): "),
 )
 

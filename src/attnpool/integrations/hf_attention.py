@@ -40,6 +40,7 @@ from ..views import (
     DraftExtendView,
     DraftStepView,
     ExtendView,
+    LocalView,
     PagedView,
     VerifyView,
 )
@@ -52,9 +53,10 @@ ATTN_NAME = "attnpool"
 class Backend(enum.Enum):
     """Which attention kernel reads the paged cache.
 
-    ``AUTO``: FA3 on CUDA when ``flash_attn_interface`` imports and the cache is fp16/bf16; FA2
-    when ``flash_attn`` imports, the dtype fits and the page size is a multiple of 256 (its paged
-    path needs it); SDPA otherwise (always on CPU).
+    ``AUTO``: FA3 on CUDA when ``flash_attn_interface`` imports, the cache is fp16/bf16 and FA3
+    takes the head sizes; FA2 when ``flash_attn`` imports, the dtype fits, K and V heads are the
+    same size and the page size is a multiple of 256 (its paged path needs it); SDPA otherwise
+    (always on CPU).
     """
 
     AUTO = "auto"
@@ -63,26 +65,41 @@ class Backend(enum.Enum):
     FA2 = "fa2"
 
 
+def _fa3_takes(head_dim: int, head_dim_v: int) -> bool:
+    from ..adapters.flash_attn import check_fa3_head_dims  # lazy: the FA adapter's rules
+
+    try:
+        check_fa3_head_dims(head_dim, head_dim_v)
+    except LayoutError:
+        return False
+    return True
+
+
 def resolve_backend(backend: Backend, device: torch.device, dtype: torch.dtype,
-                    page_size: int) -> Backend:
+                    page_size: int, head_dim: int = 64, head_dim_v: int | None = None
+                    ) -> Backend:
     """The backend that runs (never ``AUTO``); a forced one that cannot run raises
-    :class:`LayoutError` here, at construction."""
+    :class:`LayoutError` here, at construction. ``head_dim_v``: the values' head size when it
+    differs from the keys' (FA2 refuses that; FA3 takes some pairs)."""
     if not isinstance(backend, Backend):
         raise InputError(f"backend must be an attnpool Backend, got {backend!r}")
     half = dtype in (torch.float16, torch.bfloat16)
+    dv = head_dim if head_dim_v is None else head_dim_v
     ok = {
         Backend.SDPA: True,
         Backend.FA3: device.type == "cuda" and half
-        and importlib.util.find_spec("flash_attn_interface") is not None,
-        Backend.FA2: device.type == "cuda" and half and page_size % 256 == 0
+        and importlib.util.find_spec("flash_attn_interface") is not None
+        and (dv == head_dim or _fa3_takes(head_dim, dv)),
+        Backend.FA2: device.type == "cuda" and half and page_size % 256 == 0 and dv == head_dim
         and importlib.util.find_spec("flash_attn") is not None,
     }
     if backend is Backend.AUTO:
         return next(b for b in (Backend.FA3, Backend.FA2, Backend.SDPA) if ok[b])
     if not ok[backend]:
         raise LayoutError(f"backend {backend.name} cannot run here: needs CUDA, a float16/bfloat16 "
-                          f"model and its module importable (FA2 also page_size % 256 == 0); got "
-                          f"device {device}, dtype {dtype}, page_size {page_size}")
+                          f"model, head sizes it takes and its module importable (FA2 also "
+                          f"page_size % 256 == 0); got device {device}, dtype {dtype}, page_size "
+                          f"{page_size}, head sizes {head_dim}/{dv}")
     return backend
 
 
@@ -91,44 +108,53 @@ class Run:
     window=False, softcap=0.0, sinks=None) -> out``.
 
     ``window`` picks the view's sliding-window part (the layers transformers calls with a
-    ``sliding_window``), else the full part. SDPA: each part's gather plan (token slots, masks,
-    query lanes) is computed once per forward, the first time a layer reads that part, instead
-    of once per layer. flash-attn reads the view's tensors directly, so there is nothing to
-    prepare (FA2 only runs parts with one query count for every row; prefill and draft extend
-    parts go through SDPA).
+    ``sliding_window``), ``local`` the forward's chunked-local-attention view (``pool.local``
+    updated for the same step; chunked layers), else the full part. SDPA: each part's gather
+    plan (token slots, masks, query lanes) is computed once per forward, the first time a layer
+    reads that part, instead of once per layer. flash-attn reads the view's tensors directly,
+    so there is nothing to prepare (FA2 only runs parts with one query count for every row;
+    prefill and draft extend parts go through SDPA).
     """
 
-    __slots__ = ("_args", "_plans", "backend", "view")
+    __slots__ = ("_args", "_plans", "backend", "local", "view")
 
     def __init__(self, backend: Backend, view: object, num_q: int, num_heads: int,
-                 num_kv_heads: int, dtype: torch.dtype, prefix_free: bool) -> None:
-        self.backend, self.view = backend, view
+                 num_kv_heads: int, dtype: torch.dtype, prefix_free: bool,
+                 local: LocalView | None = None) -> None:
+        self.backend, self.view, self.local = backend, view, local
         self._args = (num_q, num_heads, num_kv_heads, dtype, prefix_free)
-        self._plans: dict[bool, Plan] = {}
+        self._plans: dict[int, Plan] = {}
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None, *,
-                 window: bool = False, softcap: float = 0.0, sinks: Tensor | None = None
-                 ) -> Tensor:
+                 window: bool = False, softcap: float = 0.0, sinks: Tensor | None = None,
+                 local: bool = False) -> Tensor:
         view = self.view
-        if window:
+        if local:
+            if self.local is None:
+                raise LayoutError("a chunked attention layer needs the step's pool.local view "
+                                  "(the forward was bound without one)")
+            view = self.local
+        elif window:
             view = getattr(view, "window", None)
             if view is None:
                 raise LayoutError("a sliding-window layer needs a pool with sliding_window "
                                   "(the view has no window part)")
         part = _single_pass(view)
         backend = self.backend
-        if backend is Backend.FA2 and isinstance(part, (ExtendView, DraftExtendView)):
+        if backend is Backend.FA2 and (isinstance(part, (ExtendView, DraftExtendView)) or (
+                isinstance(part, LocalView) and not part.rows_per_request)):
             backend = Backend.SDPA  # FA2 takes the same query count for every row: not these
         if backend is Backend.SDPA:
             if part is None:  # a tree view: two passes merged by log-sum-exp, per layer
                 return sdpa.attention_out(view, q, k, v, softmax_scale=scale, softcap=softcap,
                                           sinks=sinks)
-            pl = self._plans.get(window)
+            key = 2 if local else int(window)
+            pl = self._plans.get(key)
             if pl is None:
                 num_q, heads, kv_heads, dtype, prefix_free = self._args
-                pl = self._plans[window] = sdpa.plan(
+                pl = self._plans[key] = sdpa.plan(
                     part, num_q=num_q, num_heads=heads, num_kv_heads=kv_heads, dtype=dtype,
-                    prefix_free=prefix_free)
+                    prefix_free=prefix_free and not local)
             return sdpa.run_plan(pl, q, k, v, softmax_scale=scale, softcap=softcap, sinks=sinks)
         from ..adapters import flash_attn as fa  # lazy: CUDA-only kernels
 
@@ -147,14 +173,14 @@ def _single_pass(view: object) -> PagedView | None:
 
 
 def bind(backend: Backend, view: object, num_q: int, num_heads: int, num_kv_heads: int,
-         dtype: torch.dtype, prefix_free: bool = False) -> Run:
+         dtype: torch.dtype, prefix_free: bool = False, local: LocalView | None = None) -> Run:
     """:class:`Run` for every layer of one forward over ``view`` (``backend`` resolved).
     ``prefix_free``: the view is a prefill with nothing cached (see
     :func:`attnpool.adapters.sdpa.plan`); a model with softcapping or sinks must not pass it
     (those need the plan's mask)."""
     if backend not in (Backend.SDPA, Backend.FA3, Backend.FA2):
         raise InputError(f"resolve the backend first, got {backend}")
-    return Run(backend, view, num_q, num_heads, num_kv_heads, dtype, prefix_free)
+    return Run(backend, view, num_q, num_heads, num_kv_heads, dtype, prefix_free, local)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +205,7 @@ class StepContext:
             already point them there); empty when the model keeps every layer in one cache.
             A layer in it must be called with a ``sliding_window`` and no other may be: its
             pages are addressed by the window table only, which the full part never reads.
+        local_layers: the chunked attention layers (they read ``run``'s local view).
     """
 
     view: object
@@ -188,6 +215,7 @@ class StepContext:
     store: Callable[[int, Tensor, Tensor], None]
     sliding_window: int | None = None
     window_layers: frozenset[int] = frozenset()
+    local_layers: frozenset[int] = frozenset()
 
 
 def as_decode(view: PagedView, window: PagedView | None = None) -> DecodeView:
@@ -247,13 +275,17 @@ def attnpool_attention(
                           "cache (config.layer_types disagrees with the layer)")
     kv = ctx.kv
     want = (kv.cfg.num_kv_heads, kv.cfg.head_dim)
-    if (key.shape[1], key.shape[3]) != want or value.shape[3] != kv.cfg.head_dim:
-        raise LayoutError(f"layer {layer}: the KV cache holds {want[0]} heads of {want[1]} "
-                          f"(K and V), the model gave keys {tuple(key.shape)} and values "
-                          f"{tuple(value.shape)}")
+    if (key.shape[1], key.shape[3]) != want or value.shape[3] != kv.cfg.head_dim_v:
+        raise LayoutError(f"layer {layer}: the KV cache holds {want[0]} heads of {want[1]} (K) "
+                          f"and {kv.cfg.head_dim_v} (V), the model gave keys "
+                          f"{tuple(key.shape)} and values {tuple(value.shape)}")
     q = query[0].transpose(0, 1)  # [T, H, D]: a view of transformers' layout
     ctx.store(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
     k_cache, v_cache = ctx.caches[layer]
-    out = ctx.run(q, k_cache, v_cache, scaling, window=window is not None,
-                  softcap=kwargs.get("softcap") or 0.0, sinks=kwargs.get("s_aux"))
+    if layer in ctx.local_layers:
+        out = ctx.run(q, k_cache, v_cache, scaling, local=True,
+                      softcap=kwargs.get("softcap") or 0.0, sinks=kwargs.get("s_aux"))
+    else:
+        out = ctx.run(q, k_cache, v_cache, scaling, window=window is not None,
+                      softcap=kwargs.get("softcap") or 0.0, sinks=kwargs.get("s_aux"))
     return out[None], None

@@ -19,6 +19,9 @@ Per call of :meth:`PagedGenerator.generate`:
   ``window_req_to_token``: a request holds only the window pages its next step can read or
   write; the pages behind every future window go back to the free list between steps
   (:mod:`attnpool.kv.window_paging`), so a long generation holds ``O(W)`` of them, not ``O(L)``.
+* **Chunked attention layers** (Llama 4) read ``pool.local``, updated for each forward in the
+  shape of its phase (decode, verify, or prefill for an extend or draft extend); such models
+  run eagerly (no CUDA graphs: the decode graphs refill the decode view only).
 
 Host data (token lists, page ids) stays on the host; each step moves one small int64 block of
 inputs (lengths, rows, ids, positions, slots) to the device, and reads back the chosen tokens.
@@ -37,11 +40,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import PoolConfig
+from ..config import Phase, PoolConfig
 from ..errors import CapacityError, InputError, LayoutError
 from ..kv.paging import PageAllocator
 from ..kv.window_paging import WindowPageAllocator
 from ..pool import BufferPool
+from ..views import LocalView
 from . import hf_spec
 from .hf_attention import Backend
 from .hf_model import ModelSpec, attnpool_attention_on, model_spec
@@ -124,7 +128,18 @@ class PagedGenerator:
                                   "window parts serve both")
         if cuda_graphs not in ("auto", True, False):
             raise InputError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
-        graphs = spec.device.type == "cuda" if cuda_graphs == "auto" else bool(cuda_graphs)
+        chunks = {s.attention_chunk_size for s in (spec, dspec)
+                  if s is not None and s.attention_chunk_size is not None}
+        if len(chunks) > 1:
+            raise LayoutError(f"draft_model's attention_chunk_size must be the model's: one "
+                              f"pool's local phase serves both, got {sorted(chunks)}")
+        self.chunk = next(iter(chunks), None)
+        if self.chunk is not None and cuda_graphs is True:
+            raise LayoutError("cuda_graphs=True: a model with chunked attention layers runs "
+                              "eagerly (its pool.local view is refilled per forward, outside "
+                              "the decode graphs)")
+        graphs = spec.device.type == "cuda" and self.chunk is None if cuda_graphs == "auto" \
+            else bool(cuda_graphs)
         if graphs and spec.device.type != "cuda":
             raise InputError(f"cuda_graphs=True needs a model on CUDA, got {spec.device}")
         self.max_context_len, self.num_draft_tokens = max_context_len, n
@@ -135,6 +150,13 @@ class PagedGenerator:
         self.max_prefill_tokens = _int("max_prefill_tokens", default_t
                                        if max_prefill_tokens is None else max_prefill_tokens, 1)
         specs = [spec] if dspec is None else [spec, dspec]
+        limits = [s.position_limit for s in specs if s.position_limit is not None]
+        if limits and max(self.context, self.max_prefill_tokens) >= min(limits):
+            raise LayoutError(
+                f"positions and packed tokens must stay below floor_scale={min(limits)} (the "
+                f"model's attn_temperature_tuning reads token indices of the packed step as "
+                f"positions); got max_context_len + lookahead {self.context} and "
+                f"max_prefill_tokens {self.max_prefill_tokens}")
         self.has_full = any(s.full_layers for s in specs)
         window = spec.sliding_window or (dspec.sliding_window if dspec is not None else None)
         full_default = max_bs * -(-self.context // max(1, page_size)) + 1
@@ -152,7 +174,8 @@ class PagedGenerator:
         cfg = PoolConfig(max_bs=max_bs, max_context_len=self.context, page_size=page_size,
                          device=spec.device, num_draft_tokens=n + 1 if n else 0,
                          spec_steps=max(n - 1, 0), max_extend_tokens=self.max_prefill_tokens,
-                         num_pages=max(pages, wpages), sliding_window=window)
+                         num_pages=max(pages, wpages), sliding_window=window,
+                         attention_chunk_size=self.chunk)
         self.pool = BufferPool(cfg)
         max_tokens = max(self.max_prefill_tokens, max_bs * (n + 1))
 
@@ -361,6 +384,14 @@ class PagedGenerator:
                 for r in running])
         self._pages_held(running)
 
+    def local(self, runner: ModelRunner, n: int, **inputs: Any) -> LocalView | None:
+        """``pool.local`` updated for a forward of ``runner`` over ``n`` requests (``inputs``
+        as :meth:`attnpool.phases.local.LocalPhase.update_` takes them, the request table
+        added), or None when the model has no chunked layer."""
+        if not runner.spec.chunked_layers:
+            return None
+        return self.pool.local.update_(n, req_to_token=self.req_to_token, **inputs)
+
     def host_block(self, rows: Sequence[Sequence[int]]) -> Tensor:
         """Equal-length int rows as one int64 tensor on the device (one copy, no-op on CPU)."""
         return torch.tensor(rows, dtype=torch.int64).to(self.device)
@@ -387,7 +418,10 @@ class PagedGenerator:
             seq_lens_cpu=seq, extend_lens_cpu=ext, **self.tables,
             out_slots=None if kv is None else kv.slot_mapping[:total],
             window_out_slots=None if wkv is None else wkv.slot_mapping[:total])
-        ctx = runner.context(view, total, prefix_free=not any(prefix))
+        local = self.local(runner, len(reqs), seq_lens=blk[0], extend_lens=blk[1],
+                           req_pool_indices=blk[2], for_phase=Phase.EXTEND, seq_lens_cpu=seq,
+                           extend_lens_cpu=ext)
+        ctx = runner.context(view, total, prefix_free=not any(prefix), local=local)
         self._metadata(t0)
         logits = runner.forward(ctx, ids, view.positions[:total], keep=blk[3])
         out: list[int] = logits.argmax(-1).tolist()
@@ -438,7 +472,9 @@ class PagedGenerator:
             self.target.set_slots(blk[4], wrow)
             view = self.pool.decode.update_(n, seq_lens=blk[0], req_pool_indices=blk[1],
                                             seq_lens_cpu=seq, **self.tables)
-            ctx = self.target.context(view, n)
+            local = self.local(self.target, n, seq_lens=blk[0], req_pool_indices=blk[1],
+                               seq_lens_cpu=seq)
+            ctx = self.target.context(view, n, local=local)
             self._metadata(t0)
             toks = self.target.forward(ctx, blk[2], blk[3]).argmax(-1)
         self.stats.decode_steps += 1

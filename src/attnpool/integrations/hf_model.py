@@ -2,12 +2,24 @@
 
 A model can be served when its attention is the functional kind transformers dispatches through
 ``AttentionInterface`` (so ours can replace it) and its KV heads fit one MHA/GQA
-:class:`attnpool.KVCachePool`: ``H_kv`` heads of ``head_dim`` for K and V alike, ``H`` a multiple
-of ``H_kv``; full causal or sliding-window attention layers (the pool then keeps window parts:
-``PoolConfig(sliding_window=config.sliding_window)``), with or without logit softcapping and
-attention sinks (both reach the attention function as its ``softcap`` / ``s_aux`` kwargs).
-Anything else (chunked layers, encoder-decoder, MLA latents, different K and V head sizes) is
-refused with :class:`attnpool.LayoutError` before any buffer is allocated.
+:class:`attnpool.KVCachePool`: ``H_kv`` heads of ``head_dim`` for K (``head_dim_v`` for V),
+``H`` a multiple of ``H_kv``; full causal or sliding-window attention layers (the pool then keeps
+window parts: ``PoolConfig(sliding_window=config.sliding_window)``), with or without logit
+softcapping and attention sinks (both reach the attention function as its ``softcap`` /
+``s_aux`` kwargs), and chunked attention layers (Llama 4's ``attention_chunk_size``: the
+pool's ``pool.local`` phase serves them, see :class:`ModelSpec`). Anything else
+(encoder-decoder, other layer types) is refused with :class:`attnpool.LayoutError` before any
+buffer is allocated.
+
+**Multi-head latent attention** (DeepSeek V2/V3, a config with ``kv_lora_rank``): the cache
+holds what the attention function receives, per-head keys of ``qk_nope_head_dim +
+qk_rope_head_dim`` and values of ``v_head_dim``, for all ``H`` query heads. The latent form
+(``kv_lora_rank + qk_rope_head_dim`` per token, one head) would be far smaller, but transformers
+hands the latents only to its own ``Cache`` object and expands them with ``kv_b_proj`` inside
+the layer, before the attention function: serving latents would mean expanding every cached
+token of every request in every layer and step (what transformers' own cache does), or
+absorbing ``kv_b_proj`` into the queries, which changes the model's arithmetic. The expanded
+cache keeps the model's computation exactly as ``generate`` does it (tokens identical).
 
 The forward: batch 1, all tokens of the step packed, ``position_ids`` per token and
 ``use_cache=False`` (the pool's KV cache is the only cache: no transformers cache is passed or
@@ -37,7 +49,7 @@ class ModelSpec:
     Attributes:
         num_layers: attention layers (one KV cache layer each).
         num_heads: query heads ``H``. num_kv_heads: ``H_kv`` (``H % H_kv == 0``).
-        head_dim: ``D`` of queries, keys and values.
+        head_dim: ``D`` of queries and keys (and values, unless ``head_dim_v`` says otherwise).
         vocab_size: logits per token.
         dtype: parameter dtype (the KV cache's). device: where the parameters live.
         sliding_window: ``W`` of the model's sliding-window layers (``config.sliding_window``,
@@ -49,6 +61,19 @@ class ModelSpec:
             config with a window and no ``layer_types``, Mistral's, slides in every layer). The
             generator keeps those layers' KV in their own cache, whose pages it frees once
             they fall behind every future window.
+        head_dim_v: ``D_v`` of values when it differs from ``head_dim`` (MLA: ``v_head_dim``),
+            else None.
+        chunked_layers: layers with chunked local attention (``layer_types`` entry
+            ``"chunked_attention"``): a query at position ``p`` sees keys ``k <= p`` of its own
+            chunk, ``k // A == p // A``. transformers passes them nothing that says so (only
+            its mask, which a paged kernel cannot take), so the layer index routes them to
+            the pool's local view.
+        attention_chunk_size: ``A`` (``config.attention_chunk_size``) when some layer is chunked.
+        position_limit: a bound every position and packed token index must stay below, or None.
+            Llama 4 scales the queries of its no-RoPE layers by a temperature computed from
+            ``arange(T)`` of the step's tokens, not from their positions: with one packed
+            sequence per step that is right only while both stay below ``floor_scale``, where
+            the temperature is exactly 1.
     """
 
     num_layers: int
@@ -61,6 +86,10 @@ class ModelSpec:
     sliding_window: int | None = None
     variants: bool = False
     sliding_layers: tuple[bool, ...] = ()
+    head_dim_v: int | None = None
+    chunked_layers: frozenset[int] = frozenset()
+    attention_chunk_size: int | None = None
+    position_limit: int | None = None
 
     @property
     def window_layers(self) -> tuple[int, ...]:
@@ -109,18 +138,36 @@ def model_spec(model: Any, what: str = "model") -> ModelSpec:
         raise LayoutError(f"{what}: query heads must be a multiple of KV heads for a paged "
                           f"MHA/GQA cache; got num_attention_heads={heads}, "
                           f"num_key_value_heads={kv_heads}")
-    for name in ("kv_lora_rank", "v_head_dim", "qk_rope_head_dim"):
-        v = getattr(cfg, name, None)
-        if v is not None and not (name == "v_head_dim" and v == head_dim):
-            raise LayoutError(f"{what}: {name}={v}: latent (MLA) or mixed K/V head sizes do not "
-                              f"fit an MHA/GQA cache of {kv_heads} heads x {head_dim}")
+    head_dim_v = None
+    if getattr(cfg, "kv_lora_rank", None) is not None:  # MLA: per-head K/V after expansion
+        got = [getattr(cfg, n, None) for n in ("qk_nope_head_dim", "qk_rope_head_dim",
+                                               "v_head_dim")]
+        dims = [d for d in got if isinstance(d, int) and d >= 0]
+        if len(dims) != 3 or not dims[2]:
+            raise LayoutError(f"{what}: an MLA config needs qk_nope_head_dim, qk_rope_head_dim "
+                              f"and v_head_dim, got {got}")
+        kv_heads, head_dim = heads, dims[0] + dims[1]
+        head_dim_v = None if dims[2] == head_dim else dims[2]
+    elif _get(cfg, "v_head_dim", head_dim) != head_dim:
+        head_dim_v = _get(cfg, "v_head_dim")
     window = _get(cfg, "sliding_window")
     layer_types = list(_get(cfg, "layer_types", [
         "full_attention" if window is None else "sliding_attention"] * layers))
     types = set(layer_types)
-    if types - {"full_attention", "sliding_attention"}:
-        raise LayoutError(f"{what}: full and sliding-window attention layers are served, config "
-                          f"has layer_types {sorted(types)}")
+    if types - {"full_attention", "sliding_attention", "chunked_attention"}:
+        raise LayoutError(f"{what}: full, sliding-window and chunked attention layers are "
+                          f"served, config has layer_types {sorted(types)}")
+    chunk = _get(cfg, "attention_chunk_size") if "chunked_attention" in types else None
+    if "chunked_attention" in types and (not isinstance(chunk, int) or chunk < 1):
+        raise LayoutError(f"{what}: chunked_attention layers need attention_chunk_size >= 1, got "
+                          f"{chunk!r}")
+    limit = None
+    if _get(cfg, "attn_temperature_tuning", False) and not all(
+            _get(cfg, "no_rope_layers", [1] * layers)):
+        limit = _get(cfg, "floor_scale")
+        if not isinstance(limit, int) or limit < 1:
+            raise LayoutError(f"{what}: attn_temperature_tuning needs an int floor_scale >= 1, "
+                              f"got {limit!r}")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise LayoutError(f"{what}: sliding_window must be an int >= 1, got {window!r}")
     if "sliding_attention" in types and window is None:
@@ -137,8 +184,9 @@ def model_spec(model: Any, what: str = "model") -> ModelSpec:
         raise LayoutError(f"{what}: config.layer_types has {len(layer_types)} entries for "
                           f"{layers} layers")
     sliding = tuple(t == "sliding_attention" for t in layer_types) if window else ()
+    chunked = frozenset(i for i, t in enumerate(layer_types) if t == "chunked_attention")
     return ModelSpec(layers, heads, kv_heads, head_dim, vocab, p.dtype, p.device, window,
-                     variants, sliding)
+                     variants, sliding, head_dim_v, chunked, chunk, limit)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from ..config import Phase
 from ..graphs import GraphRunner
 from ..kv import KVCacheConfig, KVCachePool
 from ..pool import BufferPool
+from ..views import LocalView
 from .hf_attention import Backend, StepContext, bind, resolve_backend
 from .hf_model import ModelSpec, forward_logits
 
@@ -49,12 +50,13 @@ class ModelRunner:
         def cache(pages: int, layers: int) -> KVCachePool | None:
             return None if not layers else KVCachePool(KVCacheConfig(
                 num_pages=pages, page_size=page_size, max_tokens=max_tokens, num_layers=layers,
-                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=spec.dtype,
-                device=spec.device))
+                num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                head_dim_v=spec.head_dim_v, dtype=spec.dtype, device=spec.device))
 
         full, slid = spec.full_layers, spec.window_layers
         self.kv, self.window_kv = cache(num_pages, len(full)), cache(window_pages, len(slid))
-        self.backend = resolve_backend(backend, spec.device, spec.dtype, page_size)
+        self.backend = resolve_backend(backend, spec.device, spec.dtype, page_size,
+                                       spec.head_dim, spec.head_dim_v)
         # per model layer: (its cache is the window one, its layer in that cache)
         where = {i: (False, j) for j, i in enumerate(full)} | \
             {i: (True, j) for j, i in enumerate(slid)}
@@ -80,22 +82,25 @@ class ModelRunner:
         if self.window_kv is not None and window is not None:
             self.window_kv.update_slots_(window, bs)
 
-    def context(self, view: object, num_q: int, prefix_free: bool = False) -> StepContext:
+    def context(self, view: object, num_q: int, prefix_free: bool = False,
+                local: LocalView | None = None) -> StepContext:
         """The forward kwarg for ``num_q`` packed tokens over ``view`` (the attention call bound
         to it: for SDPA, the view's gather plan, computed once for every layer; the KV store
         bound to ``slot_mapping[:num_q]``, so call it after the step's slots are written).
-        ``prefix_free``: a prefill of whole prompts (nothing cached before them)."""
+        ``prefix_free``: a prefill of whole prompts (nothing cached before them). ``local``: the
+        step's ``pool.local`` view, which the model's chunked layers read."""
         s = self.spec
         run = bind(self.backend, view, num_q, s.num_heads, s.num_kv_heads, s.dtype,
-                   prefix_free and not s.variants)
+                   prefix_free and not s.variants, local)
         kv, wkv = self.kv, self.window_kv
         full = None if kv is None else kv.step_store(num_q)
         if wkv is None:
             assert full is not None and kv is not None
-            return StepContext(view, kv, run, self.caches, full, s.sliding_window)
+            return StepContext(view, kv, run, self.caches, full, s.sliding_window,
+                               local_layers=s.chunked_layers)
         store = SplitStore(full, wkv.step_store(num_q), self.route)
         return StepContext(view, wkv if kv is None else kv, run, self.caches, store,
-                           s.sliding_window, frozenset(s.window_layers))
+                           s.sliding_window, frozenset(s.window_layers), s.chunked_layers)
 
     def forward(self, ctx: StepContext, ids: Tensor, positions: Tensor,
                 keep: Tensor | None = None) -> Tensor:

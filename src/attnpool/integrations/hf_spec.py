@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from ..config import Phase
 from ..pool import BufferPool
+from ..views import LocalView
 from .hf_attention import as_decode
 from .hf_runner import ModelRunner
 from .hf_state import GenerationStats, Request, Tables
@@ -55,6 +57,8 @@ class RoundHost(Protocol):
     def window_slots(self, r: Request, start: int, count: int) -> list[int]: ...
 
     def step_pages(self, running: Sequence[Request]) -> None: ...
+
+    def local(self, runner: ModelRunner, n: int, **inputs: Any) -> LocalView | None: ...
 
     def host_block(self, rows: Sequence[Sequence[int]]) -> Tensor: ...
 
@@ -82,8 +86,9 @@ def _draft_steps(gen: RoundHost, running: list[Request], rows: list[int]) -> lis
             t0 = time.perf_counter()
         draft.set_slots(blk[3 + s], blk[3 + steps + s] if window else None)
         step = dview.steps[s]
-        ctx = draft.context(as_decode(step.prefix, step.window), n)
         pos = blk[0] + s
+        local = gen.local(draft, n, seq_lens=pos + 1, req_pool_indices=blk[1])
+        ctx = draft.context(as_decode(step.prefix, step.window), n, local=local)
         gen._metadata(t0)
         props.append(draft.forward(ctx, props[-1], pos).argmax(-1))
         gen.stats.draft_forwards += 1
@@ -105,7 +110,9 @@ def _verify(gen: RoundHost, running: list[Request], rows: list[int],
     view = gen.pool.verify.update_(n, seq_lens=blk[0], req_pool_indices=blk[1],
                                    seq_lens_cpu=kvl, **gen.tables)
     gen.target.set_slots(tok[0], tok[2] if wslots else None)
-    ctx = gen.target.context(view, n * nq)
+    local = gen.local(gen.target, n, seq_lens=blk[0], req_pool_indices=blk[1],
+                      for_phase=Phase.VERIFY, seq_lens_cpu=kvl)
+    ctx = gen.target.context(view, n * nq, local=local)
     gen._metadata(t0)
     t = gen.target.forward(ctx, ids, tok[1]).argmax(-1).view(n, nq)
     d = ids.view(n, nq)[:, 1:]
@@ -139,7 +146,10 @@ def _draft_extend(gen: RoundHost, live: list[Request], new: list[list[int]]) -> 
                                          req_pool_indices=blk[2], seq_lens_cpu=seq,
                                          accept_lens_cpu=acc, **gen.tables)
     draft.set_slots(flat[2], flat[3] if wslots else None)
-    ctx = draft.context(view, total)
+    local = gen.local(draft, len(live), seq_lens=blk[0], extend_lens=blk[1],
+                      req_pool_indices=blk[2], for_phase=Phase.EXTEND, seq_lens_cpu=seq,
+                      extend_lens_cpu=acc)
+    ctx = draft.context(view, total, local=local)
     gen._metadata(t0)
     props: list[int] = draft.forward(ctx, flat[0], flat[1], keep=blk[3]).argmax(-1).tolist()
     gen.stats.draft_forwards += 1

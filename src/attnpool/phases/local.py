@@ -1,8 +1,8 @@
-"""Chunked local attention as virtual batches, for decode and verify. docs/design.md, Local."""
+"""Chunked local attention as virtual batches, for decode, verify and prefill. docs/design.md, Local."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -10,9 +10,9 @@ from torch import Tensor
 
 from ..arena import Arena
 from ..config import Phase
-from ..errors import InputError
+from ..errors import CapacityError, InputError
 from ..inputs import check_bs
-from ..specs import local_rows_per_request
+from ..specs import local_extend_rows, local_rows_per_request
 from ..views import LocalView
 from ._views import part_view
 from .base import PhaseBase, Shared
@@ -28,12 +28,20 @@ class LocalPhase(PhaseBase[LocalView]):
     touch; a row attends only to the keys of its chunk up to its queries. Everything is computed
     on the device from the lengths (no host read), and the capacity is fixed by the config:
     ``V = 1`` row per request in decode, ``V = min(N, (N-1)//A + 2)`` in verify, rows of
-    ``ceil(A / P)`` pages. ``for_phase`` picks which: the two shapes never run in the same forward.
+    ``ceil(A / P)`` pages. ``for_phase`` picks which: the shapes never run in the same forward.
+
+    ``for_phase=Phase.EXTEND`` is the prefill shape (an extend, or a draft extend): request ``i``
+    brings ``extend_lens[i]`` new tokens, so its row count varies; the rows of all requests are
+    laid out one after the other (``min(T, T//A + 2*bs)`` rows for ``T = max_extend_tokens``),
+    padded rows after them. Prefill runs eagerly, so that shape has no capture view, no
+    ``num_real``, and no fused kernel: its rows come from a ``searchsorted`` over the per-request
+    chunk counts, torch ops on both update paths (:func:`attnpool.update.reference.
+    local_extend_launch`), still with no host read.
     """
 
     phase = Phase.LOCAL
     NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "for_phase")
+             "for_phase", "extend_lens")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -52,11 +60,14 @@ class LocalPhase(PhaseBase[LocalView]):
         if for_phase is Phase.VERIFY and self.cfg.num_draft_tokens > 0:
             nd = self.cfg.num_draft_tokens
             return nd, nd, local_rows_per_request(self.cfg)
-        raise InputError(f"for_phase must be Phase.DECODE or Phase.VERIFY (with "
-                         f"num_draft_tokens > 0), got {for_phase}")
+        raise InputError(f"for_phase must be Phase.DECODE, Phase.VERIFY (with num_draft_tokens "
+                         f"> 0) or Phase.EXTEND (with max_extend_tokens > 0), got {for_phase}")
 
     def view(self, bs: int, for_phase: Phase = Phase.DECODE) -> LocalView:
         check_bs(self.cfg, bs)
+        if for_phase is Phase.EXTEND:
+            raise InputError("the prefill shape of pool.local has no capture view (prefill runs "
+                             "eagerly): update_(..., for_phase=Phase.EXTEND) returns its view")
         self._shape(for_phase)
         if self._state is not for_phase:
             self.arena.mark_written(self.phase, 0)  # the other shape's state is not valid here
@@ -71,6 +82,8 @@ class LocalPhase(PhaseBase[LocalView]):
         *,
         seq_lens: Tensor,
         for_phase: Phase = Phase.DECODE,
+        extend_lens: Tensor | None = None,
+        extend_lens_cpu: Sequence[int] | None = None,
         **shared: Unpack[Shared],
     ) -> LocalView:
         """Refill for ``n`` requests (fused path: one launch, ``cu_seqlens_q`` included).
@@ -78,12 +91,20 @@ class LocalPhase(PhaseBase[LocalView]):
         Args:
             seq_lens: ``[n]`` as the matching phase takes them: decode lengths (including the
                 token being decoded) or verify's committed lengths (drafts excluded).
-            for_phase: ``Phase.DECODE`` (one query, KV length ``seq_lens``) or ``Phase.VERIFY``
-                (N queries, KV length ``seq_lens + N``).
+            for_phase: ``Phase.DECODE`` (one query, KV length ``seq_lens``), ``Phase.VERIFY``
+                (N queries, KV length ``seq_lens + N``) or ``Phase.EXTEND`` (``extend_lens``
+                queries, KV length ``seq_lens``: as :meth:`ExtendPhase.update_` takes them).
+            extend_lens, extend_lens_cpu: the prefill shape's new tokens per request (device
+                ``[n]``, optional host copy), each in ``[1, seq_lens[i]]``, at most
+                ``max_extend_tokens`` in all; only with ``for_phase=Phase.EXTEND``.
             num_real: capturable mode, as in :meth:`DecodePhase.update_` (a count of requests).
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg = self.cfg
+        if for_phase is Phase.EXTEND:
+            return self._extend(bs, seq_lens, extend_lens, extend_lens_cpu, shared)
+        if extend_lens is not None or extend_lens_cpu is not None:
+            raise InputError(f"extend_lens go with for_phase=Phase.EXTEND, got {for_phase}")
         q, extra, per = self._shape(for_phase)
         x = self._inputs(bs, seq_lens, shared, cfg.max_context_len - extra)
         seq_lens, n, rpi, table, blk, _, _w, num_real, _ = x
@@ -91,10 +112,47 @@ class LocalPhase(PhaseBase[LocalView]):
             self._check_values(x, cfg.max_context_len - extra)
         # --- writes start here ---
         self._run((bs, extra, q, per, blk, table.shape, table.stride(0), num_real is None), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, for_phase))
+                  (n, seq_lens, rpi, table, blk, num_real, for_phase, None))
         self._mark(bs)
         self._state = for_phase
         return self._view(bs, for_phase)
+
+    def _extend(self, bs: int, seq_lens: Tensor, extend_lens: Tensor | None,
+                extend_cpu: Sequence[int] | None, shared: Shared) -> LocalView:
+        """The prefill shape (see the class docstring): checks, then one write of its rows."""
+        cfg = self.cfg
+        t_max = cfg.max_extend_tokens
+        if not t_max:
+            raise InputError("for_phase=Phase.EXTEND needs a pool with max_extend_tokens > 0")
+        if shared.get("num_real") is not None:
+            raise InputError("the prefill shape of pool.local is eager: num_real (capturable "
+                             "updates) is not taken")
+        if extend_lens is None:
+            raise InputError("for_phase=Phase.EXTEND needs extend_lens ([n] new tokens per "
+                             "request)")
+        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len, extend_cpu)
+        seq_lens, n, rpi, table, blk, host, _w, _, _ = x
+        ext, ehost = self._lens("extend_lens", extend_lens, extend_cpu, n, cfg.max_context_len)
+        if ehost is not None:
+            if sum(ehost) > t_max:
+                raise CapacityError(f"extend_lens_cpu sum to {sum(ehost)} tokens, more than "
+                                    f"max_extend_tokens={t_max}")
+            if host is not None and any(e > s for e, s in zip(ehost, host, strict=True)):
+                raise InputError(f"extend_lens_cpu must be <= seq_lens_cpu per request, got "
+                                 f"{ehost} and {host}")
+        if self.validate:
+            self._check_values(x, cfg.max_context_len,
+                               [("extend_lens", ext, 1, cfg.max_context_len)],
+                               [("extend_lens_cpu", extend_cpu, "extend_lens")],
+                               at_most=[("extend_lens", "seq_lens")],
+                               sum_at_most=("extend_lens", t_max))
+        # --- writes start here ---
+        self._run((bs, Phase.EXTEND, blk, table.shape, table.stride(0)), bs,
+                  (n, seq_lens, rpi, table, blk, None, Phase.EXTEND, ext))
+        self._mark(bs)
+        self._state = Phase.EXTEND
+        max_q = min(self.chunk, t_max if ehost is None else max(ehost, default=1))
+        return self._view(bs, Phase.EXTEND, max_q)
 
     def _after_write(self, bs: int) -> Callable[[], None]:
         """A bound call also restores which shape (decode or verify) the bytes now hold, so a
@@ -109,9 +167,15 @@ class LocalPhase(PhaseBase[LocalView]):
 
     def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
         """One part of ``bs * rows_per_request`` virtual rows, ``cu_seqlens_q`` included."""
-        _, seq_lens, rpi, table, blk, num_real, for_phase = vals
-        q, extra, per = self._shape(for_phase)
+        _, seq_lens, rpi, table, blk, num_real, for_phase, ext = vals
         cfg = self.cfg
+        if for_phase is Phase.EXTEND:  # torch ops on both paths (see the class docstring)
+            return (ops.local_extend_launch(
+                self._b, cu_seqlens_q=self._cu_q, rows=local_extend_rows(cfg, bs),
+                seq_lens=seq_lens, extend_lens=ext, req_pool_indices=rpi, req_to_token=table,
+                chunk=self.chunk, page_size=cfg.page_size, pad_len=self._pad,
+                pad_page=cfg.pad_page, block_size=blk),)
+        q, extra, per = self._shape(for_phase)
         return (ops.local_launch(
             self._b, cu_seqlens_q=self._cu_q, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi,
             req_to_token=table, extra=extra, num_queries=q, rows_per_request=per,
@@ -120,15 +184,21 @@ class LocalPhase(PhaseBase[LocalView]):
 
     def _capture_vals(self) -> tuple[Any, ...]:
         none = self._arange[:0]
-        return (0, none, none, self._empty_pages(), None, None, self._for)
+        return (0, none, none, self._empty_pages(), None, None, self._for, None)
 
-    def _view(self, bs: int, for_phase: Phase) -> LocalView:
-        key = (bs, for_phase)
-        return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, for_phase))
+    def _view(self, bs: int, for_phase: Phase, max_q: int = 0) -> LocalView:
+        key = (bs, for_phase, max_q)
+        return self._views.get(key) or self._memo(
+            key, lambda: self._make_view(bs, for_phase, max_q))
 
-    def _make_view(self, bs: int, for_phase: Phase) -> LocalView:
-        q, _, per = self._shape(for_phase)
+    def _make_view(self, bs: int, for_phase: Phase, max_q: int) -> LocalView:
         max_k = min(self.chunk, self.cfg.max_context_len)
+        if for_phase is Phase.EXTEND:  # rows_per_request 0: rows vary per request
+            return part_view(self._b, local_extend_rows(self.cfg, bs), self._cu_q, max_q=max_q,
+                             max_k=max_k, page_size=self.cfg.page_size, causal=True,
+                             cls=LocalView, rows_per_request=0,
+                             stamp=_ShapeStamp(self, for_phase))
+        q, _, per = self._shape(for_phase)
         return part_view(self._b, bs * per, self._cu_q, max_q=q, max_k=max_k,
                          page_size=self.cfg.page_size, causal=True, cls=LocalView,
                          rows_per_request=per, stamp=_ShapeStamp(self, for_phase))
@@ -151,3 +221,4 @@ class _ShapeStamp:
             return self._local._stamp.describe()
         return (f"a local view shaped for {self._shape.value}, but its bytes now hold the "
                 f"{self._local._state.value if self._local._state else 'no'} shape")
+

@@ -149,9 +149,9 @@ def _attnpool_parts(model: Any, wl: Workload) -> dict[str, float]:
     orig_ctx, orig_decode = ModelRunner.context, gen._decode
     step, meta = Timer(), Timer()
 
-    def context(self: ModelRunner, view: object, num_q: int, prefix_free: bool = False
+    def context(self: ModelRunner, view: object, num_q: int, *a: Any, **k: Any
                 ) -> ha.StepContext:
-        c = orig_ctx(self, view, num_q, prefix_free)
+        c = orig_ctx(self, view, num_q, *a, **k)  # whatever options the runner takes
         return dataclasses.replace(c, run=parts.timed("attention", c.run),
                                    store=parts.timed("kv_store", c.store))
 

@@ -45,6 +45,7 @@ from .reference_ops import (
 )
 from .reference_parts import (
     draft_tree_expand_part_,
+    local_extend_part_,
     local_part_,
     paged_part_,
     tree_expand_part_,
@@ -53,8 +54,9 @@ from .reference_parts import (
 __all__ = [
     "Call", "PagedBuffers", "cumsum_", "draft_expand", "draft_tree_expand_launch",
     "draft_tree_expand_update_", "extend_tokens", "gather_pages", "keep_flags", "lengths_",
-    "local_launch", "local_rows", "local_update_", "paged_", "paged_launch", "paged_update_",
-    "table_slots", "table_width", "tree_expand", "tree_expand_launch", "tree_expand_update_",
+    "local_extend_launch", "local_launch", "local_rows", "local_update_", "paged_",
+    "paged_launch", "paged_update_", "table_slots", "table_width", "tree_expand",
+    "tree_expand_launch", "tree_expand_update_",
 ]
 
 
@@ -125,6 +127,10 @@ draft_tree_expand_launch = _launcher("draft_tree_expand_launch", draft_tree_expa
     "seq_lens", "req_pool_indices", "req_to_token", "out_cache_loc", "num_real"))
 local_launch = _launcher("local_launch", local_part_, (
     "seq_lens", "req_pool_indices", "req_to_token", "num_real"))
+#: prefill-shaped local attention: rows per request vary with the new tokens, so no fixed-stride
+#: kernel serves it; both update paths run these ops (its own launch name: see LocalPhase)
+local_extend_launch = _launcher("local_extend_launch", local_extend_part_, (
+    "seq_lens", "extend_lens", "req_pool_indices", "req_to_token"))
 
 
 def paged_update_(b: PagedBuffers, **kw: Any) -> None:

@@ -283,6 +283,36 @@ def local_rows(
     return q_lens.reshape(-1), kv.reshape(-1), off.reshape(-1), valid.reshape(-1)
 
 
+def local_extend_rows(
+    seq_lens: Tensor, extend_lens: Tensor, chunk: int, rows: int, pad_seq_len: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Chunked local attention virtual rows of a prefill: ``(q_lens, kv_lens, token_offset,
+    valid, request)``, each ``[rows]``.
+
+    Request ``i`` (``L = seq_lens[i]`` keys, the last ``q = extend_lens[i]`` new) touches chunks
+    ``(L-q)//A .. (L-1)//A``; it gets one row per chunk, the rows of all requests laid out one
+    after the other in request order (a ``searchsorted`` over their cumsum finds each row's
+    request, no host sync), so the packed queries stay in order. Row of chunk ``c``: queries
+    ``max(cA, L-q) .. min((c+1)A, L)-1``, keys ``cA .. min((c+1)A, L)-1``. Rows past the last
+    request's are padding: no queries, the padded length, request 0.
+    """
+    seq = seq_lens.to(torch.int64)
+    start = seq - extend_lens.to(torch.int64)
+    first = torch.div(start, chunk, rounding_mode="floor")
+    count = torch.div(seq - 1, chunk, rounding_mode="floor") - first + 1
+    ends = torch.cumsum(count, 0)
+    v = torch.arange(rows, device=seq.device)
+    req = torch.searchsorted(ends, v, right=True)
+    valid = req < seq.shape[0]
+    req = req.clamp_(max=max(seq.shape[0] - 1, 0))
+    c = first[req] + v - (ends[req] - count[req])
+    lo = c * chunk
+    q_end = torch.minimum(lo + chunk, seq[req])
+    q_lens = torch.where(valid, q_end - torch.maximum(lo, start[req]), 0)
+    kv = torch.where(valid, q_end - lo, pad_seq_len)
+    return q_lens, kv, torch.where(valid, lo, 0), valid, torch.where(valid, req, 0)
+
+
 def extend_tokens(
     seq_lens: Tensor,
     extend_lens: Tensor,

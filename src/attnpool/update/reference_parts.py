@@ -17,6 +17,7 @@ from .reference_ops import (
     floor_div,
     gather_pages,
     lengths_,
+    local_extend_rows,
     local_rows,
     paged_,
     table_width,
@@ -309,6 +310,42 @@ def local_part_(
     # i's queries start at cu[i*V] = i*q as in the caller's packed query buffer.
     pad = torch.div(arange[: rows - real], per, rounding_mode="floor").add_(1).mul_(q)
     torch.add(pad, cu_seqlens_q[real : real + 1], out=cu_seqlens_q[real + 1 : rows + 1])
+    lengths_(b.cache_seqlens, kv_lens, 0, rows, pad_len, width * p)
+    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=-(-pad_len // p),
+           arange=arange)
+
+
+def local_extend_part_(
+    b: PagedBuffers,
+    *,
+    cu_seqlens_q: Tensor,
+    rows: int,
+    seq_lens: Tensor,
+    extend_lens: Tensor,
+    req_pool_indices: Tensor,
+    req_to_token: Tensor,
+    chunk: int,
+    page_size: int,
+    pad_len: int,
+    pad_page: int,
+    block_size: int | None = None,
+) -> None:
+    """Chunked local attention for a prefill (extend or draft extend): ``rows`` virtual rows from
+    :func:`local_extend_rows`, one per chunk each request's new tokens touch, laid out request
+    after request; padded rows read the pad page and take no query."""
+    p = page_size
+    q_lens, kv_lens, off, valid, req = local_extend_rows(seq_lens, extend_lens, chunk, rows,
+                                                         pad_len)
+    if b.page_table is not None:
+        width = b.page_table.shape[1]
+    else:
+        width = -(-min(chunk, table_width(req_to_token, block_size)) // p)
+    rpi = req_pool_indices[req] if req_pool_indices.shape[0] else req_pool_indices.new_zeros(rows)
+    pages = gather_pages(req_to_token, rpi, p, width, off, block_size=block_size)
+    pages = torch.where(valid[:, None], pages, pad_page)
+    # --- writes start here ---
+    arange = _arange(b, max(width, rows) + 1, seq_lens)
+    cumsum_(cu_seqlens_q, q_lens)
     lengths_(b.cache_seqlens, kv_lens, 0, rows, pad_len, width * p)
     paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=-(-pad_len // p),
            arange=arange)

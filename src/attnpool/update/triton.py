@@ -54,13 +54,17 @@ from ..errors import CapacityError, InputError, LayoutError
 from ..inputs import check_tensor
 from . import triton_checks as ck
 from .reference import PagedBuffers
+from .reference import local_extend_launch as local_extend_launch
 from .triton_draft import draft_tree_expand_launch, draft_tree_expand_update_
 
 __all__ = [
     "draft_tree_expand_launch",
-    "draft_tree_expand_update_", "keep_flags", "local_launch", "local_update_", "paged_launch",
-    "paged_update_", "tree_expand_launch", "tree_expand_update_",
+    "draft_tree_expand_update_", "keep_flags", "local_extend_launch", "local_launch",
+    "local_update_", "paged_launch", "paged_update_", "tree_expand_launch", "tree_expand_update_",
 ]
+# ``local_extend_launch`` is the reference part's (torch ops): the prefill shape of local
+# attention has a varying row count per request, which no fixed-stride program covers; its
+# rows come from a ``searchsorted`` with no host read, on either path (see LocalPhase).
 
 def paged_update_(b: PagedBuffers, **kw: Any) -> None:
     """Write one paged part's read region for ``bs`` rows in one launch: :func:`paged_launch`
