@@ -29,6 +29,15 @@ class Batch:
         return {"seq_lens": seq, "req_pool_indices": rpi, "req_to_token": table}
 
 
+def shuffled_table(rng: random.Random, rows: int, context: int, page: int) -> torch.Tensor:
+    """``[rows, context]`` int32 token slots over whole pages in shuffled order (page 0 unused)."""
+    cols = context // page
+    ids = list(range(1, rows * cols + 1))
+    rng.shuffle(ids)
+    bt = torch.tensor(ids, dtype=torch.int64).view(rows, cols)
+    return (bt.repeat_interleave(page, 1) * page + torch.arange(context) % page).to(torch.int32)
+
+
 def make_table(cfg: PoolConfig, num_slots: int, rng: random.Random,
                dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """Each request row maps positions to slots on shuffled pages; page 0 is never used."""

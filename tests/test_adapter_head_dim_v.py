@@ -27,6 +27,8 @@ from attnpool.adapters import flashinfer as fi
 from attnpool.adapters import sdpa
 from attnpool.kv import KVCacheConfig, KVCachePool
 
+from batches import shuffled_table
+
 H, H_KV, PAGE, C, ROWS, ND = 4, 2, 4, 32, 4, 3
 BF16 = torch.bfloat16
 
@@ -52,11 +54,7 @@ def _cache(d: int, dv: int, dtype: torch.dtype = BF16) -> tuple[Tensor, Tensor]:
 
 
 def _table(rng: random.Random) -> Tensor:
-    cols = C // PAGE
-    ids = list(range(1, ROWS * cols + 1))
-    rng.shuffle(ids)
-    bt = torch.tensor(ids, dtype=torch.int64).view(ROWS, cols)
-    return (bt.repeat_interleave(PAGE, 1) * PAGE + torch.arange(C) % PAGE).to(torch.int32)
+    return shuffled_table(rng, ROWS, C, PAGE)
 
 
 def _update(pool: BufferPool, phase: str, seed: int) -> Any:

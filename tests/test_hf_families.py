@@ -96,6 +96,21 @@ def test_family_gives_generates_tokens(family: tuple[str, Any, list[list[int]]],
     assert gen.pool.cfg.sliding_window == window
 
 
+#: the families whose window or chunks bite, also with pages of 16 (longer than the window)
+WINDOWED = [n for n, o in FAMILIES.items() if o.get("sliding_window") or
+            o.get("attention_chunk_size")]
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_windowed_family_with_pages_of_16(name: str) -> None:
+    # chunks are whole pages (a pool refuses others): Llama 4 gets chunks of 16, which the
+    # 13-token prompt and its 5 new tokens still cross
+    over = FAMILIES[name] | ({"attention_chunk_size": 16} if name == "llama4_text" else {})
+    model = build(name, over)
+    gen = PagedGenerator(model, max_bs=2, max_context_len=40, page_size=16)
+    assert gen.generate(PROMPTS, max_new_tokens=NEW) == hf_tiny.greedy(model, PROMPTS, NEW), name
+
+
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_family_not_yet_served_is_refused_up_front(name: str) -> None:
     overrides, reason = REFUSED[name]

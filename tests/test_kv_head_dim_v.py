@@ -35,6 +35,7 @@ from attnpool.adapters import sdpa
 from attnpool.kv import KVCacheConfig, KVCachePool, KVKind, KVLayout
 from attnpool.kv.quant import dequantize, quantize
 
+from batches import shuffled_table
 from dense import dense_attention
 
 D, DV, H, H_KV, PAGE, C, ROWS, ND = 24, 16, 4, 2, 4, 48, 5, 3
@@ -248,11 +249,7 @@ def test_bad_fp8_input_writes_nothing(what: str) -> None:
 
 # ---- the SDPA adapter over a K != V cache -------------------------------------------------------
 def _table(rng: random.Random) -> Tensor:
-    cols = C // PAGE
-    ids = list(range(1, ROWS * cols + 1))
-    rng.shuffle(ids)
-    bt = torch.tensor(ids, dtype=torch.int64).view(ROWS, cols)
-    return (bt.repeat_interleave(PAGE, 1) * PAGE + torch.arange(C) % PAGE).to(torch.int32)
+    return shuffled_table(rng, ROWS, C, PAGE)
 
 
 def _filled(dtype: torch.dtype = torch.float64) -> KVCachePool:

@@ -28,6 +28,7 @@ from attnpool.adapters import flashinfer as fi
 from attnpool.adapters import sdpa
 from attnpool.adapters.variants import with_sinks
 
+from batches import shuffled_table
 from dense import dense_attention
 
 C, ROWS, ND, H, H_KV, D, PAGE = 48, 5, 3, 4, 2, 8, 4
@@ -41,11 +42,7 @@ def _pool(**kw: Any) -> BufferPool:
 
 
 def _table(rng: random.Random) -> Tensor:
-    cols = C // PAGE
-    ids = list(range(1, ROWS * cols + 1))
-    rng.shuffle(ids)
-    bt = torch.tensor(ids, dtype=torch.int64).view(ROWS, cols)
-    return (bt.repeat_interleave(PAGE, 1) * PAGE + torch.arange(C) % PAGE).to(torch.int32)
+    return shuffled_table(rng, ROWS, C, PAGE)
 
 
 def _cache(dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
