@@ -85,7 +85,10 @@ def compile_one(spec: dict[str, Any], cc: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         with contextlib.redirect_stdout(log):
-            k = triton.compile(src, target=target, options={"num_warps": spec["num_warps"]})
+            options = {"num_warps": spec["num_warps"]}
+            if spec.get("maxnreg") is not None:
+                options["maxnreg"] = spec["maxnreg"]
+            k = triton.compile(src, target=target, options=options)
     except Exception as e:  # a compile failure is a result to report, not a crash
         return {"error": _error(e)}
     seconds = time.perf_counter() - t0

@@ -61,6 +61,7 @@ class Spec:
     kernel: str  # "module:qualname" of the @triton.jit function
     params: tuple[Param, ...]
     num_warps: int
+    maxnreg: int | None = None  # the launch's ``maxnreg`` (a ``.maxnreg`` in the PTX), if any
 
     @property
     def name(self) -> str:
@@ -108,7 +109,7 @@ class Spec:
 
     def to_json(self) -> dict[str, Any]:
         return {"kernel": self.kernel, "params": [list(p) for p in self.params],
-                "num_warps": self.num_warps}
+                "num_warps": self.num_warps, "maxnreg": self.maxnreg}
 
 
 def _from_pool() -> bool:
@@ -186,8 +187,10 @@ class Recorder:
             else:
                 params.append((name, str(kind), v or ""))
         fn = k.fn
+        maxnreg = options.get("maxnreg")
         return Spec(f"{fn.__module__}:{fn.__qualname__}", tuple(params),
-                    int(options.get("num_warps", warps)))
+                    int(options.get("num_warps", warps)),
+                    None if maxnreg is None else int(maxnreg))
 
     @contextmanager
     def active(self) -> Iterator[Recorder]:

@@ -239,8 +239,8 @@ def paged_launch(
           "HAS_PT": has_pt, "HAS_FI": has_fi, "INCR": keep is not None, "HAS_Q": q_lens is not None,
           "FULL_PAGES": full_pages, "Q_FIXED": q_total is not None, "TOKENS": tokens,
           "BLOCK_TABLE": block_table, "WINDOW": window is not None, "W_TOKENS": w_tokens,
-          "BLOCK": ck.pow2(bs), "BLOCK_P": min(ck.MAX_BLOCK_P, ck.pow2(width)),
-          "BLOCK_T": ck.BLOCK_T, "num_warps": ck.warps(bs)}
+          "BLOCK": ck.scan_block(bs), "BLOCK_P": min(ck.MAX_BLOCK_P, ck.pow2(width)),
+          "BLOCK_T": ck.BLOCK_T, "num_warps": ck.warps(bs), "maxnreg": ck.MAXNREG}
     dyn = ck.dyn(n=(16, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
                  req_to_token=(2, table), token_offset=(3, token_offset), num_real=(4, num_real),
                  keep=(5, keep), q_lens=(6, q_lens), out_slots=(15, out_slots),
@@ -316,7 +316,8 @@ def tree_expand_launch(
         e.kv_indices.shape[0] if e.kv_indices is not None else 0, tp,
     )
     kw = {"DEVICE_N": num_real is not None, "HAS_PT": has_pt, "HAS_FI": has_fi,
-          "BLOCK_N": bn, "BLOCK_R": max(1, 4096 // bn), "BLOCK_TABLE": block_table}
+          "BLOCK_N": bn, "BLOCK_R": max(1, 4096 // bn), "BLOCK_TABLE": block_table,
+          "num_warps": ck.tile_warps(bn), "maxnreg": ck.MAXNREG}
     dyn = ck.dyn(n=(11, n), tree_mask=(0, tree_mask), seq_lens=(1, seq_lens),
                  req_pool_indices=(2, req_pool_indices), req_to_token=(3, table),
                  num_real=(4, num_real))
@@ -391,8 +392,9 @@ def local_launch(
         b.kv_indices.shape[0] if b.kv_indices is not None else 0, tp,
     )
     kw = {"DEVICE_N": num_real is not None, "HAS_PT": has_pt, "HAS_FI": has_fi,
-          "BLOCK": ck.pow2(rows), "BLOCK_P": min(ck.MAX_BLOCK_P, ck.pow2(width)),
-          "BLOCK_TABLE": block_table, "num_warps": ck.warps(rows)}
+          "BLOCK": ck.scan_block(rows), "BLOCK_P": min(ck.MAX_BLOCK_P, ck.pow2(width)),
+          "BLOCK_TABLE": block_table, "num_warps": ck.warps(rows),
+          "maxnreg": ck.MAXNREG}
     dyn = ck.dyn(n=(11, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
                  req_to_token=(2, table), num_real=(3, num_real))
     return ck.Launch(ck.kernels().local_kernel, (rows,), args, kw, dyn)

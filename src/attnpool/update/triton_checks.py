@@ -27,6 +27,9 @@ INT = INT_DTYPES
 I32 = (torch.int32,)
 INT32_MAX = 2**31 - 1
 MAX_BLOCK_P = 1024  # page columns per loop step of a row (a row loops over its own live pages)
+#: rows per step of a program's prefix sums over the batch (the sums loop over the batch in
+#: chunks of this many rows, so a program's registers do not grow with the batch)
+MAX_BLOCK = 1024
 BLOCK_T = 256  # query tokens per loop step of an extend row's position / slot writes
 
 #: A launch recorder, normally None. When set (only by :mod:`attnpool.tools.kernels`, which
@@ -56,9 +59,32 @@ def pow2(x: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, x - 1).bit_length())
 
 
+#: ``maxnreg`` of every update launch: the architecture's limit, so it caps nothing. Without a
+#: ``.maxnreg`` in the PTX, ptxas at the register-allocation level Triton 3.9 always asks for
+#: (``--regAllocOptLevel=2``) keeps some specializations at a low register count (32 or 40)
+#: and spills a few bytes to stay there; with one it compiles them spill-free (the module
+#: docstring of :mod:`.triton_kernels`).
+MAXNREG = 255
+
+
+def scan_block(rows: int) -> int:
+    """``BLOCK``: the rows a program's prefix sums take per loop step, for a ``rows``-row part
+    (the whole part up to :data:`MAX_BLOCK` rows, one step)."""
+    return min(MAX_BLOCK, pow2(rows))
+
+
 def warps(rows: int) -> int:
-    """Warps per program: enough threads for the ``rows``-lane scan every program runs."""
-    return 4 if rows <= 2048 else 8 if rows <= 8192 else 16
+    """Warps per program: the ``scan_block(rows)`` lanes of one scan step, a few per thread.
+    One count for every size: the scan's registers do not grow past :data:`MAX_BLOCK` rows."""
+    return 4
+
+
+def tile_warps(block_n: int) -> int:
+    """Warps of the verify tree expand kernel, whose program holds its request's ``block_n x
+    block_n`` mask block (and its column positions) in registers: 4 up to 32 x 32, then enough
+    that a thread keeps 16 elements of each such tile, so registers stay flat as ``N`` grows
+    (64 x 64 on sm_90: 186 registers with 4 warps, near the limit of 255; 128 with 8)."""
+    return 4 if block_n <= 32 else 8 if block_n <= 64 else 16
 
 
 def need(ok: bool, err: type[Exception], msg: str) -> None:

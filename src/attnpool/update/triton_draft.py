@@ -96,8 +96,8 @@ def draft_tree_expand_launch(
         last.stride(0) if last is not None else 0, idx.shape[1] if idx is not None else 0, tp,
     )
     kw = {"DEVICE_N": num_real is not None, "HAS_PT": has_pt, "HAS_FI": has_fi,
-          "BLOCK": ck.pow2(rows), "BLOCK_W": ck.pow2(width, 2), "BLOCK_TABLE": block_table,
-          "num_warps": ck.warps(rows)}
+          "BLOCK": ck.scan_block(rows), "BLOCK_W": ck.pow2(width, 2), "BLOCK_TABLE": block_table,
+          "num_warps": ck.warps(rows), "maxnreg": ck.MAXNREG}
     dyn = ck.dyn(n=(11, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
                  req_to_token=(2, table), out_cache_loc=(3, loc), num_real=(4, num_real))
     return ck.Launch(k.draft_expand_kernel, (rows,), args, kw, dyn)

@@ -5,7 +5,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_kernels import _floor_div, _pick, _slot
+from .triton_kernels import _floor_div, _slot
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _expand_rows(rows, seq_ptr, n_rows, bs, K, pad_len, P):  # type: ignore[no-untyped-def]
+    """Per-row facts of expand rows ``rows`` (one row as a scalar, or a block of rows):
+    ``(step-0 length, prefix-page tokens, step-0 CSR entries)``, 0 past ``bs * K``; padded rows
+    own no CSR entries. The program's own row and every chunk of its prefix sums come from this
+    one function, so they cannot disagree."""
+    rreal = rows < n_rows
+    inb = rows < bs * K
+    s = tl.load(seq_ptr + rows // K, mask=rreal, other=0).to(tl.int64)
+    part = tl.where(rreal, (s - _floor_div(s, P) * P).to(tl.int32), 0)
+    base = tl.where(inb, tl.where(rreal, part + 1, pad_len), 0)  # step 0 lengths
+    return base, part, tl.where(rreal, part + 1, 0)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -32,21 +46,21 @@ def draft_expand_kernel(  # type: ignore[no-untyped-def]
     if DEVICE_N:
         n_req = tl.minimum(tl.maximum(tl.load(nreal_ptr).to(tl.int32), 0), bs)
     n_rows = n_req * K
-    offs = tl.arange(0, BLOCK)
-    rreal = offs < n_rows
-    inb = offs < bs * K
-    me = offs == pid
     is_real = pid < n_rows
-
-    s = tl.load(seq_ptr + offs // K, mask=rreal, other=0).to(tl.int64)
-    part = (s - _floor_div(s, P) * P).to(tl.int32)
-    base = tl.where(inb, tl.where(rreal, part + 1, pad_len), 0)  # step 0 lengths
-    my_base = _pick(base, me)
-    my_cum0 = _pick(tl.cumsum(base, axis=0), me)
-    my_part = _pick(tl.where(rreal, part, 0), me)
-    npg0 = tl.where(rreal, part + 1, 0)  # step 0 CSR entries (padded rows own none)
-    my_ip0 = _pick(tl.cumsum(npg0, axis=0), me)
-    my_from0 = my_ip0 - _pick(npg0, me)
+    my_base, my_part, my_npg0 = _expand_rows(pid, seq_ptr, n_rows, bs, K, pad_len, P)
+    # inclusive prefix sums over rows 0..pid, BLOCK rows at a time (registers: one chunk)
+    acc_base = tl.zeros([BLOCK], dtype=tl.int32)
+    acc_pg = tl.zeros([BLOCK], dtype=tl.int32)
+    for c0 in range(0, pid + 1, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        base, _, npg0 = _expand_rows(offs, seq_ptr, n_rows, bs, K, pad_len, P)
+        mine = offs <= pid
+        acc_base += tl.where(mine, base, 0)
+        if HAS_FI:
+            acc_pg += tl.where(mine, npg0, 0)
+    my_cum0 = tl.sum(acc_base, axis=0)
+    my_ip0 = tl.sum(acc_pg, axis=0)
+    my_from0 = my_ip0 - my_npg0
     upto = tl.minimum(pid + 1, n_rows)  # real rows in 0..pid
     before = tl.minimum(pid, n_rows)  # real rows in 0..pid-1
 

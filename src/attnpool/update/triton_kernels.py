@@ -2,18 +2,27 @@
 shared row helpers, the verify tree expand kernel and the chunked local kernel (the paged kernel
 is in :mod:`.triton_paged_kernels`).
 
-Each kernel writes one paged part's whole read region in a single launch. Every program loads
-the (small) per-row vector it needs and computes the batch prefix sums with ``tl.cumsum`` (a
-parallel scan in registers; no serial loop over the batch, no second launch, no global
-synchronisation between programs). Page writes loop over a row's own live pages only, so the
-bytes written grow with the live pages, not with the table width.
+Each kernel writes one paged part's whole read region in a single launch. Every program needs
+the prefix sums of the rows up to its own (its cumsum entries, its CSR offset) and computes them
+itself: it loops over rows ``0..pid`` ``BLOCK`` rows at a time, adding each chunk's masked values
+into one chunk-wide running-sum vector per prefix sum, reduced once after the loop (no second
+launch, no global synchronisation between programs). Its own row's values come from the same
+per-row function as each chunk's (``_rows``, ``_local_rows``, ``_expand_rows``), so the two
+cannot disagree. The sums are the int32 sums a ``tl.cumsum`` over the batch gives, in another
+order, which two's complement makes exact: chunk size changes no byte. Page writes loop over a
+row's own live pages only, so the bytes written grow with the live pages, not the table width.
 
-Registers: that scan holds the part's whole row vector (the batch rounded up to a power of two,
-``BLOCK``) in each program's registers, a few vectors at a time. Up to 4096 rows (every part of
-a pool with ``max_bs <= 512`` and up to 8 queries per request) no specialization spills on sm_80
-or sm_90 beyond a few bytes ptxas leaves at Triton's register-allocation level; parts of 8192
-rows and more do spill (hundreds of bytes to a few KiB: ``python -m attnpool kernels``). Such
-pools still write the right bytes; removing the spills needs the scan in fixed-size chunks.
+Registers: a program holds one chunk (``BLOCK`` = the rows rounded up to a power of two, at most
+``triton_checks.MAX_BLOCK`` = 1024), whatever the batch, with 4 warps at every size. Holding the
+whole batch instead (a single ``tl.cumsum``) spilled kilobytes per program from 8192 rows on.
+Every update launch also passes ``maxnreg=255`` (``triton_checks.MAXNREG``, the architecture's
+limit, so it caps nothing): Triton 3.9 always runs ptxas with ``--regAllocOptLevel=2`` (a
+workaround of its own), at which ptxas keeps some specializations of a kernel without a
+``.maxnreg`` at a low register count and spills a few bytes to stay there. On sm_90 three
+chain-window (draft) extend specializations did so at 32 and 40 registers (4-8 bytes: a value
+kept across the sum loop); the same PTX given a ``.maxnreg``, or compiled without that flag,
+takes 48-50 registers and spills nothing. With both, no specialization spills on sm_80 or sm_90
+(``python -m attnpool kernels``; tests/test_kernels_compile.py).
 
 Every address is bounded without reading lengths on the host: row indices are clamped into the
 caller's table, token columns into its width, page columns into the page table's width and CSR
@@ -37,12 +46,6 @@ def _floor_div(a, b):  # type: ignore[no-untyped-def]
     """``floor(a / b)`` for ``b > 0`` whatever ``//`` rounds to (torch's ``rounding_mode="floor"``)."""
     q = a // b
     return tl.where(a - q * b < 0, q - 1, q)
-
-
-@triton.jit
-def _pick(v, me):  # type: ignore[no-untyped-def]
-    """The element of ``v`` where ``me`` holds (a one-hot row selector), as a scalar."""
-    return tl.sum(tl.where(me, v, 0), axis=0)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -175,6 +178,31 @@ def tree_expand_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _local_rows(  # type: ignore[no-untyped-def]
+    rows, seq_ptr, n_req, bs, per, extra, q, chunk, pad_len, P,
+):
+    """Per-row facts of virtual rows ``rows`` (one row as a scalar, or a block of rows) of
+    chunked local attention: ``(keys, queries, CSR pages, valid, first key)``, 0 past
+    ``bs * per`` (see :func:`local_kernel`). The program's own row and every chunk of its
+    prefix sums come from this one function, so they cannot disagree."""
+    req = rows // per
+    v = rows % per
+    rreal = req < n_req
+    inb = rows < bs * per
+    length = tl.load(seq_ptr + req, mask=rreal, other=0).to(tl.int64) + extra
+    c = _floor_div(length - q, chunk) + v
+    valid = (c <= _floor_div(length - 1, chunk)) & rreal
+    start = c * chunk
+    q_end = tl.minimum(start + chunk, length)
+    q_len = tl.where(valid, q_end - tl.maximum(start, length - q), 0)
+    q_len = tl.where(rreal, q_len, tl.where(v == 0, q, 0))
+    q_len = tl.where(inb, q_len, 0).to(tl.int32)
+    lens = tl.where(inb, tl.where(valid, (q_end - start).to(tl.int32), pad_len), 0)
+    npg = tl.where(rreal, _floor_div(lens + (P - 1), P), 0)
+    return lens, q_len, npg, valid, tl.where(valid, start, 0)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def local_kernel(  # type: ignore[no-untyped-def]
     seq_ptr, rpi_ptr, tok_ptr, nreal_ptr,
     cache_ptr, cuk_ptr, cuq_ptr, pt_ptr, indptr_ptr, indices_ptr, last_ptr,
@@ -191,30 +219,28 @@ def local_kernel(  # type: ignore[no-untyped-def]
     (they own CSR pages). Padded requests' first rows take ``q`` queries, the others none.
     """
     pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
     n_req = n
     if DEVICE_N:
         n_req = tl.minimum(tl.maximum(tl.load(nreal_ptr).to(tl.int32), 0), bs)
-    req = offs // per
-    v = offs % per
-    rreal = req < n_req
-    inb = offs < bs * per
-    me = offs == pid
-    length = tl.load(seq_ptr + req, mask=rreal, other=0).to(tl.int64) + extra
-    c = _floor_div(length - q, chunk) + v
-    valid = (c <= _floor_div(length - 1, chunk)) & rreal
-    start = c * chunk
-    q_end = tl.minimum(start + chunk, length)
-    q_len = tl.where(valid, q_end - tl.maximum(start, length - q), 0)
-    q_len = tl.where(rreal, q_len, tl.where(v == 0, q, 0))
-    q_len = tl.where(inb, q_len, 0).to(tl.int32)
-    lens = tl.where(inb, tl.where(valid, (q_end - start).to(tl.int32), pad_len), 0)
-
-    my_len = _pick(lens, me)
-    my_cum = _pick(tl.cumsum(lens, axis=0), me)
+    my_len, _, my_npg, my_valid, tok0 = _local_rows(
+        pid, seq_ptr, n_req, bs, per, extra, q, chunk, pad_len, P)
+    # inclusive prefix sums over rows 0..pid, BLOCK rows at a time (registers: one chunk)
+    acc_len = tl.zeros([BLOCK], dtype=tl.int32)
+    acc_q = tl.zeros([BLOCK], dtype=tl.int32)
+    acc_pg = tl.zeros([BLOCK], dtype=tl.int32)
+    for c0 in range(0, pid + 1, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        lens, q_len, npg, _v, _s = _local_rows(
+            offs, seq_ptr, n_req, bs, per, extra, q, chunk, pad_len, P)
+        upto = offs <= pid
+        acc_len += tl.where(upto, lens, 0)
+        acc_q += tl.where(upto, q_len, 0)
+        if HAS_FI:
+            acc_pg += tl.where(upto, npg, 0)
+    my_cum = tl.sum(acc_len, axis=0)
     tl.store(cache_ptr + pid, my_len)
     tl.store(cuk_ptr + pid + 1, my_cum)
-    tl.store(cuq_ptr + pid + 1, _pick(tl.cumsum(q_len, axis=0), me))
+    tl.store(cuq_ptr + pid + 1, tl.sum(acc_q, axis=0))
     if pid == 0:
         tl.store(cuk_ptr, my_cum * 0)
         tl.store(cuq_ptr, my_cum * 0)
@@ -223,9 +249,8 @@ def local_kernel(  # type: ignore[no-untyped-def]
 
     my_start = my_cum * 0
     if HAS_FI:
-        npg = tl.where(rreal, _floor_div(lens + (P - 1), P), 0)
-        my_end = _pick(tl.cumsum(npg, axis=0), me)
-        my_start = my_end - _pick(npg, me)
+        my_end = tl.sum(acc_pg, axis=0)
+        my_start = my_end - my_npg
         tl.store(indptr_ptr + pid + 1, my_end)
         if pid == 0:
             tl.store(indptr_ptr, my_end * 0)
@@ -233,10 +258,8 @@ def local_kernel(  # type: ignore[no-untyped-def]
 
     if HAS_PT or HAS_FI:
         live = tl.minimum(_floor_div(my_len + (P - 1), P), cap_pages)  # pad pages if not valid
-        my_valid = _pick(valid.to(tl.int32), me) != 0
         r = tl.load(rpi_ptr + my_req, mask=owns, other=0).to(tl.int64)
         r = tl.minimum(tl.maximum(r, 0), tok_rows - 1)
-        tok0 = _pick(tl.where(valid, start, 0), me)
         zero = live * 0
         _row_pages(pid, tl.where(my_valid, live, 0), live, tl.where(owns, live, 0), zero, zero,
                    tok_ptr + r * tok_stride, tok0, P, tok_cols, pad_page,

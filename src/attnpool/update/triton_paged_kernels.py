@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_kernels import _floor_div, _pick, _row_pages, _slot
+from .triton_kernels import _floor_div, _row_pages, _slot
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -57,6 +57,48 @@ def _row_tokens(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _rows(  # type: ignore[no-untyped-def]
+    rows, n_real, bs, seq_ptr, qlen_ptr, extra, pad_len, pad_q, max_len, max_q, P, win, win_q,
+    win_max_len, HAS_Q: tl.constexpr, FULL_PAGES: tl.constexpr, Q_FIXED: tl.constexpr,
+    WIN: tl.constexpr,
+):
+    """Per-row facts of ``rows`` (one row as a scalar, or a block of rows): ``(length, window
+    shift, queries, CSR pages)``, each 0 past ``bs`` (and for padded rows, shift and pages).
+
+    The program's own row and every chunk of its prefix sums come from this one function, so
+    a row's value and its share of the sums cannot disagree. Real lengths (``seq + extra``,
+    int32 like the buffer) are clamped into ``[0, max_len]``: an out-of-contract value (only a
+    sync could see it) then still gives a read region that fits the part's buffers; padded
+    rows get ``pad_len``. ``q``: real rows' clamped ``q_lens``; padded rows 0 (``Q_FIXED``)
+    or ``pad_q``.
+    """
+    real = rows < n_real
+    inb = rows < bs
+    s = tl.load(seq_ptr + rows, mask=real, other=0) + extra
+    s = tl.minimum(tl.maximum(s, 0), max_len)
+    if FULL_PAGES:
+        s = _floor_div(s, P) * P  # a draft tree's prefix pass: whole pages only
+    shift = s.to(tl.int64) * 0
+    if WIN:  # (int64: an out-of-contract length cannot wrap the window start around)
+        s64 = s.to(tl.int64)
+        if HAS_Q:
+            qw = tl.minimum(tl.maximum(tl.load(qlen_ptr + rows, mask=real, other=0), 0),
+                            max_q).to(tl.int64)
+        else:
+            qw = s64 * 0 + win_q
+        shift = _floor_div(tl.maximum(s64 - qw - win + 1, 0), P) * P
+        s = tl.minimum(tl.maximum(s64 - shift, 0), win_max_len).to(s.dtype)
+    lens = tl.where(inb, tl.where(real, s.to(tl.int32), pad_len), 0)
+    q = lens * 0
+    if HAS_Q:
+        q = tl.load(qlen_ptr + rows, mask=real, other=0)
+        q = tl.minimum(tl.maximum(q, 0), max_q).to(tl.int32)
+        q = tl.where(real, q, 0) if Q_FIXED else tl.where(inb, tl.where(real, q, pad_q), 0)
+    npg = tl.where(real, _floor_div(lens + (P - 1), P), 0)  # padded rows own no pages
+    return lens, tl.where(real, shift, 0), q, npg
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def _paged_part(  # type: ignore[no-untyped-def]
     pid, seq_ptr, rpi_ptr, tok_ptr, off_ptr, nreal_ptr, keep_ptr, qlen_ptr,
     cache_ptr, cuk_ptr, pt_ptr, indptr_ptr, indices_ptr, last_ptr, cuq_ptr, pos_ptr, slot_ptr,
@@ -86,35 +128,29 @@ def _paged_part(  # type: ignore[no-untyped-def]
     part and no positions (the full part owns them); with ``TOKENS`` only the window table's
     slots. It is never incremental (its start moves every step).
     """
-    offs = tl.arange(0, BLOCK)
     n_real = n
     if DEVICE_N:
         n_real = tl.minimum(tl.maximum(tl.load(nreal_ptr).to(tl.int32), 0), bs)
-    real = offs < n_real
-    inb = offs < bs
-    me = offs == pid
     is_real = pid < n_real
-
-    # lengths: real rows seq + extra (int32 like the int32 buffer), padded rows pad_len. Real
-    # lengths are clamped into [0, max_len]: an out-of-contract value (only a sync could see it)
-    # then still gives a read region that fits the part's buffers.
-    s = tl.load(seq_ptr + offs, mask=real, other=0) + extra
-    s = tl.minimum(tl.maximum(s, 0), max_len)
-    if FULL_PAGES:
-        s = _floor_div(s, P) * P  # a draft tree's prefix pass: whole pages only
-    shift = s.to(tl.int64) * 0
-    if WIN:  # (int64: an out-of-contract length cannot wrap the window start around)
-        s64 = s.to(tl.int64)
+    my_len, my_shift, my_q, my_npg = _rows(
+        pid, n_real, bs, seq_ptr, qlen_ptr, extra, pad_len, pad_q, max_len, max_q, P, win,
+        win_q, win_max_len, HAS_Q, FULL_PAGES, Q_FIXED, WIN)
+    # inclusive prefix sums over rows 0..pid, BLOCK rows at a time (registers: one chunk)
+    acc_len = tl.zeros([BLOCK], dtype=tl.int32)
+    acc_q = tl.zeros([BLOCK], dtype=tl.int32)
+    acc_pg = tl.zeros([BLOCK], dtype=tl.int32)
+    for c0 in range(0, pid + 1, BLOCK):
+        offs = c0 + tl.arange(0, BLOCK)
+        lens, _, q, npg = _rows(
+            offs, n_real, bs, seq_ptr, qlen_ptr, extra, pad_len, pad_q, max_len, max_q, P, win,
+            win_q, win_max_len, HAS_Q, FULL_PAGES, Q_FIXED, WIN)
+        upto = offs <= pid
+        acc_len += tl.where(upto, lens, 0)
         if HAS_Q:
-            qw = tl.minimum(tl.maximum(tl.load(qlen_ptr + offs, mask=real, other=0), 0),
-                            max_q).to(tl.int64)
-        else:
-            qw = s64 * 0 + win_q
-        shift = _floor_div(tl.maximum(s64 - qw - win + 1, 0), P) * P
-        s = tl.minimum(tl.maximum(s64 - shift, 0), win_max_len).to(s.dtype)
-    lens = tl.where(inb, tl.where(real, s.to(tl.int32), pad_len), 0)
-    my_len = _pick(lens, me)
-    my_cum = _pick(tl.cumsum(lens, axis=0), me)
+            acc_q += tl.where(upto, q, 0)
+        if HAS_FI:
+            acc_pg += tl.where(upto, npg, 0)
+    my_cum = tl.sum(acc_len, axis=0)
     old_len = my_len
     if INCR:
         old_len = tl.load(cache_ptr + pid)  # the previous step's length, read before it is replaced
@@ -125,34 +161,26 @@ def _paged_part(  # type: ignore[no-untyped-def]
         if pid == 0:
             tl.store(cuk_ptr + d * cu_sstride, my_cum * 0)
     my_len = my_len + tl.where(is_real, steps - 1, 0)  # pages cover the last step
-    my_shift = _pick(tl.where(real, shift, 0), me)
 
     if HAS_Q:
-        q = tl.load(qlen_ptr + offs, mask=real, other=0)
-        q = tl.minimum(tl.maximum(q, 0), max_q).to(tl.int32)
-        if Q_FIXED:
-            q = tl.where(real, q, 0)
-            q_real = tl.sum(q, axis=0)
-            my_qend = tl.where(is_real, _pick(tl.cumsum(q, axis=0), me),
-                               tl.maximum(q_real, q_total))
-        else:
-            q = tl.where(inb, tl.where(real, q, pad_q), 0)
-            my_qend = _pick(tl.cumsum(q, axis=0), me)
+        my_cq = tl.sum(acc_q, axis=0)
+        my_qend = my_cq
+        if Q_FIXED:  # padded rows (and the last program) see every real row: my_cq = real total
+            my_qend = tl.where(is_real, my_cq, tl.maximum(my_cq, q_total))
         if not WIN:
             tl.store(cuq_ptr + pid + 1, my_qend)
             if pid == 0:
                 tl.store(cuq_ptr, my_cum * 0)
         if TOKENS:
-            _row_tokens(pid, bs, is_real, my_len, _pick(q, me), my_qend, tl.sum(q, axis=0),
+            _row_tokens(pid, bs, is_real, my_len, my_q, my_qend, my_cq,
                         rpi_ptr, off_ptr, tok_ptr, tok_rows, tok_cols, tok_stride,
                         pos_ptr, slot_ptr, pos_cap, slot_cap, tail_end, TP, my_shift, HAS_OFF,
                         BLOCK_T, BLOCK_TABLE)
 
     my_start = my_cum * 0
     if HAS_FI:
-        npg = tl.where(real, _floor_div(lens + (P - 1), P), 0)  # padded rows own no pages
-        my_end = _pick(tl.cumsum(npg, axis=0), me)
-        my_start = my_end - _pick(npg, me)
+        my_end = tl.sum(acc_pg, axis=0)
+        my_start = my_end - my_npg
         tl.store(indptr_ptr + pid + 1, my_end)
         if pid == 0:
             tl.store(indptr_ptr, my_end * 0)
