@@ -44,8 +44,8 @@ class Recorder(Protocol):
     case: str
 
 
-#: Largest batch rows (programs of one launch) the size tiers sample: the first block of the
-#: widest warp count the wrappers pick (larger blocks only hold more values per thread).
+#: Largest batch rows (programs of one launch) the size tiers sample: past the widest scan
+#: block, so the programs loop over several chunks (:func:`tiers`).
 MAX_ROWS = 16384
 #: Draft tokens of the large tree: its expand kernel tiles an ``N x N`` mask block per request.
 MAX_TREE_TOKENS = 64
@@ -68,13 +68,16 @@ def _interpreted() -> Iterator[None]:
 
 
 def tiers() -> list[int]:
-    """The rows of the largest block of each warp count the wrappers pick, up to MAX_ROWS."""
+    """Row counts up to MAX_ROWS, the largest of each kind of program the wrappers pick: its
+    warp count and whether its scan takes one chunk or loops over several (the widest block,
+    ``MAX_BLOCK`` rows, in one pass; MAX_ROWS rows in many). Smaller blocks hold fewer values
+    per thread than the widest."""
     from ..update import triton_checks as ck
 
-    top: dict[int, int] = {}
+    top: dict[tuple[int, bool], int] = {}
     rows = 16
     while rows <= MAX_ROWS:
-        top[ck.warps(rows)] = rows
+        top[(ck.warps(rows), rows > ck.scan_block(rows))] = rows
         rows *= 2
     return sorted(top.values())
 
