@@ -3,13 +3,14 @@
 This is the library's CPU backend and the oracle the kernel adapters are checked against:
 obviously right first, then as cheap as vectorised torch allows.
 
-* **One padded batched gather, no loop over rows.** Each row's keys are gathered into a
-  ``[bs, Lmax, H_kv, D]`` block (``Lmax = view.max_seqlen_k``, one ``index_select``) and its
-  queries into ``[bs, Qmax, H, D]`` (``Qmax = view.max_seqlen_q``); a boolean mask hides the lanes
-  past a row's length (and, when ``view.causal``, keys after each query, aligned to the end of the
-  KV row as in flash-attn and FlashInfer). The extents are the view's host ints, so nothing is
-  read back from the device: the adapter issues no host sync. Views refilled with
-  ``seq_lens_cpu`` carry tight bounds; capture views carry ``max_context_len`` (correct, bigger).
+* **One padded batched gather, no loop over rows.** Each row's keys are copied into a
+  ``[bs, Lmax, H_kv, D]`` block (``Lmax = view.max_seqlen_k``; K and V of a pool layer in one
+  ``index_select``, by whole pages on a CPU: :mod:`attnpool.adapters.sdpa_gather`) and its
+  queries into ``[bs, Qmax, H, D]`` (``Qmax = view.max_seqlen_q``); a mask hides the lanes past a
+  row's length (and, when ``view.causal``, keys after each query, aligned to the end of the KV
+  row as in flash-attn and FlashInfer). The extents are the view's host ints: off a CPU nothing
+  is read back, no host sync. Views refilled with ``seq_lens_cpu`` carry tight bounds; capture
+  views carry ``max_context_len`` (correct, bigger).
 * **Grouped-query attention without copies of K/V**: the query heads sharing a KV head are
   grouped as extra query rows of it (:mod:`attnpool.adapters.sdpa_plan`); a decode view (one
   query per row) skips the query gather and scatter.
@@ -54,7 +55,9 @@ from .merge import Attn as Attn
 from .merge import merge_by_lse as merge_by_lse
 from .merge import passes as passes
 from .merge import run_passes as run_passes
-from .sdpa_plan import Plan, build, gather_kv, group_q, packed_heads_q, scatter, ungroup
+from .sdpa_gather import cache_as_pages as cache_as_pages
+from .sdpa_gather import gather_pair
+from .sdpa_plan import Plan, build, group_q, packed_heads_q, scatter, ungroup
 from .variants import cap_scores_, check_sinks, check_softcap, with_sinks
 
 if TYPE_CHECKING:
@@ -104,33 +107,6 @@ def _hnd_hint(h: int, k_cache: Tensor) -> str:
                 f"adapter expects NHD [num_pages, page_size, H_kv, D] (KVCachePool with "
                 f"KVLayout.NHD, or a cache allocated in that order)")
     return ""
-
-
-def cache_as_pages(cache: Tensor, page_size: int) -> Tensor:
-    """``cache [num_pages, P, H_kv, D]`` seen as pages of ``page_size`` tokens, never copied.
-
-    Token slot ``s`` is page ``s // P``, offset ``s % P`` in both views. Tree expand parts address
-    raw token slots (``page_size = 1``), so paged kernels read the cache as
-    ``[num_pages * P, 1, H_kv, D]``. A copy would be wrong, not just slow: the engine writes new
-    KV into the original memory and a CUDA graph bakes its address.
-
-    Raises:
-        LayoutError: the first two dims cannot be regrouped by ``page_size`` as a view.
-    """
-    if cache.dim() != 4:
-        raise InputError(f"KV cache must be [num_pages, page_size, H_kv, D], got "
-                         f"{tuple(cache.shape)}")
-    if cache.shape[1] == page_size:
-        return cache
-    tokens = cache.shape[0] * cache.shape[1]
-    mergeable = cache.shape[0] <= 1 or cache.stride(0) == cache.shape[1] * cache.stride(1)
-    if page_size < 1 or tokens % page_size or not mergeable:
-        raise LayoutError(
-            f"cannot view a KV cache of shape {tuple(cache.shape)} (strides {cache.stride()}) as "
-            f"pages of {page_size} tokens: expected a token count divisible by {page_size} "
-            f"(got {tokens}) and page rows laid out back to back"
-        )
-    return cache.view(tokens // page_size, page_size, cache.shape[2], cache.shape[3])
 
 
 def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
@@ -212,7 +188,7 @@ def run_plan(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
         return _explicit(pl, q, k_cache, v_cache, softmax_scale, k_scale, v_scale,
                          check_softcap(softcap), check_sinks(sinks, h, q.device, None)).out
     ks, vs = cache_scales(k_cache, h_kv, k_scale, v_scale)
-    k, v = gather_kv(pl, k_cache, q.dtype, ks), gather_kv(pl, v_cache, q.dtype, vs)
+    k, v = gather_pair(pl, k_cache, v_cache, q.dtype, ks, vs)
     mask = pl.allowed
     if mask is None:  # prefix-free causal: SDPA's causal mask, heads kept in place
         g, qh = h // h_kv, packed_heads_q(pl, q)
@@ -245,7 +221,7 @@ def _explicit(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor,
     scale = softmax_scale_of(softmax_scale, q.shape[2])
     ct = torch.promote_types(q.dtype, torch.float32)
     ks, vs = cache_scales(k_cache, pl.num_kv_heads, k_scale, v_scale)
-    k, v = gather_kv(pl, k_cache, ct, ks), gather_kv(pl, v_cache, ct, vs)
+    k, v = gather_pair(pl, k_cache, v_cache, ct, ks, vs)
     scores = torch.matmul(group_q(pl, q).to(ct), k.transpose(-1, -2)).mul_(scale)
     if softcap:
         cap_scores_(scores, softcap)

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from ..config import Layout
 from ..errors import InputError, LayoutError
-from ..kv.quant import dequantize
 from ..views import DecodeView, PagedView
+from .sdpa_gather import Gather, plan_gather
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,8 +35,8 @@ class Plan:
         qmax: query lanes per row. lmax: key lanes per row (``L``).
         total: packed query rows of ``q`` (``q.shape[0]``).
         num_heads, num_kv_heads: ``H`` and ``H_kv`` the plan was grouped for.
-        slots: ``[b*L] int64`` token slot of every key lane; lanes past a row's length read
-            slot 0 (valid memory; masked out).
+        gather: where every key lane is in the cache (:class:`~attnpool.adapters.sdpa_gather.
+            Gather`); lanes past a row's length read zeros or slot 0 (valid memory; masked out).
         keys: ``[b, Qmax] int64`` keys each query lane may see (0: none).
         allowed: ``[b, 1, Qmax*g or 1, L]`` key lanes each grouped query row reads: bool, or
             (when the plan was built for a dtype) the additive mask SDPA would otherwise build
@@ -59,7 +59,7 @@ class Plan:
     total: int
     num_heads: int
     num_kv_heads: int
-    slots: Tensor
+    gather: Gather
     keys: Tensor
     allowed: Tensor | None
     keyed: Tensor | None
@@ -68,10 +68,11 @@ class Plan:
 
 
 def row_slots(view: PagedView, layout: Layout, rows: int, lmax: int
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(kv_lens [rows], slots [rows, lmax] i64, live [rows, lmax] bool, arange [>= lmax])``
-    of the view's first ``rows`` rows: ``live`` marks the lanes below each row's length (the
-    key mask of a one-query row), the arange is returned for reuse.
+              ) -> tuple[Tensor, Tensor, Tensor, Gather]:
+    """``(kv_lens [rows], live [rows, lmax] bool, arange [>= lmax], gather)`` of the view's
+    first ``rows`` rows: ``live`` marks the lanes below each row's length (the key mask of a
+    one-query row), the arange is returned for reuse, ``gather`` says where a layer copies the
+    key lanes from (:func:`~attnpool.adapters.sdpa_gather.plan_gather`: token slots, and pages).
 
     Slots at or past a row's length are 0 (a valid index; those lanes are masked out of
     attention). Page ids are never range-checked or clamped: lanes outside a row's pages (which
@@ -98,13 +99,10 @@ def row_slots(view: PagedView, layout: Layout, rows: int, lmax: int
         idx = torch.where(live, indptr[:-1, None] + col[None, :], 0)
         idx = idx.clamp_(max=view.kv_indices.shape[0] - 1)
         pages = view.kv_indices.to(torch.int64)[idx]
-    t = torch.arange(max(lmax, p), device=dev)
-    if p == 1:
-        slots = pages[:, :lmax].to(torch.int64)
-    else:  # page * p + offset for every token lane: one product, one broadcast add (int64)
-        slots = ((pages * p)[:, :, None] + t[:p]).view(rows, width * p)[:, :lmax]
-    live = t[:lmax] < lens[:, None]
-    return lens, torch.where(live, slots, 0), live, t
+    t = torch.arange(max(lmax, width * p), device=dev)
+    col_lens = lens[:, None]
+    live = t[:lmax] < col_lens
+    return lens, live, t, plan_gather(pages, col_lens, live, t, p, lmax)
 
 
 def build(view: PagedView, layout: Layout, total: int, num_heads: int, num_kv_heads: int,
@@ -137,7 +135,7 @@ def build(view: PagedView, layout: Layout, total: int, num_heads: int, num_kv_he
     prefix_free = prefix_free and wl < 0  # SDPA's causal mask has no window: build the mask
     b = min(view.bs, total) if decode else view.bs
     qmax = 1 if decode else max(1, view.max_seqlen_q)
-    lens, slots, live, t = row_slots(view, layout, b, lmax)
+    lens, live, t, gat = row_slots(view, layout, b, lmax)
     q_idx = dst = None
     # A decode row read through its page table has a key: no clamp, and its key mask is `live`.
     always = decode and layout is Layout.FLASH_ATTN
@@ -157,8 +155,8 @@ def build(view: PagedView, layout: Layout, total: int, num_heads: int, num_kv_he
         else:
             keys = lens[:, None].expand(b, qmax)
     if prefix_free:
-        return Plan(b, qmax, lmax, total, num_heads, num_kv_heads, slots.view(-1), keys, None,
-                    None, q_idx, dst)
+        return Plan(b, qmax, lmax, total, num_heads, num_kv_heads, gat, keys, None, None,
+                    q_idx, dst)
     if always:
         allowed = live[:, None]  # [b, 1, L]
     else:
@@ -174,24 +172,8 @@ def build(view: PagedView, layout: Layout, total: int, num_heads: int, num_kv_he
         allowed = torch.full(allowed.shape, float("-inf"), dtype=dtype,
                              device=dev).masked_fill_(allowed, 0.0)
     keyed = (keys > 0).view(-1, 1, 1) if clamp and not always else None
-    return Plan(b, qmax, lmax, total, num_heads, num_kv_heads, slots.view(-1), keys, allowed,
-                keyed, q_idx, dst)
-
-
-def gather_kv(pl: Plan, cache: Tensor, dtype: torch.dtype, scale: Tensor | None = None
-              ) -> Tensor:
-    """``cache [num_pages, P, H_kv, D]``'s key lanes as ``[b, H_kv, L, D]`` (a permuted view of
-    one ``index_select`` copy: contiguous rows, much cheaper than advanced indexing).
-
-    ``scale`` (an fp8 cache's ``[1]`` or ``[H_kv]`` float32 scale): only the gathered lanes are
-    dequantized (``stored * scale`` in float32, then ``dtype``), never the whole cache."""
-    flat = cache.reshape(-1, pl.num_kv_heads, cache.shape[-1])
-    x = flat.index_select(0, pl.slots).view(pl.b, pl.lmax, pl.num_kv_heads, cache.shape[-1])
-    if scale is not None:
-        x = dequantize(x, scale, dtype)
-    elif x.dtype != dtype:
-        x = x.to(dtype)
-    return x.permute(0, 2, 1, 3)
+    return Plan(b, qmax, lmax, total, num_heads, num_kv_heads, gat, keys, allowed, keyed,
+                q_idx, dst)
 
 
 def group_q(pl: Plan, q: Tensor) -> Tensor:

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -243,8 +244,10 @@ def _ratios(results: list[dict[str, Any]]) -> str:
 
 def run_model(loaded: Loaded, device: torch.device, quick: bool = False,
               rounds: int = ROUNDS, thread_counts: tuple[int | None, ...] = (1, None),
-              on_run: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Every workload at every thread count (None: the default count): timed rounds, then the
+              on_run: Callable[[dict[str, Any]], None] | None = None,
+              only: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Every workload (``only``: those named, e.g. ``("equal",)``, to rerun one while the
+    machine is quiet) at every thread count (None: the default count): timed rounds, then the
     breakdown; a JSON-able report. ``on_run`` sees each workload's entry as soon as it is done
     (the command line prints it: the whole run takes many minutes)."""
     import transformers
@@ -256,14 +259,27 @@ def run_model(loaded: Loaded, device: torch.device, quick: bool = False,
     for n in thread_counts:
         with threads_set(device, n) as threads:
             for wl in workloads(loaded, quick):
+                if only is not None and wl.name not in only:
+                    continue
                 note(f"e2e {loaded.name}: workload {wl.name}, {threads} thread(s)")
+                load0 = _load()
                 res = run_workload(loaded.model, wl, rounds)
                 run = {"workload": wl.describe(), "threads": threads, "results": res,
-                       "breakdown": breakdown(loaded.model, wl)}
+                       "breakdown": breakdown(loaded.model, wl),
+                       "load_average": {"start": load0, "end": _load()}}
                 runs.append(run)
                 if on_run is not None:
                     on_run(run)
     return rep
+
+
+def _load() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages (None where the OS has none): on a shared machine
+    they say how much other work ran beside a measurement."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def format_head(rep: dict[str, Any]) -> str:
@@ -274,10 +290,12 @@ def format_head(rep: dict[str, Any]) -> str:
 def format_run(r: dict[str, Any]) -> str:
     """One workload at one thread count as Markdown: the results, the speed ratios and the
     decode-step breakdown."""
-    w = r["workload"]
+    w, load = r["workload"], r.get("load_average")
+    seen = f"; load average {load['start']} -> {load['end']}" if load else ""
     return (f"\n### {w['name']}, {r['threads']} thread(s): {w['about']}; {w['prompts']} prompts "
             f"of {w['lo']}-{w['hi']} tokens, up to {w['new_tokens']} new tokens, max_bs "
-            f"{w['max_bs']}, page {w['page_size']}\n\n{results_table(r['results'], w['prompts'])}"
+            f"{w['max_bs']}, page {w['page_size']}{seen}\n\n"
+            f"{results_table(r['results'], w['prompts'])}"
             f"\n\n{_ratios(r['results'])}\n\n{breakdown_table(r['breakdown'])}")
 
 
