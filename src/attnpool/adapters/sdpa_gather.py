@@ -25,7 +25,7 @@ pages of another size, is how the kernel adapters read the same cache.)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -33,8 +33,22 @@ from torch import Tensor
 from ..errors import InputError, LayoutError
 from ..kv.quant import dequantize
 
-if TYPE_CHECKING:
-    from .sdpa_plan import Plan
+
+class Lanes(Protocol):
+    """What a copy needs of a plan (:class:`attnpool.adapters.sdpa_plan.Plan` is one; named
+    here so that this module does not import the plan module, which imports it)."""
+
+    @property
+    def b(self) -> int: ...
+
+    @property
+    def lmax(self) -> int: ...
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def gather(self) -> Gather: ...
 
 
 @dataclass(slots=True)
@@ -102,7 +116,7 @@ def plan_gather(pages: Tensor, lens: Tensor, live: Tensor, t: Tensor, page: int,
     return g
 
 
-def _lanes(pl: Plan, x: Tensor, d: int, lead: tuple[int, ...], span: int, tail: Tensor | None,
+def _lanes(pl: Lanes, x: Tensor, d: int, lead: tuple[int, ...], span: int, tail: Tensor | None,
            dtype: torch.dtype, scale: Tensor | None = None) -> Tensor:
     """A copy of ``span`` lanes per row (its own memory: zeroed in place) as
     ``[*lead, H_kv, L, D]`` in ``dtype``, the ``tail`` lanes zeroed after the conversion (so it
@@ -125,7 +139,7 @@ def _lanes(pl: Plan, x: Tensor, d: int, lead: tuple[int, ...], span: int, tail: 
     return x.transpose(-3, -2)
 
 
-def gather_kv(pl: Plan, cache: Tensor, dtype: torch.dtype, scale: Tensor | None = None
+def gather_kv(pl: Lanes, cache: Tensor, dtype: torch.dtype, scale: Tensor | None = None
               ) -> Tensor:
     """``cache [num_pages, P, H_kv, D]``'s key lanes as ``[b, H_kv, L, D]`` (a transposed view
     of one ``index_select`` copy: contiguous rows, much cheaper than advanced indexing).
@@ -141,7 +155,7 @@ def gather_kv(pl: Plan, cache: Tensor, dtype: torch.dtype, scale: Tensor | None 
     return _lanes(pl, x, d, (pl.b,), pl.lmax, None, dtype, scale)
 
 
-def gather_pair(pl: Plan, k_cache: Tensor, v_cache: Tensor, dtype: torch.dtype,
+def gather_pair(pl: Lanes, k_cache: Tensor, v_cache: Tensor, dtype: torch.dtype,
                 k_scale: Tensor | None = None, v_scale: Tensor | None = None
                 ) -> tuple[Tensor, Tensor]:
     """``(k, v)`` as :func:`gather_kv` gives them, with one ``index_select`` for both when the
@@ -165,7 +179,7 @@ def gather_pair(pl: Plan, k_cache: Tensor, v_cache: Tensor, dtype: torch.dtype,
     return k, v
 
 
-def _pair_index(pl: Plan, dist: int, rows: int) -> tuple[Tensor, Tensor | None, int]:
+def _pair_index(pl: Lanes, dist: int, rows: int) -> tuple[Tensor, Tensor | None, int]:
     """``(index, tail, page)`` of one copy of K's then V's lanes, ``dist`` token rows apart in
     a run of ``rows`` token rows."""
     g = pl.gather
