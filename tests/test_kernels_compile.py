@@ -68,6 +68,21 @@ def test_registers_do_not_grow_with_the_batch(compiled: list[K.Result]) -> None:
 
 
 @pytest.mark.triton
+def test_every_block_fits_the_register_file(compiled: list[K.Result]) -> None:
+    """A block whose threads need more registers than an SM holds compiles but fails to launch
+    (ptxas honours ``maxnreg`` over the block size): registers x threads <= 65536 everywhere,
+    the 128-draft tree included (its mask is read in row tiles: 8 warps suffice)."""
+    from attnpool.update import triton_checks as ck
+
+    over = [f"{_where(r)}: {r.regs} registers x {32 * r.spec.num_warps} threads"
+            for r in compiled if not r.error
+            and r.regs * 32 * r.spec.num_warps > ck.REGISTERS_PER_BLOCK]
+    assert not over, "\n".join(over)
+    assert any("tree N=128" in r.case for r in compiled)
+    assert all(ck.maxnreg(w) * 32 * w <= ck.REGISTERS_PER_BLOCK for w in (1, 2, 4, 8, 16, 32))
+
+
+@pytest.mark.triton
 def test_enumeration_reaches_every_kernel_and_warp_count() -> None:
     from attnpool.kv import store_kernels
     from attnpool.tools.kernel_cases import tiers

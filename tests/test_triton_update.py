@@ -397,6 +397,39 @@ def test_tree_expand_large_batch() -> None:
     assert_read_region_equal(a, b, c.bs, 1)
 
 
+@pytest.mark.parametrize("nd,rows", [(40, None), (7, 2), (6, 1)])
+@pytest.mark.parametrize("device_n", [False, True])
+def test_tree_expand_in_row_tiles(nd: int, rows: int | None, device_n: bool,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large tree's mask is read ``tile_rows`` rows at a time (N = 40: two tiles of 32 rows
+    of 64 columns), the CSR offset carried from tile to tile; smaller tiles are forced for
+    small trees (``rows``) so that every path loops. Padded requests too."""
+    from attnpool.update import triton_checks as ck
+
+    if rows is not None:
+        monkeypatch.setattr(ck, "tile_rows", lambda bn: rows)
+    bs, n, ctx = 5, 3, 64 + nd
+    gen = torch.Generator().manual_seed(nd)
+    table = torch.randint(0, 10**6, (8, ctx), generator=gen, dtype=I32)
+    seq = torch.randint(1, ctx - nd + 1, (n,), generator=gen)
+    rpi = torch.randint(0, 8, (n,), generator=gen)
+    mask = (torch.rand((n, nd, nd), generator=gen) < 0.4) | torch.eye(nd, dtype=torch.bool)
+    c = Case(1, bs * nd, seq, rpi, table, 0, min(3, nd), 0, True, True, None, nd)
+    a, b = pair(c)
+    tree_reference(c, mask, 7, a)
+    if device_n:
+        junk = torch.rand((bs - n, nd, nd), generator=gen) < 0.5
+        tt.tree_expand_update_(b, bs=bs, tree_mask=torch.cat([mask, junk]),
+                               seq_lens=torch.cat([seq, torch.full((bs - n,), 10**6)]),
+                               req_pool_indices=torch.cat([rpi, torch.full((bs - n,), -5)]),
+                               req_to_token=table, pad_len=c.pad_seq_len, pad_id=7,
+                               num_real=torch.tensor([n], dtype=I64))
+    else:
+        tt.tree_expand_update_(b, bs=bs, tree_mask=mask, seq_lens=seq, req_pool_indices=rpi,
+                               req_to_token=table, pad_len=c.pad_seq_len, pad_id=7)
+    assert_read_region_equal(a, b, c.bs, 1)
+
+
 # ---- bad input: an attnpool error before any write ----------------------------------------------
 def _base() -> dict[str, object]:
     return dict(bs=4, seq_lens=torch.tensor([3, 5]), req_pool_indices=torch.tensor([0, 1]),

@@ -65,6 +65,16 @@ def pow2(x: int, lo: int = 16) -> int:
 #: and spills a few bytes to stay there; with one it compiles them spill-free (the module
 #: docstring of :mod:`.triton_kernels`).
 MAXNREG = 255
+#: 32-bit registers one thread block may use on sm_80 and sm_90 (the register file of an SM)
+REGISTERS_PER_BLOCK = 65536
+
+
+def maxnreg(num_warps: int) -> int:
+    """The ``maxnreg`` of a launch of ``num_warps`` warps: :data:`MAXNREG`, lowered so that
+    the whole block fits the register file. ptxas honours an explicit ``.maxnreg`` over the
+    block size, so a 16-warp program given 255 may compile to more registers than a block of
+    512 threads can hold and then fail to launch (at 128 it compiles to fit)."""
+    return min(MAXNREG, REGISTERS_PER_BLOCK // (32 * num_warps))
 
 
 def scan_block(rows: int) -> int:
@@ -79,12 +89,18 @@ def warps(rows: int) -> int:
     return 4
 
 
+def tile_rows(block_n: int) -> int:
+    """Mask rows the verify tree expand kernel handles at a time: all of them up to 32 x 32,
+    else as many as keep a tile at 2048 entries (its registers then stay flat as ``N`` grows)."""
+    return block_n if block_n <= 32 else max(1, 2048 // block_n)
+
+
 def tile_warps(block_n: int) -> int:
-    """Warps of the verify tree expand kernel, whose program holds its request's ``block_n x
-    block_n`` mask block (and its column positions) in registers: 4 up to 32 x 32, then enough
-    that a thread keeps 16 elements of each such tile, so registers stay flat as ``N`` grows
-    (64 x 64 on sm_90: 186 registers with 4 warps, near the limit of 255; 128 with 8)."""
-    return 4 if block_n <= 32 else 8 if block_n <= 64 else 16
+    """Warps of the verify tree expand kernel, whose program holds a ``tile_rows x block_n``
+    tile of its request's mask (and its column positions) in registers: 4 up to 32 x 32, 8 for
+    the 2048-entry tiles of larger trees (64 x 64 whole on sm_90 took 186 registers with 4
+    warps, near the limit of 255)."""
+    return 4 if block_n <= 32 else 8
 
 
 def need(ok: bool, err: type[Exception], msg: str) -> None:

@@ -103,13 +103,16 @@ def tree_expand_kernel(  # type: ignore[no-untyped-def]
     tok_rows, tok_cols, tok_stride, pt_stride, indices_cap, TP,
     DEVICE_N: tl.constexpr, HAS_PT: tl.constexpr, HAS_FI: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TABLE: tl.constexpr,
+    BLOCK_J: tl.constexpr,
 ):
     """One program per request ``i < bs``: its ``ND`` expand rows ``i*ND .. i*ND+ND-1``.
 
     A program needs the allowed count of every earlier row (its CSR / cumsum offset): it sums the
     mask rows of earlier requests in ``[BLOCK_R, BLOCK_N]`` tiles. That is ``i*ND*ND`` bytes,
     tiny next to the launch, and it keeps the whole part to one launch. Within a request, row and
-    column positions are exclusive ``tl.cumsum`` s of the mask.
+    column positions are exclusive ``tl.cumsum`` s of the mask, over ``[BLOCK_J, BLOCK_N]``
+    tiles of its rows (a running count carries the offset), so a program holds at most 2048
+    mask entries whatever ``N`` is: registers stay flat and nothing spills up to 128 drafts.
     """
     i = tl.program_id(0)
     n_real = n
@@ -134,47 +137,52 @@ def tree_expand_kernel(  # type: ignore[no-untyped-def]
         acc += tl.load(mask_ptr + addr, mask=mm, other=0).to(tl.int32)
     prefix = tl.sum(tl.sum(acc, axis=1), axis=0)
 
-    # this request's ND x ND mask block: a[j, k] = draft j may attend draft k
-    jj = kk
-    m2 = k_real[:, None] & k_real[None, :]
-    addr2 = (i.to(tl.int64) * ms0 + jj.to(tl.int64)[:, None] * ms1
-             + kk.to(tl.int64)[None, :] * ms2)
-    a = tl.load(mask_ptr + addr2, mask=m2, other=0).to(tl.int32)
-    cnt = tl.sum(a, axis=1)  # allowed count of each row j
-    col = tl.cumsum(a, axis=1) - a  # where allowed draft k goes in row j (allowed first, in order)
-    cnt_incl = tl.cumsum(cnt, axis=0)
-
-    rows = i * ND + jj
-    pad_t = (i - n_real) * ND + jj + 1  # padded rows after all real ones, pad_len each
-    lens = tl.where(is_real, cnt, pad_len)
-    cu = tl.where(is_real, prefix + cnt_incl, prefix + pad_t * pad_len)
-    tl.store(cache_ptr + rows, lens, mask=k_ok)
-    tl.store(cuk_ptr + rows + 1, cu, mask=k_ok)
-    if i == 0:
-        tl.store(cuk_ptr, prefix * 0)
-
     # slots of the ND draft tokens: the table's slots at positions seq_len + k
     r = tl.load(rpi_ptr + i, mask=is_real, other=0).to(tl.int64)
     r = tl.minimum(tl.maximum(r, 0), tok_rows - 1)
     s = tl.load(seq_ptr + i, mask=is_real, other=0).to(tl.int64)
     tcol = tl.minimum(tl.maximum(s + kk.to(tl.int64), 0), tok_cols - 1)
     slot = _slot(tok_ptr + r * tok_stride, tcol, k_real, TP, BLOCK_TABLE).to(tl.int32)
-    allowed = (a != 0) & m2
-
-    if HAS_FI:
-        tl.store(indptr_ptr + rows + 1, tl.where(is_real, prefix + cnt_incl, prefix), mask=k_ok)
-        tl.store(last_ptr + rows, cnt * 0 + 1, mask=k_ok)
-        if i == 0:
+    if i == 0:
+        tl.store(cuk_ptr, prefix * 0)
+        if HAS_FI:
             tl.store(indptr_ptr, prefix * 0)
-        pos = (prefix + cnt_incl - cnt)[:, None] + col
-        ok = allowed & (pos >= 0) & (pos < indices_cap)
-        tl.store(indices_ptr + pos, slot[None, :] + col * 0, mask=ok)
 
-    if HAS_PT:
-        tcol2 = tl.where(is_real, col, kk[None, :] + col * 0)
-        val = tl.where(is_real, slot[None, :] + col * 0, pad_id)
-        wm = tl.where(is_real, allowed, (kk[None, :] < pad_len) & k_ok[:, None])
-        tl.store(pt_ptr + rows.to(tl.int64)[:, None] * pt_stride + tcol2, val, mask=wm)
+    # this request's ND x ND mask block, BLOCK_J rows at a time (a running count carries the
+    # CSR offset from one block to the next): a[j, k] = draft j may attend draft k
+    run = prefix
+    for j0 in tl.static_range(0, BLOCK_N, BLOCK_J):
+        jj = j0 + tl.arange(0, BLOCK_J)
+        j_ok = jj < ND
+        m2 = (jj < nd_real)[:, None] & k_real[None, :]
+        addr2 = (i.to(tl.int64) * ms0 + jj.to(tl.int64)[:, None] * ms1
+                 + kk.to(tl.int64)[None, :] * ms2)
+        a = tl.load(mask_ptr + addr2, mask=m2, other=0).to(tl.int32)
+        cnt = tl.sum(a, axis=1)  # allowed count of each row j
+        col = tl.cumsum(a, axis=1) - a  # where allowed draft k goes in row j (in order)
+        cnt_incl = run + tl.cumsum(cnt, axis=0)
+
+        rows = i * ND + jj
+        pad_t = (i - n_real) * ND + jj + 1  # padded rows after all real ones, pad_len each
+        lens = tl.where(is_real, cnt, pad_len)
+        cu = tl.where(is_real, cnt_incl, prefix + pad_t * pad_len)
+        tl.store(cache_ptr + rows, lens, mask=j_ok)
+        tl.store(cuk_ptr + rows + 1, cu, mask=j_ok)
+        allowed = (a != 0) & m2
+
+        if HAS_FI:
+            tl.store(indptr_ptr + rows + 1, tl.where(is_real, cnt_incl, prefix), mask=j_ok)
+            tl.store(last_ptr + rows, cnt * 0 + 1, mask=j_ok)
+            pos = (cnt_incl - cnt)[:, None] + col
+            ok = allowed & (pos >= 0) & (pos < indices_cap)
+            tl.store(indices_ptr + pos, slot[None, :] + col * 0, mask=ok)
+
+        if HAS_PT:
+            tcol2 = tl.where(is_real, col, kk[None, :] + col * 0)
+            val = tl.where(is_real, slot[None, :] + col * 0, pad_id)
+            wm = tl.where(is_real, allowed, (kk[None, :] < pad_len) & j_ok[:, None])
+            tl.store(pt_ptr + rows.to(tl.int64)[:, None] * pt_stride + tcol2, val, mask=wm)
+        run += tl.sum(cnt, axis=0)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
