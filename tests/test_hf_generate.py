@@ -23,12 +23,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
 
 
 def _poisoned(gen: PagedGenerator) -> PagedGenerator:
-    gen.pool.poison_()
-    for kv in gen.target.caches_used:
-        kv.poison_()
-    if gen.draft is not None:
-        for kv in gen.draft.caches_used:
-            kv.poison_()
+    gen.poison_()
     return gen
 
 

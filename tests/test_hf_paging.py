@@ -90,12 +90,7 @@ def test_requests_wait_for_pages_and_never_share_them(spec: bool) -> None:
     gen = PagedGenerator(model, max_bs=4, max_context_len=hf_tiny.CONTEXT, page_size=8,
                          num_pages=pages, draft_model=model if spec else None,
                          num_draft_tokens=n)
-    gen.pool.poison_()
-    for kv in gen.target.caches_used:
-        kv.poison_()
-    if gen.draft is not None:
-        for kv in gen.draft.caches_used:
-            kv.poison_()
+    gen.poison_()
     watch = _Watch(gen)
     assert gen.generate(ps, max_new_tokens=new) == hf_tiny.greedy(model, ps, new=new)
     assert watch.admitted == len(ps)

@@ -69,12 +69,7 @@ def reference(smollm2: checkpoint.Loaded, prompts: list[list[int]]) -> list[list
 
 
 def _poisoned(gen: PagedGenerator) -> PagedGenerator:
-    gen.pool.poison_()
-    for kv in gen.target.caches_used:
-        kv.poison_()
-    if gen.draft is not None:
-        for kv in gen.draft.caches_used:
-            kv.poison_()
+    gen.poison_()
     return gen
 
 

@@ -24,12 +24,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
 def _run(llama: Any, draft: Any, n: int, page_size: int = 16) -> PagedGenerator:
     gen = PagedGenerator(llama, max_bs=4, max_context_len=hf_tiny.CONTEXT, page_size=page_size,
                          draft_model=draft, num_draft_tokens=n)
-    gen.pool.poison_()
-    for kv in gen.target.caches_used:
-        kv.poison_()
     assert gen.draft is not None
-    for kv in gen.draft.caches_used:
-        kv.poison_()
+    gen.poison_()
     return gen
 
 

@@ -131,10 +131,7 @@ def _cohere2() -> Any:
 
 
 def _poisoned(gen: PagedGenerator) -> PagedGenerator:
-    gen.pool.poison_()
-    for runner in (gen.target, gen.draft):
-        for kv in () if runner is None else runner.caches_used:
-            kv.poison_()
+    gen.poison_()
     return gen
 
 

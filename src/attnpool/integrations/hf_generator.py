@@ -197,8 +197,8 @@ class PagedGenerator:
         self._page_offsets = torch.arange(page_size, dtype=torch.int32, device=spec.device)
         # The window layers' table: entries of pages behind the window keep stale ids (never
         # read); a request's new window pages are written as it takes them.
-        self.window_req_to_token = None if self.walloc is None else torch.zeros_like(
-            self.req_to_token)  # ok: engine table, once
+        self.window_req_to_token = (None if self.walloc is None  # ok: engine table, once
+                                    else torch.zeros_like(self.req_to_token))
         self.tables = Tables(req_to_token=self.req_to_token,
                              window_req_to_token=self.window_req_to_token)
         self.use_graphs, self.capture_sizes = graphs, capture_sizes
@@ -210,6 +210,15 @@ class PagedGenerator:
         return self.target.spec.device
 
     # ---- public --------------------------------------------------------------------------------
+    def poison_(self) -> None:
+        """Fill the pool's metadata and every model's KV caches with sentinels (NaN, int
+        max; pad pages re-zeroed): a debugging aid, so that a read of anything no update or
+        store wrote in this run (a freed window page, a stale padded row) changes the output."""
+        self.pool.poison_()
+        for runner in (self.target, self.draft):
+            for kv in () if runner is None else runner.caches_used:
+                kv.poison_()
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                  eos_token_id: int | None = None) -> list[list[int]]:
         """Greedy new tokens for each prompt (the same tokens ``model.generate(do_sample=False)``
