@@ -36,7 +36,9 @@ fp8 caches: ``plan``'s ``kv_data_type`` must be the cache's dtype (checked at ``
 softmax scale on the host, ``v_scale`` multiplies the output after the kernel, in its dtype.
 
 Like a replayed graph, ``run`` computes from the wrapper's *buffers* (the pool's tensors it was
-built on) with the SDPA adapter: a row with no pages has length 0 (FlashInfer's ``get_length``),
+built on) with the SDPA adapter: a row with no pages has length 0 (FlashInfer's ``get_length``;
+the prefill ``plan`` refuses such a row unless its ``kv_last_page_len`` is 0, see
+:func:`_check_empty_rows`),
 the log-sum-exp is base 2, and output rows past the computed ones are NaN (unwritten memory).
 """
 
@@ -121,6 +123,40 @@ def _compute(q: Tensor, k: Tensor, v: Tensor, qo: Tensor, indptr: Tensor, indice
     out = torch.where(done[:, None, None], got.out, float("nan")).to(q.dtype)
     lse = torch.where(done[:, None], got.lse / math.log(2.0), float("nan"))
     return out, lse
+
+
+def _check_out(t: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
+    """``run(out=, lse=)``: FlashInfer's ``check_shape_dtype_device`` on a given output."""
+    if t is not None and (tuple(t.shape) != shape or t.dtype != dtype):
+        raise ValueError(f"Invalid {name}: expected shape {shape} and dtype {dtype}, got "
+                         f"{tuple(t.shape)} and {t.dtype}")
+
+
+def _written(res: Tensor, res_lse: Tensor, out: Tensor | None, lse: Tensor | None, done: int,
+             return_lse: bool) -> Any:
+    """``run``'s result: into ``out`` / ``lse`` when given, where the kernel writes the ``done``
+    rows it computes and nothing past them (they keep what they held)."""
+    if out is not None:
+        out[:done] = res[:done]
+        res = out
+    if lse is not None:
+        lse[:done] = res_lse[:done]
+        res_lse = lse
+    return (res, res_lse) if return_lse else res
+
+
+def _check_empty_rows(indptr: Tensor, last: Tensor) -> None:
+    """The prefill plan's host lengths (``get_seq_lens``: ``max(pages - 1, 0) * P + last``) give a
+    row with no pages ``last`` keys, which its Hopper kernels then read from ``kv_indices`` at the
+    row's start, a page the row does not own (on an H100 an illegal address when that entry is
+    unwritten). The device side (``get_length``) says 0: only ``last = 0`` agrees."""
+    pages = (indptr[1:] - indptr[:-1]).to("cpu")
+    host_last = last.to("cpu")
+    for i in range(len(host_last)):
+        if int(pages[i]) == 0 and int(host_last[i]) != 0:
+            raise RuntimeError(f"fake FlashInfer: row {i} owns no pages but kv_last_page_len is "
+                               f"{int(host_last[i])}: the prefill plan takes its length as "
+                               f"{int(host_last[i])} and the kernel reads a page it does not own")
 
 
 def _check_dims(q: Tensor, k: Tensor, v: Tensor, qk: int, vo: int) -> None:
@@ -218,10 +254,13 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
     def run(self, q: Tensor, paged_kv_cache: tuple[Tensor, Tensor], *args: Any,
             q_scale: float | None = None, k_scale: float | None = None,
             v_scale: float | None = None, return_lse: bool = False,
-            sinks: Tensor | None = None, **kw: Any) -> Any:
+            sinks: Tensor | None = None, out: Tensor | None = None, lse: Tensor | None = None,
+            **kw: Any) -> Any:
         k, v = paged_kv_cache
         _check_dtypes(q, k, self._q_dtype, self._kv_dtype)
         _check_dims(q, k, v, *self._head_dims)
+        _check_out(out, (*q.shape[:-1], v.shape[-1]), q.dtype, "out")
+        _check_out(lse, tuple(q.shape[:-1]), torch.float32, "lse")
         if self._backend not in ("trtllm-gen", "cute-dsl"):
             sinks = None  # dropped: only those backends forward it
         assert self._paged_kv_last_page_len_buf is not None
@@ -239,11 +278,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         sm_scale = _sm_scale(self._sm_scale, q_scale, k_scale)
         assert self._paged_kv_indptr_buf is not None and self._paged_kv_indices_buf is not None
         qo = torch.arange(bs + 1, dtype=torch.int32)
-        out, lse = _compute(q, k, v, qo, self._paged_kv_indptr_buf, self._paged_kv_indices_buf,
-                            self._paged_kv_last_page_len_buf, False, sm_scale, self._window(kw),
-                            self._softcap, sinks)
-        out = _scale_out(out, v_scale)
-        return (out, lse) if return_lse else out
+        res, res_lse = _compute(q, k, v, qo, self._paged_kv_indptr_buf,
+                                self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf,
+                                False, sm_scale, self._window(kw), self._softcap, sinks)
+        return _written(_scale_out(res, v_scale), res_lse, out, lse, bs, return_lse)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
@@ -318,6 +356,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
             self._paged_kv_indptr_buf = paged_kv_indptr.clone()
             self._paged_kv_indices_buf = paged_kv_indices.clone()
             self._paged_kv_last_page_len_buf = paged_kv_last_page_len.clone()
+        _check_empty_rows(paged_kv_indptr, paged_kv_last_page_len)
         for i in range(batch_size):  # PrefillSplitQOKVIndptr
             if host[i + 1] < host[i]:
                 raise RuntimeError(f"qo_indptr[{i + 1}]{int(host[i + 1])} - qo_indptr[{i}]"
@@ -333,11 +372,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
 
     def run(self, q: Tensor, paged_kv_cache: tuple[Tensor, Tensor], *args: Any,
             q_scale: float | None = None, k_scale: float | None = None,
-            v_scale: float | None = None, return_lse: bool = False, **kw: Any) -> Any:
+            v_scale: float | None = None, return_lse: bool = False, out: Tensor | None = None,
+            lse: Tensor | None = None, **kw: Any) -> Any:
         k, v = paged_kv_cache
         _check_dtypes(q, k, self._q_dtype, self._kv_dtype)
         _check_dims(q, k, v, *self._head_dims)
         sm_scale = _sm_scale(self._sm_scale, q_scale, k_scale)
+        _check_out(out, (*q.shape[:-1], v.shape[-1]), q.dtype, "out")
+        _check_out(lse, tuple(q.shape[:-1]), torch.float32, "lse")
         if q.size(0) != self._qo_indptr_last:
             raise ValueError(
                 f"q.shape[0] ({q.size(0)}) does not match qo_indptr[-1] ({self._qo_indptr_last}). "
@@ -346,8 +388,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         assert self._qo_indptr_buf is not None and self._paged_kv_indptr_buf is not None
         assert self._paged_kv_indices_buf is not None
         assert self._paged_kv_last_page_len_buf is not None
-        out, lse = _compute(q, k, v, self._qo_indptr_buf, self._paged_kv_indptr_buf,
-                            self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf,
-                            self._causal, sm_scale, self._window(kw), self._softcap)
-        out = _scale_out(out, v_scale)
-        return (out, lse) if return_lse else out
+        res, res_lse = _compute(q, k, v, self._qo_indptr_buf, self._paged_kv_indptr_buf,
+                                self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf,
+                                self._causal, sm_scale, self._window(kw), self._softcap)
+        return _written(_scale_out(res, v_scale), res_lse, out, lse,
+                        int(self._qo_indptr_buf[-1]), return_lse)

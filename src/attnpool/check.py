@@ -73,7 +73,7 @@ def check_paged(v: PagedView, name: str = "view", num_pages: int | None = None) 
             got = indptr[i + 1] - indptr[i]
             if got not in (0, npages[i]):  # 0: a padded row, which owns no pages
                 _fail(f"{name}.kv_indptr", f"row {i} has {got} pages, expected {npages[i]} or 0")
-            want = (max(lens[i], 1) - 1) % page + 1 if got else 1
+            want = (lens[i] - 1) % page + 1 if got else 0  # FlashInfer: 0 pages, 0 tokens
             if last[i] != want:
                 _fail(f"{name}.kv_last_page_len", f"row {i} is {last[i]}, expected {want}")
         if indptr[bs] > v.kv_indices.shape[0] - 1:

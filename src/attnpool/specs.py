@@ -38,7 +38,6 @@ class Pad(enum.Enum):
     CUMSUM = "cumsum"
     PAGE = "pad_page"
     INDPTR = "repeat last"
-    ONE = "1"
     PAYLOAD = "-"
     SLOT = "-1"
     ZERO = "0"
@@ -141,7 +140,8 @@ def paged_specs(
         # [rows, width] page block there, so it never has to compact with a host sync.
         s("kv_indices", lambda c: (rows(c) * width(c) + 1,), Pad.PAYLOAD,
           "CSR page ids (+1 scratch slot at the end)", Layout.FLASHINFER),
-        s("kv_last_page_len", lambda c: (rows(c),), Pad.ONE, "tokens in each row's last page",
+        s("kv_last_page_len", lambda c: (rows(c),), Pad.ZERO,
+          "tokens in each row's last page (0: no pages)",
           Layout.FLASHINFER),
     )
 
@@ -290,8 +290,8 @@ DRAFT_SPECS = (
                lambda c: (c.spec_steps, c.max_bs * c.topk * draft_expand_width(c) + 1),
                Pad.PAYLOAD, "tree expand CSR slots per step (+1 scratch)", Layout.FLASHINFER,
                needed=_tree),
-    _per_step("expand_kv_last_page_len", lambda c: c.max_bs * c.topk, Pad.ONE,
-              "tree expand: 1 (token slots)", _tree, layout=Layout.FLASHINFER),
+    _per_step("expand_kv_last_page_len", lambda c: c.max_bs * c.topk, Pad.ZERO,
+              "tree expand: 1 for a row with token slots, 0 without", _tree, layout=Layout.FLASHINFER),
 )
 
 DRAFT_EXTEND_SPECS = (

@@ -225,8 +225,11 @@ def run(wrapper: Any, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tens
     """Run a planned wrapper: ``(out [q.shape[0], H, Dv], natural-log lse [q.shape[0], H])``.
 
     The wrapper gets ``q[:rows]``, exactly the rows it computes (see the module docstring); rows
-    past them come back as 0 and ``-inf``. The cache is read as pages of ``view.page_size`` tokens
-    (token-slot expand parts read it as ``[tokens, 1, H_kv, D]``, no copy).
+    past them come back as 0 and ``-inf``, inside a captured graph too: a prefill wrapper writes
+    into outputs filled with those first (a replay whose plan has fewer rows than the capture's
+    leaves the rest as filled, never unwritten memory). The cache is read as pages of
+    ``view.page_size`` tokens (token-slot expand parts read it as ``[tokens, 1, H_kv, D]``, no
+    copy).
 
     Args:
         rows: what :func:`plan` returned for this wrapper (default :func:`planned_rows`, which
@@ -243,7 +246,7 @@ def run(wrapper: Any, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tens
             of them, or one that is not a finite Python float > 0 (a tensor included).
     """
     h, _, _ = check_qkv(q, k_cache, v_cache)
-    sc = float_scales(k_cache, k_scale, v_scale)
+    sc: dict[str, Any] = dict(float_scales(k_cache, k_scale, v_scale))
     rows = planned_rows(view) if rows is None else rows
     if q.shape[0] < rows:
         raise InputError(f"q must have at least the {rows} query rows the wrapper was planned "
@@ -256,18 +259,19 @@ def run(wrapper: Any, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tens
                               f"{backend!r}) cannot apply attention sinks: build the wrappers with "
                               f"backend in {SINK_BACKENDS} (GraphWrappers(backend=...)), or use "
                               "the sdpa adapter")
-        out, lse = wrapper.run(q[:rows], kv, return_lse=True,
-                               sinks=check_sinks(sinks, h, q.device), **sc)
-    else:
-        out, lse = wrapper.run(q[:rows], kv, return_lse=True, **sc)
-    lse = lse * math.log(2.0)
-    if rows == q.shape[0]:
-        return Attn(out, lse)
-    full = out.new_zeros((q.shape[0], *out.shape[1:]))
-    full_lse = lse.new_full((q.shape[0], h), float("-inf"))
-    full[:rows] = out
-    full_lse[:rows] = lse
-    return Attn(full, full_lse)
+        sc["sinks"] = check_sinks(sinks, h, q.device)
+    if rows == q.shape[0] and wrapper_kind(view) is WrapperKind.DECODE:
+        out, lse = wrapper.run(q, kv, return_lse=True, **sc)  # bs rows: all of them written
+        return Attn(out, lse * math.log(2.0))
+    # A prefill wrapper computes the rows of its latest plan, and a graph captured with it keeps
+    # the capture's row count: the rows past a later, smaller plan are not written on replay.
+    # Handing FlashInfer outputs that already hold 0 / -inf (filled in the same stream, so inside
+    # a graph on every replay) keeps every row defined, and the base change below never reads an
+    # unwritten element (compute-sanitizer initcheck flagged it on an H100 before).
+    out = q.new_zeros((q.shape[0], h, v_cache.shape[-1]))
+    lse = torch.full((q.shape[0], h), float("-inf"), dtype=torch.float32, device=q.device)
+    wrapper.run(q[:rows], kv, out=out[:rows], lse=lse[:rows], return_lse=True, **sc)
+    return Attn(out, lse.mul_(math.log(2.0)))
 
 
 class GraphWrappers:

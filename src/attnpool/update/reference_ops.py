@@ -171,7 +171,10 @@ def paged_(
     ``pages [n, W]`` are the real rows' page ids (``W`` covers every real row's live pages); rows
     ``n..bs`` are padding. ``arange`` is the pool's constant ``0, 1, 2, ...`` (no temporary needed
     for column numbers). Padded FlashInfer rows own no pages (``kv_indptr`` repeats) and have
-    ``kv_last_page_len = 1``; padded page-table rows read ``pad_page`` in their first
+    ``kv_last_page_len = 0``, as has any row that owns no pages: FlashInfer's prefill plan takes a
+    row's length as ``max(pages - 1, 0) * P + kv_last_page_len`` on the host, so a 1 there makes its
+    Hopper kernels read a page the row does not own (an illegal address on the GPU, seen on an
+    H100 with FlashInfer 0.7.2); padded page-table rows read ``pad_page`` in their first
     ``pad_pages`` columns.
     """
     n, width = pages.shape
@@ -199,11 +202,12 @@ def paged_(
         scratch = b.kv_indices.shape[0] - 1
         pos = torch.where((cols[None, :] < npages[:, None]) & (pos < scratch), pos, scratch)
         b.kv_indices.scatter_(0, pos.reshape(-1).long(), pages.reshape(-1).to(b.kv_indices.dtype))
-        # (len - 1) % P + 1, and 1 for an empty row (a draft tree prefix shorter than a page)
+        # (len - 1) % P + 1, and 0 for a row that owns no pages (an empty row: a draft tree
+        # prefix shorter than a page)
         torch.remainder((real - 1).clamp_(min=0), page_size, out=b.kv_last_page_len[:n])
-        b.kv_last_page_len[:n].add_(1)
+        b.kv_last_page_len[:n].add_(1).mul_(npages > 0)
         if n < bs:
-            b.kv_last_page_len[n:bs].fill_(1)
+            b.kv_last_page_len[n:bs].fill_(0)
 
 
 def tree_expand(

@@ -110,7 +110,8 @@ def paged_launch(
     ``cache_seqlens = seq_lens + extra`` (``pad_seq_len`` for padded rows), ``cu_seqlens_k =
     [0, cumsum]`` (element 0 written every time), page-table rows = live page ids (padded rows:
     ``pad_page`` in their first ``ceil(pad_seq_len / P)`` columns), CSR rows = live pages with
-    ``kv_last_page_len = (len-1) % P + 1`` (padded rows own no pages, ``kv_last_page_len = 1``).
+    ``kv_last_page_len = (len-1) % P + 1`` (padded rows, and empty ones, own no pages:
+    ``kv_last_page_len = 0``).
     Columns past a row's live pages are not written (outside the read region).
 
     Args:

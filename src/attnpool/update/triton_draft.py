@@ -48,7 +48,7 @@ def draft_tree_expand_launch(
     the reference draft phase does: step ``d`` (1-based) has ``cache_seqlens = part + d`` with
     ``part = seq_lens % P`` the tokens of the last, partial prefix page, listing those token slots
     then branch ``k``'s first ``d`` drafts ``out_cache_loc[i, :d, k]``. Rows of padded requests:
-    ``pad_len`` copies of ``pad_id``, no CSR entries, ``kv_last_page_len = 1``.
+    ``pad_len`` copies of ``pad_id``, no CSR entries, ``kv_last_page_len = 0``.
 
     Args:
         e: stacked buffers: ``cache_seqlens [S, >= bs*K]``, ``cu_seqlens_k [S, >= bs*K+1]``,

@@ -87,7 +87,7 @@ def draft_expand_kernel(  # type: ignore[no-untyped-def]
             tl.store(cuk_ptr + d * cu_ss, my_cum0 * 0)
         if HAS_FI:
             tl.store(indptr_ptr + d * ip_ss + pid + 1, my_ip0 + d * upto)
-            tl.store(last_ptr + d * last_ss + pid, my_cum0 * 0 + 1)
+            tl.store(last_ptr + d * last_ss + pid, tl.where(is_real, 1, 0) + my_cum0 * 0)
             if pid == 0:
                 tl.store(indptr_ptr + d * ip_ss, my_cum0 * 0)
             pos = my_from0 + d * before + c

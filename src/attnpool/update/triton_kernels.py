@@ -172,7 +172,7 @@ def tree_expand_kernel(  # type: ignore[no-untyped-def]
 
         if HAS_FI:
             tl.store(indptr_ptr + rows + 1, tl.where(is_real, cnt_incl, prefix), mask=j_ok)
-            tl.store(last_ptr + rows, cnt * 0 + 1, mask=j_ok)
+            tl.store(last_ptr + rows, (cnt > 0).to(tl.int32), mask=j_ok)  # 0: no slots
             pos = (cnt_incl - cnt)[:, None] + col
             ok = allowed & (pos >= 0) & (pos < indices_cap)
             tl.store(indices_ptr + pos, slot[None, :] + col * 0, mask=ok)
@@ -262,7 +262,7 @@ def local_kernel(  # type: ignore[no-untyped-def]
         tl.store(indptr_ptr + pid + 1, my_end)
         if pid == 0:
             tl.store(indptr_ptr, my_end * 0)
-        tl.store(last_ptr + pid, tl.where(owns, tl.maximum(my_len - 1, 0) % P + 1, 1))
+        tl.store(last_ptr + pid, tl.where(owns & (my_len > 0), (my_len - 1) % P + 1, 0))
 
     if HAS_PT or HAS_FI:
         live = tl.minimum(_floor_div(my_len + (P - 1), P), cap_pages)  # pad pages if not valid

@@ -184,7 +184,7 @@ def _paged_part(  # type: ignore[no-untyped-def]
         tl.store(indptr_ptr + pid + 1, my_end)
         if pid == 0:
             tl.store(indptr_ptr, my_end * 0)
-        last = tl.where(is_real, tl.maximum(my_len - 1, 0) % P + 1, 1)
+        last = tl.where(is_real & (my_len > 0), (my_len - 1) % P + 1, 0)  # 0: owns no pages
         tl.store(last_ptr + pid, last)
 
     if HAS_PT or HAS_FI:
