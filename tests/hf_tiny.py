@@ -71,7 +71,7 @@ def greedy(model: Any, ps: list[list[int]], new: int = NEW, eos: int | None = No
     out = []
     with torch.no_grad():
         for p in ps:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=model.device)
             g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                do_sample=False, pad_token_id=0, eos_token_id=eos)
             out.append(g[0, len(p):].tolist())

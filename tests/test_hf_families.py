@@ -111,6 +111,33 @@ def test_windowed_family_with_pages_of_16(name: str) -> None:
     assert gen.generate(PROMPTS, max_new_tokens=NEW) == hf_tiny.greedy(model, PROMPTS, NEW), name
 
 
+#: the families decode steps replay from CUDA graphs for (chunked models and eager experts run
+#: eagerly, see test_eager_only_models_refuse_cuda_graphs)
+GRAPHED = [n for n, o in FAMILIES.items() if not o.get("attention_chunk_size") and
+           not o.get("num_experts_per_tok")]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", GRAPHED)
+def test_family_on_cuda_replays_graphs_with_generates_tokens(name: str) -> None:
+    """On a GPU, decode steps replay captured graphs (padded to a captured size) and still give
+    ``generate``'s tokens, float64 on both sides."""
+    model = build(name, FAMILIES[name]).to("cuda")
+    ref = hf_tiny.greedy(model, PROMPTS, NEW)
+    gen = PagedGenerator(model, max_bs=2, max_context_len=40, page_size=4, cuda_graphs=True)
+    assert gen.generate(PROMPTS, max_new_tokens=NEW) == ref, name
+    assert gen._graphs is not None and gen._graphs.graphs.use_graphs
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
+def test_eager_experts_refuse_cuda_graphs(name: str) -> None:
+    """Eager experts route with data-dependent shapes (a capture of Qwen3-MoE failed on an
+    H100): ``cuda_graphs=True`` is refused up front, and ``"auto"`` would run eagerly."""
+    model = build(name, FAMILIES[name])
+    with pytest.raises(LayoutError, match="mixture-of-experts model with transformers' eager"):
+        PagedGenerator(model, max_bs=2, max_context_len=40, cuda_graphs=True)
+
+
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_family_not_yet_served_is_refused_up_front(name: str) -> None:
     overrides, reason = REFUSED[name]
