@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
 import json
 import logging
 import statistics
@@ -255,8 +256,13 @@ def run_hf_continuous(model: Any, wl: Workload) -> Run:
                           pad_token_id=0 if wl.eos is None else wl.eos)
     pages = wl.max_bs * -(-wl.context // wl.page_size) + 8
     hi = max(map(len, wl.prompts))
-    cbc = ContinuousBatchingConfig(max_requests_per_batch=wl.max_bs, page_size=wl.page_size,
-                                   num_blocks=pages, max_batch_tokens=4 * hi)
+    # transformers 5.24 names the page size page_size; earlier 5.x releases took block_size or
+    # neither (5.17 refused page_size on an H100 image): pass it under the name the config takes
+    params = inspect.signature(ContinuousBatchingConfig).parameters
+    key = next((k for k in ("page_size", "block_size") if k in params), None)
+    size = {} if key is None else {key: wl.page_size}
+    cbc = ContinuousBatchingConfig(max_requests_per_batch=wl.max_bs, num_blocks=pages,
+                                   max_batch_tokens=4 * hi, **size)
     timer = Timer()
 
     def go() -> tuple[list[list[int]], float, int]:
