@@ -22,6 +22,8 @@ Per call of :meth:`PagedGenerator.generate`:
 * **Chunked attention layers** (Llama 4) read ``pool.local``, updated for each forward in the
   shape of its phase (decode, verify, or prefill for an extend or draft extend); such models
   run eagerly (no CUDA graphs: the decode graphs refill the decode view only).
+* **Mixture-of-experts models** with transformers' ``eager`` experts run eagerly too: their
+  routing has data-dependent shapes, which a CUDA graph cannot capture.
 
 Host data (token lists, page ids) stays on the host; each step moves one small int64 block of
 inputs (lengths, rows, ids, positions, slots) to the device, and reads back the chosen tokens.
