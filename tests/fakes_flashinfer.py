@@ -148,8 +148,8 @@ def _written(res: Tensor, res_lse: Tensor, out: Tensor | None, lse: Tensor | Non
 def _check_empty_rows(indptr: Tensor, last: Tensor) -> None:
     """The prefill plan's host lengths (``get_seq_lens``: ``max(pages - 1, 0) * P + last``) give a
     row with no pages ``last`` keys, which its Hopper kernels then read from ``kv_indices`` at the
-    row's start, a page the row does not own (on an H100 an illegal address when that entry is
-    unwritten). The device side (``get_length``) says 0: only ``last = 0`` agrees."""
+    row's start, a page the row does not own (an illegal address when that entry is unwritten).
+    The device side (``get_length``) says 0: only ``last = 0`` agrees."""
     pages = (indptr[1:] - indptr[:-1]).to("cpu")
     host_last = last.to("cpu")
     for i in range(len(host_last)):

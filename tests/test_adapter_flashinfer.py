@@ -177,6 +177,9 @@ def test_draft_extend_capture_fixes_the_most_rows() -> None:
         got = w.run(view, q, k, v)
         assert got.out.shape == (bs * ND, H, D)
         _close(got, _want(view, q, k, v), sum(acc))
+        # rows past the plan: the kernel does not write them, the adapter's 0 / -inf stand
+        done = int(view.cu_seqlens_q[bs])
+        assert (got.out[done:] == 0).all() and torch.isneginf(got.lse[done:]).all()
 
 
 def test_local_verify_rows_are_constant_per_captured_size() -> None:

@@ -20,6 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from attnpool import LayoutError  # noqa: E402
+from attnpool.integrations.hf_model import graph_blocker  # noqa: E402
 from attnpool.integrations.transformers import PagedGenerator  # noqa: E402
 
 import hf_tiny  # noqa: E402
@@ -131,11 +132,35 @@ def test_family_on_cuda_replays_graphs_with_generates_tokens(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3"])
 def test_eager_experts_refuse_cuda_graphs(name: str) -> None:
-    """Eager experts route with data-dependent shapes (a capture of Qwen3-MoE failed on an
-    H100): ``cuda_graphs=True`` is refused up front, and ``"auto"`` would run eagerly."""
+    """Eager experts route with data-dependent shapes, which a capture refuses:
+    ``cuda_graphs=True`` is refused up front."""
     model = build(name, FAMILIES[name])
     with pytest.raises(LayoutError, match="mixture-of-experts model with transformers' eager"):
         PagedGenerator(model, max_bs=2, max_context_len=40, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_graph_blocker_of_every_family(name: str) -> None:
+    """``"auto"`` captures exactly the GRAPHED families; Llama 4 (chunked) and eager experts
+    are refused with True; a dense config that names experts it does not build is not caught."""
+    model = build(name, FAMILIES[name])
+    chunk = FAMILIES[name].get("attention_chunk_size")
+    got = graph_blocker(model, chunk)
+    assert (got.reason == "") == (name in GRAPHED), (name, got)
+    assert got.refuse == (name not in GRAPHED), (name, got)
+
+
+def test_graph_blocker_of_other_expert_implementations() -> None:
+    """Experts that are not eager (transformers' default ``grouped_mm``): avoided by ``"auto"``,
+    allowed with True; a dense model whose config counts experts is not caught."""
+    cfg = transformers.AutoConfig.for_model("qwen3_moe", **{**BASE, **FAMILIES["qwen3_moe"]})
+    grouped = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm")
+    got = graph_blocker(grouped, None)
+    assert got.reason and not got.refuse
+    dense = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("doge", **{k: v for k, v in BASE.items()
+                                                    if k != "num_key_value_heads"}))
+    assert getattr(dense.config, "num_experts", 0) and graph_blocker(dense, None).reason == ""
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

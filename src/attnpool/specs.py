@@ -26,10 +26,11 @@ class Pad(enum.Enum):
     ``CUMSUM``: cumulative sums keep growing by the padded lengths, so they stay non-decreasing.
     ``PAGE``: page ids hold ``cfg.pad_page`` in the columns a padded row reads.
     ``INDPTR``: CSR row pointers repeat their last value (a padded row owns no entries).
-    ``ONE``: FlashInfer ``last_page_len`` holds 1.
     ``PAYLOAD``: no per-row rule; the read region is bounded by another buffer (CSR indices).
     ``SLOT``: slot mappings hold -1 (the store kernel skips the entry).
-    ``ZERO``: per-token values of padded query tokens hold 0 (extend ``positions``).
+    ``ZERO``: per-token values of padded query tokens hold 0 (extend ``positions``), and
+    FlashInfer's ``kv_last_page_len`` holds 0 for a row that owns no pages (its prefill plan takes
+    ``max(pages - 1, 0) * P + kv_last_page_len`` as the row's length).
     ``CONST``: written once at construction and never by an update; lives outside the overlay so
     no other phase can overwrite it.
     """

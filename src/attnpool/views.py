@@ -67,7 +67,7 @@ class PagedView(_Stamped):
         kv_indices: ``[capacity] int32`` CSR page ids, the whole buffer (FlashInfer's graph
             wrappers take it at full size); read up to ``kv_indptr[bs]``. Else None.
         kv_last_page_len: ``[bs] int32`` in ``[1, page_size]`` for a row that owns pages, 0 for
-            one that owns none (a padded row) (``Layout.FLASHINFER``), else None.
+            one that owns none (a padded or empty row) (``Layout.FLASHINFER``), else None.
         max_seqlen_q: host int, upper bound of any row's query length.
         max_seqlen_k: host int, upper bound of any ``cache_seqlens`` (the static
             ``max_context_len`` unless the update was given host lengths).

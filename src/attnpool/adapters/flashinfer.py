@@ -261,16 +261,24 @@ def run(wrapper: Any, view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tens
                               "the sdpa adapter")
         sc["sinks"] = check_sinks(sinks, h, q.device)
     if rows == q.shape[0] and wrapper_kind(view) is WrapperKind.DECODE:
-        out, lse = wrapper.run(q, kv, return_lse=True, **sc)  # bs rows: all of them written
+        # one query per row, bs of them (on either wrapper kind): every row is written
+        out, lse = wrapper.run(q, kv, return_lse=True, **sc)
         return Attn(out, lse * math.log(2.0))
     # A prefill wrapper computes the rows of its latest plan, and a graph captured with it keeps
     # the capture's row count: the rows past a later, smaller plan are not written on replay.
     # Handing FlashInfer outputs that already hold 0 / -inf (filled in the same stream, so inside
     # a graph on every replay) keeps every row defined, and the base change below never reads an
-    # unwritten element (compute-sanitizer initcheck flagged it on an H100 before).
+    # unwritten element (compute-sanitizer initcheck reports such reads).
     out = q.new_zeros((q.shape[0], h, v_cache.shape[-1]))
     lse = torch.full((q.shape[0], h), float("-inf"), dtype=torch.float32, device=q.device)
-    wrapper.run(q[:rows], kv, out=out[:rows], lse=lse[:rows], return_lse=True, **sc)
+    got, got_lse = wrapper.run(q[:rows], kv, out=out[:rows], lse=lse[:rows], return_lse=True,
+                               **sc)
+    # FlashInfer may hand back new tensors instead (its v_scale for an fp8 output is applied
+    # out of place): what it returns is the result
+    if got.data_ptr() != out.data_ptr():
+        out[:rows].copy_(got)
+    if got_lse.data_ptr() != lse.data_ptr():
+        lse[:rows].copy_(got_lse)
     return Attn(out, lse.mul_(math.log(2.0)))
 
 

@@ -50,7 +50,7 @@ from ..pool import BufferPool
 from ..views import LocalView
 from . import hf_spec
 from .hf_attention import Backend
-from .hf_model import ModelSpec, attnpool_attention_on, model_spec
+from .hf_model import ModelSpec, attnpool_attention_on, graph_blocker, model_spec
 from .hf_runner import DecodeGraphs, ModelRunner
 from .hf_state import GenerationStats, Request, Tables
 
@@ -77,8 +77,9 @@ class PagedGenerator:
         num_draft_tokens: N, tokens the draft proposes per round (needs ``draft_model``); the
             target verifies them in one ``N + 1``-token forward.
         cuda_graphs: ``"auto"`` (on CUDA), True or False: replay decode steps from CUDA graphs.
-            ``"auto"`` runs eagerly, and True is refused, for a model no graph can hold (see
-            :func:`_eager_only`).
+            ``"auto"`` runs eagerly for chunked and mixture-of-experts models, and True is
+            refused for those no graph can hold (see
+            :func:`attnpool.integrations.hf_model.graph_blocker`).
         num_pages: KV pages per cache, the pad page included (default: enough for ``max_bs``
             requests of ``max_context_len``). Fewer pages make requests wait for each other.
         max_prefill_tokens: most prompt tokens in one prefill forward (default: a batch of
@@ -138,10 +139,10 @@ class PagedGenerator:
             raise LayoutError(f"draft_model's attention_chunk_size must be the model's: one "
                               f"pool's local phase serves both, got {sorted(chunks)}")
         self.chunk = next(iter(chunks), None)
-        eager_only = _eager_only(model, self.chunk)
-        if eager_only and cuda_graphs is True:
-            raise LayoutError(f"cuda_graphs=True: {eager_only}")
-        graphs = spec.device.type == "cuda" and not eager_only if cuda_graphs == "auto" \
+        blocker = graph_blocker(model, self.chunk)
+        if blocker.refuse and cuda_graphs is True:
+            raise LayoutError(f"cuda_graphs=True: {blocker.reason}")
+        graphs = spec.device.type == "cuda" and not blocker.reason if cuda_graphs == "auto" \
             else bool(cuda_graphs)
         if graphs and spec.device.type != "cuda":
             raise InputError(f"cuda_graphs=True needs a model on CUDA, got {spec.device}")
@@ -497,23 +498,3 @@ class PagedGenerator:
     def _metadata(self, t0: float) -> None:
         self.stats.metadata_s += time.perf_counter() - t0
         self.stats.metadata_calls += 1
-
-
-def _eager_only(model: Any, chunk: int | None) -> str:
-    """Why decode steps of ``model`` cannot replay from a CUDA graph ("" when they can).
-
-    Chunked attention layers read ``pool.local``, refilled per forward outside the decode
-    graphs. Mixture-of-experts layers with transformers' ``eager`` experts route tokens with
-    data-dependent shapes (which experts got tokens), which a capture refuses: on an H100 the
-    capture of a tiny Qwen3-MoE failed with ``cudaErrorStreamCaptureInvalidated``.
-    """
-    if chunk is not None:
-        return ("a model with chunked attention layers runs eagerly (its pool.local view is "
-                "refilled per forward, outside the decode graphs)")
-    cfg = model.config
-    experts = any(getattr(cfg, k, None) for k in ("num_experts", "num_local_experts",
-                                                   "n_routed_experts"))
-    if experts and getattr(cfg, "_experts_implementation", "eager") == "eager":
-        return ("a mixture-of-experts model with transformers' eager experts runs eagerly (they "
-                "route tokens with data-dependent shapes, which a CUDA graph cannot capture)")
-    return ""

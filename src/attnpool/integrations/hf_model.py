@@ -222,3 +222,41 @@ def forward_logits(model: Any, ids: Tensor, positions: Tensor, ctx: StepContext,
                 attnpool=ctx, logits_to_keep=0 if keep is None else keep)
     logits: Tensor = out.logits[0]
     return logits
+
+
+@dataclass(frozen=True, slots=True)
+class GraphBlocker:
+    """Why decode steps of a model should not replay from CUDA graphs.
+
+    Attributes:
+        reason: "" when nothing stands in the way; else what ``cuda_graphs="auto"`` avoids.
+        refuse: ``cuda_graphs=True`` is refused (a capture cannot succeed), not only avoided.
+    """
+
+    reason: str
+    refuse: bool
+
+
+def graph_blocker(model: Any, chunk: int | None) -> GraphBlocker:
+    """What keeps ``model``'s decode steps out of CUDA graphs (see :class:`GraphBlocker`).
+
+    * Chunked attention layers read ``pool.local``, refilled per forward outside the decode
+      graphs: refused.
+    * Mixture-of-experts layers (a submodule named ``experts``). With transformers' ``eager``
+      experts (or none named) the routing has data-dependent shapes, which a capture refuses
+      (``cudaErrorStreamCaptureInvalidated`` for Qwen3-MoE): refused. Other implementations
+      (``grouped_mm``) are avoided by ``"auto"`` too, since whether they capture depends on the
+      GPU and the transformers version; ``cuda_graphs=True`` asks for them anyway.
+    """
+    if chunk is not None:
+        return GraphBlocker("a model with chunked attention layers runs eagerly (its pool.local "
+                            "view is refilled per forward, outside the decode graphs)", True)
+    if not any(name.rsplit(".", 1)[-1] == "experts" for name, _ in model.named_modules()):
+        return GraphBlocker("", False)
+    impl = getattr(model.config, "_experts_implementation", None)
+    if impl in (None, "eager"):
+        return GraphBlocker("a mixture-of-experts model with transformers' eager experts runs "
+                            "eagerly (they route tokens with data-dependent shapes, which a CUDA "
+                            "graph cannot capture)", True)
+    return GraphBlocker(f"a mixture-of-experts model (experts implementation {impl!r}) runs "
+                        "eagerly unless cuda_graphs=True asks for graphs", False)

@@ -256,11 +256,14 @@ def run_hf_continuous(model: Any, wl: Workload) -> Run:
                           pad_token_id=0 if wl.eos is None else wl.eos)
     pages = wl.max_bs * -(-wl.context // wl.page_size) + 8
     hi = max(map(len, wl.prompts))
-    # transformers 5.24 names the page size page_size; earlier 5.x releases took block_size or
-    # neither (5.17 refused page_size on an H100 image): pass it under the name the config takes
+    # transformers 5.24 names the page size page_size; earlier 5.x releases (5.17 among them)
+    # take block_size or neither: pass it under the name the config takes, and say when none
     params = inspect.signature(ContinuousBatchingConfig).parameters
     key = next((k for k in ("page_size", "block_size") if k in params), None)
     size = {} if key is None else {key: wl.page_size}
+    if key is None:
+        print(f"note: this transformers' ContinuousBatchingConfig takes no page size; "
+              f"generate_batch runs with its own, not {wl.page_size}", file=sys.stderr)
     cbc = ContinuousBatchingConfig(max_requests_per_batch=wl.max_bs, num_blocks=pages,
                                    max_batch_tokens=4 * hi, **size)
     timer = Timer()

@@ -173,8 +173,8 @@ def paged_(
     for column numbers). Padded FlashInfer rows own no pages (``kv_indptr`` repeats) and have
     ``kv_last_page_len = 0``, as has any row that owns no pages: FlashInfer's prefill plan takes a
     row's length as ``max(pages - 1, 0) * P + kv_last_page_len`` on the host, so a 1 there makes its
-    Hopper kernels read a page the row does not own (an illegal address on the GPU, seen on an
-    H100 with FlashInfer 0.7.2); padded page-table rows read ``pad_page`` in their first
+    Hopper kernels read a page the row does not own (an illegal address when that entry was never
+    written); padded page-table rows read ``pad_page`` in their first
     ``pad_pages`` columns.
     """
     n, width = pages.shape
