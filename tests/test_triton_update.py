@@ -408,6 +408,7 @@ def test_tree_expand_in_row_tiles(nd: int, rows: int | None, device_n: bool,
 
     if rows is not None:
         monkeypatch.setattr(ck, "tile_rows", lambda bn: rows)
+        monkeypatch.setattr(ck, "tree_tile", ck.tree_tile.__wrapped__)  # (cached per size)
     bs, n, ctx = 5, 3, 64 + nd
     gen = torch.Generator().manual_seed(nd)
     table = torch.randint(0, 10**6, (8, ctx), generator=gen, dtype=I32)

@@ -201,8 +201,8 @@ class PagedGenerator:
         self._page_offsets = torch.arange(page_size, dtype=torch.int32, device=spec.device)
         # The window layers' table: entries of pages behind the window keep stale ids (never
         # read); a request's new window pages are written as it takes them.
-        self.window_req_to_token = (None if self.walloc is None  # ok: engine table, once
-                                    else torch.zeros_like(self.req_to_token))
+        self.window_req_to_token = (None if self.walloc is None
+                                    else torch.zeros_like(self.req_to_token))  # ok: table, once
         self.tables = Tables(req_to_token=self.req_to_token,
                              window_req_to_token=self.window_req_to_token)
         self.use_graphs, self.capture_sizes = graphs, capture_sizes

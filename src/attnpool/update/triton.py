@@ -317,9 +317,7 @@ def tree_expand_launch(
         e.kv_indices.shape[0] if e.kv_indices is not None else 0, tp,
     )
     kw = {"DEVICE_N": num_real is not None, "HAS_PT": has_pt, "HAS_FI": has_fi,
-          "BLOCK_N": bn, "BLOCK_R": max(1, 4096 // bn), "BLOCK_TABLE": block_table,
-          "BLOCK_J": ck.tile_rows(bn), "num_warps": ck.tile_warps(bn),
-          "maxnreg": ck.maxnreg(ck.tile_warps(bn))}
+          "BLOCK_N": bn, "BLOCK_TABLE": block_table, **ck.tree_tile(bn)}
     dyn = ck.dyn(n=(11, n), tree_mask=(0, tree_mask), seq_lens=(1, seq_lens),
                  req_pool_indices=(2, req_pool_indices), req_to_token=(3, table),
                  num_real=(4, num_real))

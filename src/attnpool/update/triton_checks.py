@@ -10,7 +10,7 @@ same messages as the phases and the pools); these wrappers only add what a pool 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from types import ModuleType
 from typing import Any
 
@@ -93,6 +93,16 @@ def tile_rows(block_n: int) -> int:
     """Mask rows the verify tree expand kernel handles at a time: all of them up to 32 x 32,
     else as many as keep a tile at 2048 entries (its registers then stay flat as ``N`` grows)."""
     return block_n if block_n <= 32 else max(1, 2048 // block_n)
+
+
+@cache
+def tree_tile(block_n: int) -> dict[str, int]:
+    """The verify tree expand kernel's size-dependent launch keywords for ``BLOCK_N``
+    (``BLOCK_R``, ``BLOCK_J``, ``num_warps``, ``maxnreg``): constants of the tree size, built once
+    per size rather than on every update (callers copy them into their own keyword dict)."""
+    w = tile_warps(block_n)
+    return {"BLOCK_R": max(1, 4096 // block_n), "BLOCK_J": tile_rows(block_n), "num_warps": w,
+            "maxnreg": maxnreg(w)}
 
 
 def tile_warps(block_n: int) -> int:
