@@ -25,6 +25,9 @@ Per call of :meth:`PagedGenerator.generate`:
 * **Mixture-of-experts models** with transformers' ``eager`` experts run eagerly too: their
   routing has data-dependent shapes, which a CUDA graph cannot capture.
 
+The arguments are checked and every size (pool, caches, prefill budget) derived by
+:mod:`attnpool.integrations.hf_sizing` before anything is allocated.
+
 Host data (token lists, page ids) stays on the host; each step moves one small int64 block of
 inputs (lengths, rows, ids, positions, slots) to the device, and reads back the chosen tokens.
 Everything runs under ``torch.inference_mode()``: a step issues hundreds of small view and
@@ -42,23 +45,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import Phase, PoolConfig
-from ..errors import CapacityError, InputError, LayoutError
+from ..config import Phase
+from ..errors import CapacityError, InputError
 from ..kv.paging import PageAllocator
-from ..kv.window_paging import WindowPageAllocator
 from ..pool import BufferPool
 from ..views import LocalView
 from . import hf_spec
 from .hf_attention import Backend
-from .hf_model import ModelSpec, attnpool_attention_on, graph_blocker, model_spec
+from .hf_model import ModelSpec, attnpool_attention_on
 from .hf_runner import DecodeGraphs, ModelRunner
+from .hf_sizing import check_int, check_prompts, size
 from .hf_state import GenerationStats, Request, Tables
-
-
-def _int(name: str, v: object, lo: int) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise InputError(f"{name} must be an int >= {lo}, got {v!r}")
-    return v
 
 
 class PagedGenerator:
@@ -108,80 +105,17 @@ class PagedGenerator:
         capture_sizes: Sequence[int] | None = None,
         num_window_pages: int | None = None,
     ) -> None:
-        spec = model_spec(model)
-        _int("max_bs", max_bs, 1)
-        _int("max_context_len", max_context_len, 2)
-        n = _int("num_draft_tokens", num_draft_tokens, 0)
-        if (draft_model is None) != (n == 0):
-            raise InputError("speculative decoding needs both draft_model and num_draft_tokens "
-                             f">= 1; got draft_model={type(draft_model).__name__}, "
-                             f"num_draft_tokens={n}")
-        dev = spec.device if str(device) == "auto" else torch.device(device)
-        if dev.type != spec.device.type or (dev.index is not None and dev.index != spec.device.index):
-            raise InputError(f"device must be the model's device ({spec.device}), got {dev}")
-        dspec = None
-        if draft_model is not None:
-            dspec = model_spec(draft_model, "draft_model")
-            if dspec.vocab_size != spec.vocab_size or dspec.device != spec.device:
-                raise InputError(f"draft_model must share the model's vocabulary and device: "
-                                 f"expected {spec.vocab_size} tokens on {spec.device}, got "
-                                 f"{dspec.vocab_size} on {dspec.device}")
-            if None not in (dspec.sliding_window, spec.sliding_window) and \
-                    dspec.sliding_window != spec.sliding_window:
-                raise LayoutError(f"draft_model's sliding_window ({dspec.sliding_window}) must be "
-                                  f"the model's ({spec.sliding_window}) or None: one pool's "
-                                  "window parts serve both")
-        if cuda_graphs not in ("auto", True, False):
-            raise InputError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
-        chunks = {s.attention_chunk_size for s in (spec, dspec)
-                  if s is not None and s.attention_chunk_size is not None}
-        if len(chunks) > 1:
-            raise LayoutError(f"draft_model's attention_chunk_size must be the model's: one "
-                              f"pool's local phase serves both, got {sorted(chunks)}")
-        self.chunk = next(iter(chunks), None)
-        blocker = graph_blocker(model, self.chunk)
-        if blocker.refuse and cuda_graphs is True:
-            raise LayoutError(f"cuda_graphs=True: {blocker.reason}")
-        graphs = spec.device.type == "cuda" and not blocker.reason if cuda_graphs == "auto" \
-            else bool(cuda_graphs)
-        if graphs and spec.device.type != "cuda":
-            raise InputError(f"cuda_graphs=True needs a model on CUDA, got {spec.device}")
-        self.max_context_len, self.num_draft_tokens = max_context_len, n
-        # Verify looks N + 1 positions past the committed tokens: the pool's context has room.
-        self.context = max_context_len + (n + 1 if n else 0)
-        # Default: room for a whole batch of short prompts in one prefill, and any one prompt.
-        default_t = max(self.context, min(max_bs * self.context, 8192))
-        self.max_prefill_tokens = _int("max_prefill_tokens", default_t
-                                       if max_prefill_tokens is None else max_prefill_tokens, 1)
-        specs = [spec] if dspec is None else [spec, dspec]
-        limits = [s.position_limit for s in specs if s.position_limit is not None]
-        if limits and max(self.context, self.max_prefill_tokens) >= min(limits):
-            raise LayoutError(
-                f"positions and packed tokens must stay below floor_scale={min(limits)} (the "
-                f"model's attn_temperature_tuning reads token indices of the packed step as "
-                f"positions); got max_context_len + lookahead {self.context} and "
-                f"max_prefill_tokens {self.max_prefill_tokens}")
-        self.has_full = any(s.full_layers for s in specs)
-        window = spec.sliding_window or (dspec.sliding_window if dspec is not None else None)
-        full_default = max_bs * -(-self.context // max(1, page_size)) + 1
-        pages = _int("num_pages", num_pages if num_pages is not None else
-                     full_default if self.has_full else 2, 2)
-        self.walloc: WindowPageAllocator | None = None
-        wpages = 2
-        if any(s.window_layers for s in specs):
-            assert window is not None  # window layers exist only with a window
-            probe = WindowPageAllocator(2, page_size, window, n + 2 if n else 1)
-            steady = max_bs * (probe.span + 1) + probe.pages_for(self.max_prefill_tokens) + 1
-            wpages = _int("num_window_pages", num_window_pages if num_window_pages is not None
-                          else min(full_default, steady), 2)
-            self.walloc = WindowPageAllocator(wpages, page_size, window, probe.lookahead)
-        cfg = PoolConfig(max_bs=max_bs, max_context_len=self.context, page_size=page_size,
-                         device=spec.device, num_draft_tokens=n + 1 if n else 0,
-                         spec_steps=max(n - 1, 0), max_extend_tokens=self.max_prefill_tokens,
-                         num_pages=max(pages, wpages), sliding_window=window,
-                         attention_chunk_size=self.chunk)
+        sz = size(model, max_bs=max_bs, max_context_len=max_context_len, page_size=page_size,
+                  device=device, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
+                  cuda_graphs=cuda_graphs, num_pages=num_pages,
+                  max_prefill_tokens=max_prefill_tokens, num_window_pages=num_window_pages)
+        spec, dspec, cfg = sz.spec, sz.draft, sz.pool
+        pages, wpages, max_tokens = sz.pages, sz.window_pages, sz.max_tokens
+        self.chunk, self.max_context_len, self.num_draft_tokens = \
+            sz.chunk, max_context_len, sz.num_draft_tokens
+        self.context, self.max_prefill_tokens = sz.context, sz.max_prefill_tokens
+        self.has_full, self.walloc = sz.has_full, sz.window_alloc
         self.pool = BufferPool(cfg)
-        max_tokens = max(self.max_prefill_tokens, max_bs * (n + 1))
 
         def runner(m: Any, ms: ModelSpec) -> ModelRunner:
             r = ModelRunner(m, ms, num_pages=pages, page_size=page_size, max_tokens=max_tokens,
@@ -205,7 +139,7 @@ class PagedGenerator:
                                     else torch.zeros_like(self.req_to_token))  # ok: table, once
         self.tables = Tables(req_to_token=self.req_to_token,
                              window_req_to_token=self.window_req_to_token)
-        self.use_graphs, self.capture_sizes = graphs, capture_sizes
+        self.use_graphs, self.capture_sizes = sz.graphs, capture_sizes
         self._graphs: DecodeGraphs | None = None
         self.stats = GenerationStats()
 
@@ -270,27 +204,14 @@ class PagedGenerator:
     # ---- requests, pages -----------------------------------------------------------------------
     def _requests(self, prompts: Sequence[Sequence[int]], max_new: int, eos: int | None
                   ) -> list[Request]:
-        _int("max_new_tokens", max_new, 1)
+        check_int("max_new_tokens", max_new, 1)
         if eos is not None:
-            _int("eos_token_id", eos, 0)
+            check_int("eos_token_id", eos, 0)
         if self.target.model.training:
             raise InputError("the model is in training mode; call model.eval() first")
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise InputError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-        vocab, out = self.target.spec.vocab_size, []
-        for i, p in enumerate(prompts):
-            toks = [int(t) for t in p] if isinstance(p, Sequence) and not isinstance(p, str) else None
-            if toks is None or not toks:
-                raise InputError(f"prompt {i} must be a non-empty list of token ids, got {p!r}")
-            if min(toks) < 0 or max(toks) >= vocab:
-                raise InputError(f"prompt {i}: token ids must be in [0, {vocab}), got "
-                                 f"{min(toks)}..{max(toks)}")
-            if len(toks) + max_new > self.max_context_len:
-                raise CapacityError(f"prompt {i}: {len(toks)} tokens + max_new_tokens={max_new} "
-                                    f"must be <= max_context_len={self.max_context_len}")
-            if len(toks) + 1 > self.max_prefill_tokens:
-                raise CapacityError(f"prompt {i}: {len(toks)} tokens (+1) must be <= "
-                                    f"max_prefill_tokens={self.max_prefill_tokens}")
+        out = []
+        for i, toks in enumerate(check_prompts(prompts, self.target.spec.vocab_size, max_new,
+                                               self.max_context_len, self.max_prefill_tokens)):
             need = self._tokens_needed(len(toks), max_new)
             self.alloc.check_fits(need if self.has_full else 0)
             if self.walloc is not None:
