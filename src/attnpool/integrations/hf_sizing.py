@@ -8,8 +8,8 @@ model's ``floor_scale``) is refused before a pool or KV cache exists. The sizes:
 
 * **context**: ``max_context_len`` plus the ``N + 1`` positions a verify looks ahead with
   ``N`` draft tokens (the pool's ``max_context_len``);
-* **max_prefill_tokens**: default room for a whole batch of short prompts in one prefill, and
-  for any one prompt (at most 8192 unless asked for);
+* **max_prefill_tokens**: by default ``max_bs`` contexts capped at 8192 tokens, but never less
+  than one context: a whole batch of short prompts fits one prefill, and so does any prompt;
 * **pages**: the full-attention cache's pages (default: ``max_bs`` whole contexts plus the pad
   page; 2 when no model has a full-attention layer);
 * **window pages** (models with sliding-window layers): every running request's steady window
