@@ -37,12 +37,22 @@ def _untouched(gen: PagedGenerator, llama: Any) -> None:
     ([[-1]], 2, InputError, "token ids"),
     ("hello", 2, InputError, "list of token-id lists"),
     ([[1], "ab"], 2, InputError, "prompt 1"),
+    ([[1], [2.7, 3]], 2, InputError, "prompt 1 must be a non-empty list of integer"),
+    ([[1], ["a"]], 2, InputError, "prompt 1 must be a non-empty list of integer"),
+    ([[True, 2]], 2, InputError, "prompt 0 must be a non-empty list of integer"),
 ])
 def test_bad_generate_input(gen: PagedGenerator, llama: Any, prompts: Any, new: Any,
                             err: type[PoolError], match: str) -> None:
     with pytest.raises(err, match=match):
         gen.generate(prompts, max_new_tokens=new)
     _untouched(gen, llama)
+
+
+def test_integer_token_ids_of_any_kind(gen: PagedGenerator) -> None:
+    """Token ids from a tensor or NumPy are taken as the ints they hold."""
+    np = pytest.importorskip("numpy")
+    want = gen.generate([[1, 2, 3]], max_new_tokens=3)
+    assert gen.generate([[torch.tensor(1), np.int64(2), 3]], max_new_tokens=3) == want
 
 
 def test_every_prompt_is_checked_before_any_runs(gen: PagedGenerator, llama: Any) -> None:

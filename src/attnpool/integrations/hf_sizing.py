@@ -19,12 +19,13 @@ model's ``floor_scale``) is refused before a pool or KV cache exists. The sizes:
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..config import PoolConfig
+from ..config import PoolConfig, is_int
 from ..errors import CapacityError, InputError, LayoutError
 from ..kv.window_paging import WindowPageAllocator
 from .hf_model import ModelSpec, graph_blocker, model_spec
@@ -32,7 +33,7 @@ from .hf_model import ModelSpec, graph_blocker, model_spec
 
 def check_int(name: str, v: object, lo: int) -> int:
     """``v`` when it is an int (not a bool) ``>= lo``; else an :class:`InputError` naming it."""
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+    if not is_int(v) or v < lo:
         raise InputError(f"{name} must be an int >= {lo}, got {v!r}")
     return v
 
@@ -43,6 +44,10 @@ def check_prompts(prompts: object, vocab: int, max_new: int, max_context_len: in
     ``max_new`` tokens in ``max_context_len``, and for the prompt plus its first new token in
     one prefill (``max_prefill_tokens``).
 
+    A token id is anything with an exact integer value (``int``, a NumPy integer, a 0-d integer
+    tensor: ``operator.index`` takes it); a float or a bool is refused, never truncated to
+    another token.
+
     Raises:
         InputError: not a list of non-empty token-id lists, or an id outside the vocabulary.
         CapacityError: a prompt too long for the context or for one prefill.
@@ -51,9 +56,9 @@ def check_prompts(prompts: object, vocab: int, max_new: int, max_context_len: in
         raise InputError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
     out = []
     for i, p in enumerate(prompts):
-        toks = [int(t) for t in p] if isinstance(p, Sequence) and not isinstance(p, str) else None
+        toks = _ids(p) if isinstance(p, Sequence) and not isinstance(p, str) else None
         if toks is None or not toks:
-            raise InputError(f"prompt {i} must be a non-empty list of token ids, got {p!r}")
+            raise InputError(f"prompt {i} must be a non-empty list of integer token ids, got {p!r}")
         if min(toks) < 0 or max(toks) >= vocab:
             raise InputError(f"prompt {i}: token ids must be in [0, {vocab}), got "
                              f"{min(toks)}..{max(toks)}")
@@ -65,6 +70,16 @@ def check_prompts(prompts: object, vocab: int, max_new: int, max_context_len: in
                                 f"max_prefill_tokens={max_prefill_tokens}")
         out.append(toks)
     return out
+
+
+def _ids(p: Sequence[Any]) -> list[int] | None:
+    """``p``'s token ids as ints, or None when one is not an integer (a float, a bool, text)."""
+    if any(isinstance(t, bool) for t in p):
+        return None
+    try:
+        return [operator.index(t) for t in p]
+    except TypeError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
