@@ -22,8 +22,6 @@ This module imports no model library: it is plain torch plus the adapters.
 
 from __future__ import annotations
 
-import enum
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -32,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..adapters import sdpa
+from ..adapters.backends import Backend, Need, select
 from ..adapters.sdpa_plan import Plan
 from ..errors import InputError, LayoutError
 from ..kv import KVCachePool
@@ -50,57 +49,25 @@ ATTN_NAME = "attnpool"
 
 
 
-class Backend(enum.Enum):
-    """Which attention kernel reads the paged cache.
-
-    ``AUTO``: FA3 on CUDA when ``flash_attn_interface`` imports, the cache is fp16/bf16 and FA3
-    takes the head sizes; FA2 when ``flash_attn`` imports, the dtype fits, K and V heads are the
-    same size and the page size is a multiple of 256 (its paged path needs it); SDPA otherwise
-    (always on CPU).
-    """
-
-    AUTO = "auto"
-    SDPA = "sdpa"
-    FA3 = "fa3"
-    FA2 = "fa2"
-
-
-def _fa3_takes(head_dim: int, head_dim_v: int) -> bool:
-    from ..adapters.flash_attn import check_fa3_head_dims  # lazy: the FA adapter's rules
-
-    try:
-        check_fa3_head_dims(head_dim, head_dim_v)
-    except LayoutError:
-        return False
-    return True
+#: The backends this integration drives (its :class:`Run` calls them per layer), in
+#: :data:`attnpool.adapters.backends.AUTO_ORDER`. FlashInfer's wrappers need a plan per
+#: step and part, which the generator does not make: it is not among them.
+DRIVEN = (Backend.FA3, Backend.FA2, Backend.SDPA)
 
 
 def resolve_backend(backend: Backend, device: torch.device, dtype: torch.dtype,
-                    page_size: int, head_dim: int = 64, head_dim_v: int | None = None
-                    ) -> Backend:
-    """The backend that runs (never ``AUTO``); a forced one that cannot run raises
-    :class:`LayoutError` here, at construction. ``head_dim_v``: the values' head size when it
-    differs from the keys' (FA2 refuses that; FA3 takes some pairs)."""
-    if not isinstance(backend, Backend):
-        raise InputError(f"backend must be an attnpool Backend, got {backend!r}")
-    half = dtype in (torch.float16, torch.bfloat16)
-    dv = head_dim if head_dim_v is None else head_dim_v
-    ok = {
-        Backend.SDPA: True,
-        Backend.FA3: device.type == "cuda" and half
-        and importlib.util.find_spec("flash_attn_interface") is not None
-        and (dv == head_dim or _fa3_takes(head_dim, dv)),
-        Backend.FA2: device.type == "cuda" and half and page_size % 256 == 0 and dv == head_dim
-        and importlib.util.find_spec("flash_attn") is not None,
-    }
-    if backend is Backend.AUTO:
-        return next(b for b in (Backend.FA3, Backend.FA2, Backend.SDPA) if ok[b])
-    if not ok[backend]:
-        raise LayoutError(f"backend {backend.name} cannot run here: needs CUDA, a float16/bfloat16 "
-                          f"model, head sizes it takes and its module importable (FA2 also "
-                          f"page_size % 256 == 0); got device {device}, dtype {dtype}, page_size "
-                          f"{page_size}, head sizes {head_dim}/{dv}")
-    return backend
+                    page_size: int, head_dim: int = 64, head_dim_v: int | None = None,
+                    window: bool = False) -> Backend:
+    """The backend that runs (never ``AUTO``), chosen through the adapters' registry
+    (:func:`attnpool.adapters.backends.select`): ``AUTO`` takes FA3 on CUDA when
+    ``flash_attn_interface`` imports, the dtype is fp16/bf16 and FA3 has the head sizes; FA2
+    when ``flash_attn`` imports, the dtype fits, K and V heads are the same size and the page
+    size is a multiple of 256; SDPA otherwise (always on CPU). A forced one that cannot run
+    raises :class:`LayoutError` here, at construction, naming why. ``head_dim_v``: the values'
+    head size when it differs from the keys'."""
+    need = Need(device=device.type, dtype=dtype, head_size=head_dim, page_size=page_size,
+                head_size_v=head_dim if head_dim_v is None else head_dim_v, window=window)
+    return select(need, backend, DRIVEN, "the transformers integration")
 
 
 class Run:

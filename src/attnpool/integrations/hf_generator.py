@@ -45,13 +45,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..adapters.backends import Backend
 from ..config import Phase
 from ..errors import CapacityError, InputError
 from ..kv.paging import PageAllocator
 from ..pool import BufferPool
 from ..views import LocalView
 from . import hf_spec
-from .hf_attention import Backend
 from .hf_model import ModelSpec, attnpool_attention_on
 from .hf_runner import DecodeGraphs, ModelRunner
 from .hf_sizing import check_int, check_prompts, size

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..adapters.backends import Backend
 from ..config import Phase
 from ..graphs import GraphRunner
 from ..kv import KVCacheConfig, KVCachePool
 from ..pool import BufferPool
 from ..views import LocalView
-from .hf_attention import Backend, StepContext, bind, resolve_backend
+from .hf_attention import StepContext, bind, resolve_backend
 from .hf_model import ModelSpec, forward_logits
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import transformers as _transformers
 
-from .hf_attention import ATTN_NAME, Backend, StepContext, attnpool_attention
+from ..adapters.backends import Backend
+from .hf_attention import ATTN_NAME, StepContext, attnpool_attention
 from .hf_generator import PagedGenerator
 from .hf_model import ModelSpec, attnpool_attention_on, model_spec
 from .hf_state import GenerationStats

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
+from ..adapters.backends import Backend
 from ..config import Layout
 from ..errors import InputError
-from ..integrations.hf_attention import Backend
 from ..integrations.tiny import random_prompts, tiny_llama
 from . import fetch
 from .bench import device_of
