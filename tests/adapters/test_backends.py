@@ -75,10 +75,12 @@ def test_fa3_head_pairs_agree_with_the_adapter_check(pair: tuple[int, int]) -> N
 def test_auto_skips_what_cannot_serve_and_names_every_reason() -> None:
     # A float64 model on CUDA: only SDPA takes float64.
     assert select(_need(dtype=torch.float64)) is Backend.SDPA
-    # Nothing serves an HND cache on CPU: the message lists each backend's reasons.
+    # An HND cache on CPU: SDPA reads it (strided views); FA2 alone cannot, and says why.
+    assert select(_need(device="cpu", kv_layout=KVLayout.HND)) is Backend.SDPA
     with pytest.raises(LayoutError, match="no backend can serve") as e:
-        select(_need(device="cpu", kv_layout=KVLayout.HND), among=(Backend.FA2, Backend.SDPA))
-    assert "FA2 runs on" in str(e.value) and "SDPA reads ['NHD'] caches" in str(e.value)
+        select(_need(device="cpu", kv_layout=KVLayout.HND, dtype=torch.float32),
+               among=(Backend.FA2,))
+    assert "FA2 runs on ['cuda'], not cpu" in str(e.value) and "not HND" in str(e.value)
 
 
 def test_head_size_v_defaults_to_head_size() -> None:

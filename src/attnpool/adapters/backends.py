@@ -177,8 +177,10 @@ class Need:
 CAPABILITIES: dict[Backend, Capabilities] = {
     Backend.SDPA: Capabilities(
         Backend.SDPA, frozenset({"cpu", "cuda"}), _FLOAT, _FP8, _ANY_HEADS, 1 << 16, 1,
-        frozenset({KVLayout.NHD}), True, True, True, True, True, None,
-        "PyTorch's scaled_dot_product_attention over gathered pages; the CPU backend"),
+        frozenset({KVLayout.NHD, KVLayout.HND}), True, True, True, True, True, None,
+        "PyTorch's scaled_dot_product_attention over gathered pages; the CPU backend. An HND "
+        "(or any strided) cache is given as an NHD-shaped view: pages are gathered where they "
+        "lie (adapters.sdpa_gather)"),
     Backend.FA3: Capabilities(
         Backend.FA3, frozenset({"cuda"}), _HALF, frozenset({torch.float8_e4m3fn}),
         FA3_HEAD_DIMS, 256, 1, frozenset({KVLayout.NHD}), True, True, True, True, True,

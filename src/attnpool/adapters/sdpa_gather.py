@@ -147,12 +147,29 @@ def gather_kv(pl: Lanes, cache: Tensor, dtype: torch.dtype, scale: Tensor | None
     ``scale`` (an fp8 cache's ``[1]`` or ``[H_kv]`` float32 scale): only the gathered lanes are
     dequantized (``stored * scale`` in float32, then ``dtype``), never the whole cache."""
     g, hk, d = pl.gather, pl.num_kv_heads, cache.shape[-1]
-    if g.pages is not None and cache.is_contiguous() \
-            and not (cache.shape[0] * cache.shape[1]) % g.page:
-        x = cache.view(-1, g.page * hk * d).index_select(0, g.pages)
-        return _lanes(pl, x, d, (pl.b,), g.span, g.tail, dtype, scale)
-    x = cache.reshape(-1, hk, d).index_select(0, g.token_slots())
+    if g.pages is not None and not (cache.shape[0] * cache.shape[1]) % g.page:
+        if cache.is_contiguous():
+            x = cache.view(-1, g.page * hk * d).index_select(0, g.pages)
+            return _lanes(pl, x, d, (pl.b,), g.span, g.tail, dtype, scale)
+        if cache.shape[1] == g.page:  # pages of an engine's own strided layout: copied whole
+            x = cache.index_select(0, g.pages).view(-1, g.page * hk * d)
+            return _lanes(pl, x, d, (pl.b,), g.span, g.tail, dtype, scale)
+    slots = g.token_slots()
+    if token_rows(cache):
+        x = cache.reshape(-1, hk, d).index_select(0, slots)
+    else:  # an engine's layout whose token rows are not one run (vLLM's CPU cache): the
+        # lanes are gathered where they lie; a reshape would copy the whole cache per layer
+        p = cache.shape[1]
+        x = cache[torch.div(slots, p, rounding_mode="floor"), slots % p]
     return _lanes(pl, x, d, (pl.b,), pl.lmax, None, dtype, scale)
+
+
+def token_rows(cache: Tensor) -> bool:
+    """Whether ``cache [num_pages, P, H_kv, D]``'s token rows are one run, so that it views as
+    ``[num_pages * P, H_kv, D]`` without a copy (pages back to back, whatever the inner
+    strides). An engine may hand the adapters a strided view of its own layout instead: vLLM's
+    CPU cache keeps each page head-major with K and V halves, read as NHD-shaped views."""
+    return cache.shape[0] <= 1 or cache.stride(0) == cache.shape[1] * cache.stride(1)
 
 
 def gather_pair(pl: Lanes, k_cache: Tensor, v_cache: Tensor, dtype: torch.dtype,
@@ -222,8 +239,7 @@ def cache_as_pages(cache: Tensor, page_size: int) -> Tensor:
     if cache.shape[1] == page_size:
         return cache
     tokens = cache.shape[0] * cache.shape[1]
-    mergeable = cache.shape[0] <= 1 or cache.stride(0) == cache.shape[1] * cache.stride(1)
-    if page_size < 1 or tokens % page_size or not mergeable:
+    if page_size < 1 or tokens % page_size or not token_rows(cache):
         raise LayoutError(
             f"cannot view a KV cache of shape {tuple(cache.shape)} (strides {cache.stride()}) as "
             f"pages of {page_size} tokens: expected a token count divisible by {page_size} "

@@ -1,0 +1,44 @@
+"""attnpool inside vLLM: an attention backend whose metadata lives in attnpool's pools.
+
+Installed with attnpool, the package registers :func:`register` under vLLM's plugin entry point
+group ``vllm.general_plugins``, which vLLM calls in each of its processes (front end, engine
+core, workers). It does nothing unless the environment variable ``ATTNPOOL_VLLM`` is ``1``:
+with the switch off, vLLM behaves exactly as without attnpool. With it on:
+
+- on CPU, attnpool's backend takes the place of vLLM's ``CPU_ATTN`` (the only backend the CPU
+  platform returns for non-MLA models);
+- on CUDA, it is vLLM's ``CUSTOM`` backend: ``LLM(..., attention_backend="CUSTOM")``.
+
+The classes are in :mod:`.backend` (which imports vLLM); the pool sizing and per-step refill in
+:mod:`.step` and the cache views and store in :mod:`.cache` are plain torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: The environment switch each vLLM process reads when it loads the plugin.
+SWITCH = "ATTNPOOL_VLLM"
+#: Where vLLM finds the backends (class paths, imported by vLLM when it selects them).
+CPU_BACKEND = "attnpool.integrations.vllm.backend.AttnpoolCPUBackend"
+CUDA_BACKEND = "attnpool.integrations.vllm.backend.AttnpoolBackend"
+
+
+def enabled() -> bool:
+    """Whether ``ATTNPOOL_VLLM=1`` is set in this process's environment."""
+    return os.environ.get(SWITCH, "0").strip() == "1"
+
+
+def register() -> None:
+    """vLLM's plugin hook: register attnpool's backend when :data:`SWITCH` is on, else
+    nothing (the plugin runs in every vLLM process of the machine once attnpool is
+    installed)."""
+    if not enabled():
+        return
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if current_platform.is_cpu():
+        register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+    else:
+        register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)

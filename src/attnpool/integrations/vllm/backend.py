@@ -1,0 +1,216 @@
+"""The vLLM attention backend: classes vLLM instantiates (importing this module imports vLLM).
+
+- :class:`AttnpoolCPUBackend` replaces vLLM's ``CPU_ATTN`` (the CPU platform only ever returns
+  that backend, so the plugin registers an override of it): vLLM's CPU facts (dtypes, block
+  sizes, head sizes, the ``LBHNC`` cache) are inherited; metadata, K/V stores and attention
+  are attnpool's.
+- :class:`AttnpoolBackend` is vLLM's ``CUSTOM`` backend on CUDA
+  (``LLM(..., attention_backend="CUSTOM")``).
+- :class:`AttnpoolMetadataBuilder`: one per KV-cache group; owns the group's pool
+  (:class:`.step.StepFiller`) and refills it in :meth:`~AttnpoolMetadataBuilder.build`.
+- :class:`AttnpoolImpl`: one per layer; stores the step's K/V into vLLM's cache tensor at the
+  step's slots (:func:`.cache.store_`) and attends through attnpool's adapters.
+
+What attnpool cannot serve (ALiBi, an fp8 cache, encoder or cross attention, a head size or
+variant no adapter of this device takes: :func:`attnpool.adapters.backends.select`) is refused
+when the layer is built, that is when the engine starts, never by a wrong token.
+
+CUDA graphs: a batch whose rows all have one query is a ``pool.decode`` update, whose views are
+captured per batch size; mixed batches are ``pool.extend`` updates, which run outside full
+graphs (vLLM's piecewise mode runs attention eagerly). Hence
+``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
+from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+from ...adapters.backends import Backend, KVLayout, Need, select
+from ...errors import LayoutError
+from .cache import cpu_views, cuda_views, slot_index_, store_
+from .step import EngineSizes, StepFiller, StepMetadata, group_window
+
+#: The backends this integration drives per device: SDPA everywhere. The flash-attn and
+#: FlashInfer adapters read NHD pages with their own page strides; reading vLLM's CUDA cache
+#: through them waits for a GPU run that proves it.
+DRIVEN: dict[str, tuple[Backend, ...]] = {"cpu": (Backend.SDPA,), "cuda": (Backend.SDPA,)}
+
+
+class AttnpoolImpl(AttentionImpl[StepMetadata]):
+    """One attention layer: the K/V store and the adapter call (see the module docstring)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: int | None = None, alibi_slopes: list[float] | None = None,
+                 sliding_window: int | None = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None,
+                 sinks: Tensor | None = None, **extra: Any) -> None:
+        refused = [what for what, bad in (
+            ("ALiBi slopes", alibi_slopes is not None),
+            (f"an fp8 KV cache (kv_cache_dtype={kv_cache_dtype!r})", kv_cache_dtype != "auto"),
+            (f"{attn_type} attention (decoder self-attention only)",
+             attn_type != AttentionType.DECODER),
+            (f"arguments {sorted(extra)}", bool(extra))) if bad]
+        if refused:
+            raise LayoutError("attnpool's vLLM backend does not serve " + ", ".join(refused))
+        cfg = get_current_vllm_config()
+        device = torch.device(cfg.device_config.device)
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self.sliding_window = sliding_window
+        self.softcap = float(logits_soft_cap or 0.0)
+        self.sinks = sinks
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+        self.cpu = device.type == "cpu"
+        need = Need(device=device.type, dtype=cfg.model_config.dtype, head_size=head_size,
+                    page_size=cfg.cache_config.block_size, varying_queries=True,
+                    kv_layout=KVLayout.HND if self.cpu else KVLayout.NHD,
+                    window=sliding_window is not None, softcap=bool(self.softcap),
+                    sinks=sinks is not None)
+        #: the adapter this layer runs (the same for every layer of a model)
+        self.backend = select(need, Backend.AUTO, DRIVEN.get(device.type, (Backend.SDPA,)),
+                              "attnpool's vLLM backend")
+
+    def _views(self, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        return cpu_views(kv_cache) if self.cpu else cuda_views(kv_cache)
+
+    def forward(self, layer: Any, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
+                attn_metadata: StepMetadata | None, output: Tensor,
+                output_scale: Tensor | None = None,
+                output_block_scale: Tensor | None = None) -> Tensor:
+        """Attention of the step's ``num_actual_tokens`` queries into ``output[:T]``."""
+        if output_scale is not None or output_block_scale is not None:
+            raise LayoutError("attnpool's vLLM backend has no fused output quantization")
+        if attn_metadata is None:  # vLLM's warm-up (no metadata, an empty cache)
+            return output
+        t = attn_metadata.num_actual_tokens
+        k_cache, v_cache = self._views(kv_cache)
+        sinks = self.sinks
+        if sinks is not None and sinks.dtype != torch.float32:
+            # once, after the weights are loaded (the adapter takes float32 sinks)
+            sinks = self.sinks = sinks.float()
+        out = attn_metadata.run(query[:t], k_cache, v_cache, self.scale,
+                                window=self.sliding_window is not None, softcap=self.softcap,
+                                sinks=sinks)
+        output[:t].copy_(out.view(output[:t].shape))
+        return output
+
+    def do_kv_cache_update(self, layer: Any, key: Tensor, value: Tensor, kv_cache: Tensor,
+                           slot_mapping: Tensor) -> None:
+        """Store the step's new K/V at ``slot_mapping`` (-1: padding, skipped into the null
+        block), through the block/offset pair the step's metadata computed once."""
+        k_cache, v_cache = self._views(kv_cache)
+        t = slot_mapping.shape[0]
+        md = _step_metadata(getattr(layer, "layer_name", None))
+        if md is not None and md.blocks.shape[0] == t:
+            blocks, offsets = md.blocks, md.offsets
+        else:  # no step metadata to share (a caller outside a model step): computed here
+            blocks = torch.empty(t, dtype=torch.int64, device=slot_mapping.device)
+            offsets = torch.empty_like(blocks)
+            slot_index_(slot_mapping, k_cache.shape[1], blocks, offsets)
+        store_(k_cache, v_cache, key[:t], value[:t], blocks, offsets)
+
+
+def _step_metadata(layer_name: str | None) -> StepMetadata | None:
+    """This layer's metadata of the current step, from vLLM's forward context."""
+    if layer_name is None or not is_forward_context_available():
+        return None
+    md = get_forward_context().attn_metadata
+    found = md.get(layer_name) if isinstance(md, dict) else None
+    return found if isinstance(found, StepMetadata) else None
+
+
+class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
+    """One KV-cache group: its pool, sized once, refilled by every :meth:`build`."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = \
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+        impls = [layer.impl for layer in layers.values()]
+        if not impls or not all(isinstance(i, AttnpoolImpl) for i in impls):
+            raise LayoutError(f"attnpool's builder serves attnpool's layers; group "
+                              f"{layer_names} has {sorted({type(i).__name__ for i in impls})}")
+        first = impls[0]
+        sched, model = vllm_config.scheduler_config, vllm_config.model_config
+        sizes = EngineSizes(
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=model.max_model_len, block_size=kv_cache_spec.block_size,
+            sliding_window=group_window({i.sliding_window for i in impls}),
+            num_blocks=vllm_config.cache_config.num_gpu_blocks, device=torch.device(device))
+        self.filler = StepFiller(sizes, first.backend, first.num_heads,
+                                 kv_cache_spec.num_kv_heads, model.dtype)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> StepMetadata:
+        cm = common_attn_metadata
+        return self.filler.fill(num_reqs=cm.num_reqs, num_actual_tokens=cm.num_actual_tokens,
+                                max_query_len=cm.max_query_len,
+                                query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
+                                block_table=cm.block_table_tensor,
+                                slot_mapping=cm.slot_mapping)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
+                                    ) -> StepMetadata:
+        """The capture batch's metadata: the same refill (a uniform decode batch writes the
+        decode view a graph of that size replays; :meth:`build` refills it before each
+        replay)."""
+        return self.build(0, common_attn_metadata)
+
+
+class AttnpoolCPUBackend(CPUAttentionBackend):  # type: ignore[misc]
+    """vLLM's ``CPU_ATTN`` slot, served by attnpool (same name: the CPU platform looks the
+    backend up by it)."""
+
+    @staticmethod
+    def get_impl_cls() -> type[AttnpoolImpl]:
+        return AttnpoolImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttnpoolMetadataBuilder]:
+        return AttnpoolMetadataBuilder
+
+
+class AttnpoolBackend(AttentionBackend):  # type: ignore[misc]
+    """vLLM's ``CUSTOM`` backend on CUDA (``attention_backend="CUSTOM"``)."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
+                                                     torch.float32]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @staticmethod
+    def get_impl_cls() -> type[AttnpoolImpl]:
+        return AttnpoolImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AttnpoolMetadataBuilder]:
+        return AttnpoolMetadataBuilder

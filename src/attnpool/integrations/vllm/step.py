@@ -1,0 +1,159 @@
+"""One KV-cache group's pool and its per-step refill from vLLM's batch, without vLLM itself.
+
+vLLM's model runner builds a ``CommonAttentionMetadata`` per step and KV-cache group (layers of
+one cache spec: the full layers, or the sliding-window ones) and asks that group's metadata
+builder for what its layers read. attnpool's builder (:mod:`.backend`) owns one
+:class:`StepFiller` per group: a :class:`attnpool.BufferPool` sized once from vLLM's config
+(:func:`pool_config`) and a few staging buffers, and :meth:`StepFiller.fill` refills the pool's
+views in place from vLLM's tensors, with vLLM's block table read directly (``block_table=``).
+
+**Mixed batches.** vLLM's scheduler puts prefill chunks and decode rows in one forward, in any
+order. Every such batch is one :attr:`attnpool.BufferPool.extend` update: a decode row is an
+extend row with one new token (``extend_lens = query_start_loc[1:] - query_start_loc[:-1]``,
+``seq_lens`` its whole length), so no reordering is needed and every layer reads one
+:class:`attnpool.ExtendView`. A batch in which every row has one query (``max_query_len == 1``)
+is a :attr:`attnpool.BufferPool.decode` update instead: the shape CUDA graphs capture per batch
+size, and the cheaper SDPA path on a CPU. The two phases overlay the same bytes; a step's
+metadata is read by that step's forward before the next step is built (vLLM builds and runs
+steps in order on one stream), which is the overlay's contract.
+
+**Per step, nothing is allocated** once the pool's views for a shape exist: the query lengths
+are computed into a staging buffer (``out=``), the host copies vLLM already keeps on a CPU are
+passed as the pool's host lengths (tight ``max_seqlen_*``: the SDPA adapter gathers only live
+lanes), and each token's cache block and offset for the K/V store are computed once per step
+into two more staging buffers (:func:`attnpool.integrations.vllm.cache.slot_index_`). On CUDA
+no host copy is passed (no sync): views keep static bounds, which the kernels bound by tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...adapters.backends import Backend
+from ...config import Layout, PoolConfig
+from ...errors import CapacityError, LayoutError
+from ...pool import BufferPool
+from ...views import DecodeView, ExtendView
+from ..hf_attention import Run, bind
+from .cache import slot_index_
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSizes:
+    """What a pool is sized from, read once from vLLM's config when the engine starts.
+
+    Fields:
+        max_num_seqs: requests in one step (``scheduler_config.max_num_seqs``): ``max_bs``.
+        max_num_batched_tokens: tokens in one step (``scheduler_config``): the extend phase's
+            packed query capacity ``T`` and the store's token capacity.
+        max_model_len: the longest sequence (``model_config.max_model_len``):
+            ``max_context_len``.
+        block_size: tokens per KV block of this group (``kv_cache_spec.block_size``).
+        sliding_window: ``W`` shared by the group's sliding-window layers, or None.
+        num_blocks: blocks of the group's cache when known (``cache_config.num_gpu_blocks``):
+            the page-id bound of the pool's checks.
+        device: the engine's device.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    sliding_window: int | None
+    num_blocks: int | None
+    device: torch.device
+
+
+def pool_config(s: EngineSizes) -> PoolConfig:
+    """The group's :class:`attnpool.PoolConfig`: page tables (flash-attn layout, the one SDPA
+    and flash-attn read), the pad page 0 (vLLM's null block), decode and extend phases."""
+    return PoolConfig(max_bs=s.max_num_seqs, max_context_len=s.max_model_len,
+                      page_size=s.block_size, device=s.device, layout=Layout.FLASH_ATTN,
+                      max_extend_tokens=s.max_num_batched_tokens,
+                      sliding_window=s.sliding_window, num_pages=s.num_blocks, pad_page=0)
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetadata:
+    """What every layer of a group reads in one step (vLLM's ``attn_metadata`` for the group).
+
+    Fields:
+        view: the refilled :class:`attnpool.DecodeView` or :class:`attnpool.ExtendView`.
+        run: the adapter call bound to ``view`` for every layer of the step (SDPA plans are
+            computed by the first layer that reads a part and reused by the others).
+        blocks, offsets: ``[num_tokens]`` int64 views of staging buffers: each new token's
+            cache block and offset (padded tokens: block 0, vLLM's null block).
+        num_actual_tokens: the step's real query tokens (rows of ``query`` past it are
+            vLLM's padding).
+    """
+
+    view: DecodeView | ExtendView
+    run: Run
+    blocks: Tensor
+    offsets: Tensor
+    num_actual_tokens: int
+
+
+class StepFiller:
+    """One KV-cache group's pool, staging buffers and per-step refill (see the module doc)."""
+
+    def __init__(self, sizes: EngineSizes, backend: Backend, num_heads: int, num_kv_heads: int,
+                 dtype: torch.dtype) -> None:
+        self.sizes = sizes
+        self.pool = BufferPool(pool_config(sizes))
+        self.backend, self.dtype = backend, dtype
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.host = sizes.device.type == "cpu"
+        dev, t = sizes.device, sizes.max_num_batched_tokens
+        # staging, allocated once: query lengths, each token's block and offset
+        self._q_lens = torch.empty(sizes.max_num_seqs, dtype=torch.int32, device=dev)
+        self._blocks = torch.empty(t, dtype=torch.int64, device=dev)
+        self._offsets = torch.empty(t, dtype=torch.int64, device=dev)
+
+    def fill(self, *, num_reqs: int, num_actual_tokens: int, max_query_len: int,
+             query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
+             slot_mapping: Tensor) -> StepMetadata:
+        """Refill the pool from one step of vLLM's batch (``CommonAttentionMetadata``'s
+        fields: ``query_start_loc [>= num_reqs + 1]``, ``seq_lens [>= num_reqs]``,
+        ``block_table [>= num_reqs, >= max_pages]``, ``slot_mapping [num_tokens]``)."""
+        n = num_reqs
+        if n > self.sizes.max_num_seqs or num_actual_tokens > self.sizes.max_num_batched_tokens:
+            raise CapacityError(f"a step of {n} requests and {num_actual_tokens} tokens is past "
+                                f"the pool's max_num_seqs={self.sizes.max_num_seqs}, "
+                                f"max_num_batched_tokens={self.sizes.max_num_batched_tokens}")
+        lens, table = seq_lens[:n], block_table[:n]
+        host = lens if self.host else None
+        view: DecodeView | ExtendView
+        if max_query_len == 1:
+            view = self.pool.decode.update_(n, seq_lens=lens, block_table=table,
+                                            seq_lens_cpu=host)
+        else:
+            q_lens = self._q_lens[:n]
+            torch.sub(query_start_loc[1:n + 1], query_start_loc[:n], out=q_lens)
+            view = self.pool.extend.update_(n, seq_lens=lens, extend_lens=q_lens,
+                                            block_table=table, seq_lens_cpu=host,
+                                            extend_lens_cpu=q_lens if self.host else None)
+        tokens = slot_mapping.shape[0]
+        if tokens > self._blocks.shape[0]:
+            raise CapacityError(f"slot_mapping has {tokens} tokens, more than "
+                                f"max_num_batched_tokens={self._blocks.shape[0]}")
+        page = self.sizes.block_size
+        slot_index_(slot_mapping, page, self._blocks, self._offsets)
+        run = bind(self.backend, view, num_actual_tokens, self.num_heads, self.num_kv_heads,
+                   self.dtype)
+        return StepMetadata(view, run, self._blocks[:tokens], self._offsets[:tokens],
+                            num_actual_tokens)
+
+
+def group_window(windows: set[int | None]) -> int | None:
+    """The window of a KV-cache group from its layers' ``sliding_window`` values: None when
+    no layer slides, ``W`` when the sliding layers agree (full layers may share the group:
+    they read the view's full part, sliding ones its window part); two windows are refused."""
+    slid = {w for w in windows if w is not None}
+    if len(slid) > 1:
+        raise LayoutError(f"attnpool serves one sliding window per KV-cache group, got "
+                          f"{sorted(slid)}")
+    return next(iter(slid), None)
