@@ -20,7 +20,7 @@ On a CPU-only machine the "device" is the CPU too, so host tensors are told apar
 the host inputs (``seq_lens_cpu``) as ``host``; every output computed only from tagged tensors is
 tagged in turn. On CUDA a CPU tensor is a host tensor, tagged or not.
 
-Triton launches are counted apart (``triton``), by the launch counter of ``tests/opcount.py``
+Triton launches are counted apart (``triton``), by the launch counter of ``tests/helpers/opcount.py``
 (triton's launch hook on a GPU; the interpreter's ``run`` on CPU). The aten ops the interpreter
 issues to emulate a kernel on the host are not counted: a compiled launch issues none.
 
@@ -140,8 +140,8 @@ def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
 
 
 def _opcount() -> ModuleType:
-    """tests/opcount.py (the Triton launch counter the op-count tests use), loaded by path."""
-    path = pathlib.Path(__file__).resolve().parent.parent / "tests" / "opcount.py"
+    """tests/helpers/opcount.py (the Triton launch counter the op-count tests use), loaded by path."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "tests" / "helpers" / "opcount.py"
     spec = importlib.util.spec_from_file_location("opcount", path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)

@@ -51,8 +51,8 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def llama() -> Any:
-    """The tiny random GQA Llama of tests/hf_tiny.py (one per module: some tests change it)."""
-    import hf_tiny
+    """The tiny random GQA Llama of tests/helpers/hf_tiny.py (one per module: some tests change it)."""
+    from tests.helpers import hf_tiny
 
     return hf_tiny.llama()
 
@@ -60,7 +60,7 @@ def llama() -> Any:
 @pytest.fixture(scope="module")
 def llama_ref(llama: Any) -> list[list[int]]:
     """``model.generate`` greedy outputs of :func:`llama` on hf_tiny's prompts."""
-    import hf_tiny
+    from tests.helpers import hf_tiny
 
     return hf_tiny.greedy(llama, hf_tiny.prompts())
 
@@ -85,7 +85,7 @@ def install(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, Any], No
 
 # ---- compile coverage ----------------------------------------------------------------------------
 # `attnpool kernels` compiles, for a GPU target, every kernel specialization its enumeration of pool
-# configs launches (tests/test_kernels_compile.py). So that no launch escapes that check, every
+# configs launches (tests/update/test_kernels_compile.py). So that no launch escapes that check, every
 # specialization a pool launches during this pytest run (the interpreter runs them) is recorded,
 # and the run fails at its end if the enumeration lacks one: a new phase part, flag or argument
 # type then needs a config in attnpool/tools/kernel_cases.py. Checked at the end, whatever ran.

@@ -22,7 +22,7 @@ workaround of its own), at which ptxas keeps some specializations of a kernel wi
 chain-window (draft) extend specializations did so at 32 and 40 registers (4-8 bytes: a value
 kept across the sum loop); the same PTX given a ``.maxnreg``, or compiled without that flag,
 takes 48-50 registers and spills nothing. With both, no specialization spills on sm_80 or sm_90
-(``python -m attnpool kernels``; tests/test_kernels_compile.py).
+(``python -m attnpool kernels``; tests/update/test_kernels_compile.py).
 
 Every address is bounded without reading lengths on the host: row indices are clamped into the
 caller's table, token columns into its width, page columns into the page table's width and CSR
