@@ -179,7 +179,7 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         return self.build(0, common_attn_metadata)
 
 
-class AttnpoolCPUBackend(CPUAttentionBackend):  # type: ignore[misc]
+class AttnpoolCPUBackend(CPUAttentionBackend):
     """vLLM's ``CPU_ATTN`` slot, served by attnpool (same name: the CPU platform looks the
     backend up by it)."""
 
@@ -192,7 +192,7 @@ class AttnpoolCPUBackend(CPUAttentionBackend):  # type: ignore[misc]
         return AttnpoolMetadataBuilder
 
 
-class AttnpoolBackend(AttentionBackend):  # type: ignore[misc]
+class AttnpoolBackend(AttentionBackend):
     """vLLM's ``CUSTOM`` backend on CUDA (``attention_backend="CUSTOM"``)."""
 
     forward_includes_kv_cache_update: bool = False

@@ -14,6 +14,10 @@ otherwise; attnpool reads only what it wrote, so its layout is the ``vec`` one f
 On CUDA the cache is ``[2, num_blocks, block_size, H_kv, D]`` (K and V, NHD pages): the layout
 flash-attn and attnpool's adapters read directly (:func:`cuda_views`).
 
+Block 0 is vLLM's null block: no request owns it, vLLM allocates every cache zeroed, and the
+store sends padded tokens there (finite K/V). Lanes of a row past its length read it (the pad
+page of attnpool's metadata), masked out by attention, which needs them finite, as they are.
+
 Nothing here imports vLLM: the views and the store are plain torch.
 """
 
@@ -56,9 +60,9 @@ def slot_index_(slots: Tensor, page_size: int, blocks: Tensor, offsets: Tensor) 
     store needs no mask and no host read."""
     t = slots.shape[0]
     b, o = blocks[:t], offsets[:t]
-    torch.clamp(slots, min=0, out=o)
+    o.copy_(slots).clamp_(min=0)  # (copy_ converts vLLM's int32/int64 slots in place)
     torch.div(o, page_size, rounding_mode="floor", out=b)
-    torch.remainder(o, page_size, out=o)
+    o.remainder_(page_size)
 
 
 def store_(k_cache: Tensor, v_cache: Tensor, key: Tensor, value: Tensor, blocks: Tensor,

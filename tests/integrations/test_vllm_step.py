@@ -1,0 +1,191 @@
+"""attnpool's vLLM backend without vLLM: the plugin switch, the cache views and store, and the
+per-step refill of a group's pool from a vLLM-shaped batch (mixed prefill and decode rows),
+checked against dense attention. (tests/integrations/vllm/ runs vLLM itself, in its own
+environment.)"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attnpool import CapacityError, ExtendView, LayoutError
+from attnpool.adapters.backends import Backend
+from attnpool.config import Impl
+from attnpool.integrations.vllm import SWITCH, enabled
+from attnpool.integrations.vllm.cache import cpu_views, slot_index_, store_
+from attnpool.integrations.vllm.step import EngineSizes, StepFiller, group_window
+
+from tests.helpers.dense import dense_attention
+from tests.helpers.opcount import count
+
+H, H_KV, D, P = 4, 2, 32, 16
+
+
+def test_plugin_does_nothing_unless_switched_on() -> None:
+    """With the switch off, ``register`` returns before importing anything of vLLM (it runs
+    in every vLLM process once attnpool is installed)."""
+    code = ("import sys; from attnpool.integrations import vllm as v; v.register(); "
+            "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if k != SWITCH}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+    for value, on in (("1", True), ("0", False), ("", False), ("yes", False)):
+        os.environ[SWITCH] = value
+        try:
+            assert enabled() is on
+        finally:
+            os.environ.pop(SWITCH)
+
+
+def _kv(blocks: int) -> torch.Tensor:
+    """A vLLM CPU cache tensor ``[blocks, H_kv, P, 2D]``: NaN in every block's unwritten
+    lanes (what a block freed by another request may hold, as far as a row past its length is
+    concerned), block 0 zero (vLLM allocates its caches zeroed, and only padded tokens' finite
+    K/V are stored there)."""
+    kv = torch.full((blocks, H_KV, P, 2 * D), float("nan"), dtype=torch.float64)
+    kv[0] = 0
+    return kv
+
+
+def test_store_and_views_round_trip_padding_to_the_null_block() -> None:
+    kv = _kv(6)
+    k, v = cpu_views(kv)
+    assert k.shape == v.shape == (6, P, H_KV, D) and k.data_ptr() == kv.data_ptr()
+    slots = torch.tensor([17, 3, -1, 95, 40], dtype=torch.int32)
+    key, val = torch.randn(5, H_KV, D, dtype=torch.float64), torch.randn(5, H_KV, D,
+                                                                          dtype=torch.float64)
+    blocks, offsets = torch.empty(8, dtype=torch.int64), torch.empty(8, dtype=torch.int64)
+    slot_index_(slots, P, blocks, offsets)
+    store_(k, v, key, val, blocks, offsets)
+    for t, s in enumerate(slots.tolist()):
+        b, o = divmod(max(s, 0), P)
+        assert torch.equal(k[b, o], key[t]) and torch.equal(v[b, o], val[t])
+    # the keys of one block and head are stored transposed (D x P), then the values (P x D)
+    assert torch.equal(kv[1, 0].reshape(-1)[: P * D].view(D, P)[:, 1], key[0, 0])
+    assert torch.equal(kv[1, 0].reshape(-1)[P * D:].view(P, D)[1], val[0, 0])
+
+
+def _filler(impl: Impl = Impl.REFERENCE, window: int | None = None) -> StepFiller:
+    sizes = EngineSizes(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=128,
+                        block_size=P, sliding_window=window, num_blocks=24,
+                        device=torch.device("cpu"))
+    f = StepFiller(sizes, Backend.SDPA, H, H_KV, torch.float64)
+    if impl is not Impl.REFERENCE:
+        import dataclasses
+
+        from attnpool import BufferPool
+        f.pool = BufferPool(dataclasses.replace(f.pool.cfg, impl=impl))
+    return f
+
+
+def _batch() -> dict[str, object]:
+    """A mixed step as vLLM's scheduler sends it: a decode row, a prefill chunk over a cached
+    prefix, a fresh prompt and another decode row (in that order)."""
+    q_lens, seq_lens = [1, 9, 13, 1], [40, 25, 13, 70]
+    qsl = torch.tensor([0, *itertools_acc(q_lens)], dtype=torch.int32)
+    table = torch.zeros(6, 8, dtype=torch.int32)  # rows past num_reqs: vLLM's padding
+    next_block = 1  # block 0: vLLM's null block
+    for r, n in enumerate(seq_lens):
+        pages = math.ceil(n / P)
+        table[r, :pages] = torch.arange(next_block, next_block + pages)
+        next_block += pages
+    slots = []
+    for r, (q, n) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        for pos in range(n - q, n):
+            slots.append(int(table[r, pos // P]) * P + pos % P)
+    return {"num_reqs": 4, "num_actual_tokens": sum(q_lens), "max_query_len": max(q_lens),
+            "query_start_loc": qsl, "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+            "block_table": table, "slot_mapping": torch.tensor([*slots, -1, -1],
+                                                               dtype=torch.int64),
+            "q_lens": q_lens}
+
+
+def itertools_acc(xs: list[int]) -> list[int]:
+    out, s = [], 0
+    for x in xs:
+        s += x
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_mixed_step_matches_dense_attention(window: int | None) -> None:
+    """One extend update serves decode rows and prefill chunks together: the view's lengths
+    and pages are vLLM's, and attention over a cache stored through the same step's slots
+    equals dense attention per query (causal, end-aligned; windowed for a sliding layer)."""
+    b = _batch()
+    q_lens = b.pop("q_lens")
+    f = _filler(window=window)
+    md = f.fill(**b)  # type: ignore[arg-type]
+    assert isinstance(md.view, ExtendView)
+    assert md.view.cache_seqlens[:4].tolist() == b["seq_lens"].tolist()  # type: ignore[attr-defined]
+    assert md.view.cu_seqlens_q[:5].tolist() == b["query_start_loc"].tolist()  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    kv = _kv(24)
+    k, v = cpu_views(kv)
+    table, lens = b["block_table"], b["seq_lens"].tolist()  # type: ignore[attr-defined]
+    # the cached prefixes (stored by earlier steps), then this step's tokens through md
+    for r, n in enumerate(lens):
+        for pos in range(n):
+            blk = int(table[r, pos // P])  # type: ignore[index]
+            k[blk, pos % P] = torch.randn(H_KV, D, dtype=torch.float64)
+            v[blk, pos % P] = torch.randn(H_KV, D, dtype=torch.float64)
+    t = md.num_actual_tokens
+    new_k, new_v = torch.randn(t + 2, H_KV, D, dtype=torch.float64), \
+        torch.randn(t + 2, H_KV, D, dtype=torch.float64)
+    store_(k, v, new_k, new_v, md.blocks, md.offsets)
+    q = torch.randn(t, H, D, dtype=torch.float64)
+    out = md.run(q, k, v, D ** -0.5, window=window is not None)
+    keys: list[list[int]] = []
+    for r, (qn, n) in enumerate(zip(q_lens, lens, strict=True)):  # type: ignore[call-overload]
+        for j in range(qn):
+            pos = n - qn + j
+            lo = 0 if window is None else max(0, pos - window + 1)
+            keys.append([int(table[r, p // P]) * P + p % P for p in range(lo, pos + 1)])  # type: ignore[index]
+    ref, _ = dense_attention(q, k, v, keys, D ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_uniform_decode_step_is_a_decode_update() -> None:
+    f = _filler()
+    qsl = torch.arange(4, dtype=torch.int32)
+    table = torch.arange(1, 25, dtype=torch.int32).view(3, 8)
+    md = f.fill(num_reqs=3, num_actual_tokens=3, max_query_len=1, query_start_loc=qsl,
+                seq_lens=torch.tensor([5, 17, 33], dtype=torch.int32), block_table=table,
+                slot_mapping=torch.tensor([4, 8 * P + 0, 16 * P + 32], dtype=torch.int64))
+    assert type(md.view).__name__ == "DecodeView" and md.view.max_seqlen_k == 33
+
+
+def test_refill_allocates_nothing_on_the_fused_path() -> None:
+    """Once warm, a step's refill allocates no tensor: the query lengths and the store's
+    block / offset pairs go to staging buffers (``out=``), the fused update writes the arena."""
+    pytest.importorskip("triton")
+    b = _batch()
+    b.pop("q_lens")
+    f = _filler(Impl.TRITON)
+    f.fill(**b)  # type: ignore[arg-type]
+    c = count(lambda: f.fill(**b))  # type: ignore[arg-type]
+    views = {"aten.slice.Tensor", "aten.alias.default", "aten.view.default",
+             "aten.select.int", "aten.as_strided.default"}
+    # every other op writes in place (``aten.x_``) or into a given tensor (an ``out`` overload)
+    made = {op for op in c.ops if op not in views and not op.split(".")[1].endswith("_")
+            and "out" not in op.split(".")[2]}
+    assert not made, c.ops
+    assert c.launches == 1
+
+
+def test_refusals() -> None:
+    with pytest.raises(LayoutError, match=r"one sliding window per KV-cache group, got \[32, 64\]"):
+        group_window({32, None, 64})
+    assert group_window({None, 48}) == 48 and group_window({None}) is None
+    b = _batch()
+    b.pop("q_lens")
+    b["num_reqs"] = 5
+    with pytest.raises(CapacityError, match="max_num_seqs=4"):
+        _filler().fill(**b)  # type: ignore[arg-type]
