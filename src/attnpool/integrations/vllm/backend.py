@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
 from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -44,6 +45,9 @@ from ...adapters.backends import Backend, KVLayout, Need, select
 from ...errors import LayoutError
 from .cache import cpu_views, cuda_views, slot_index_, store_
 from .step import EngineSizes, StepFiller, StepMetadata, group_window
+
+#: under vLLM's logger hierarchy, so that vLLM's own log handler prints it
+logger = init_logger("vllm.plugins.attnpool")
 
 #: The backends this integration drives per device: SDPA everywhere. The flash-attn and
 #: FlashInfer adapters read NHD pages with their own page strides; reading vLLM's CUDA cache
@@ -161,6 +165,11 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
             num_blocks=vllm_config.cache_config.num_gpu_blocks, device=torch.device(device))
         self.filler = StepFiller(sizes, first.backend, first.num_heads,
                                  kv_cache_spec.num_kv_heads, model.dtype)
+        logger.info("attnpool serves attention of %d layers (%s): one pool of %d bytes, "
+                    "max_bs %d, %d extend tokens, block size %d, window %s",
+                    len(impls), first.backend.name, self.filler.pool.nbytes,
+                    sizes.max_num_seqs, sizes.max_num_batched_tokens, sizes.block_size,
+                    sizes.sliding_window)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> StepMetadata:
