@@ -142,3 +142,28 @@ def generate(model: Path, attnpool: bool, reqs: list[dict[str, list[int]]], max_
         finally:
             del llm
             gc.collect()
+
+
+def generate_apart(model: Path, attnpool: bool, reqs: list[dict[str, list[int]]],
+                   max_tokens: int, **kw: Any) -> tuple[list[list[int]], int]:
+    """:func:`generate` in a fresh Python process (token ids and preemptions). For engine
+    settings after which vLLM cannot start a second engine in the same process (its n-gram
+    proposer's numba objects break the kernel-override scan of the next engine's start)."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from pathlib import Path; "
+            "from tests.helpers import vllm_engine as ve; a = json.loads(sys.argv[1]); "
+            "t, p, _ = ve.generate(Path(a['model']), a['on'], a['reqs'], a['new'], **a['kw']); "
+            "print('RESULT' + json.dumps([t, p]))")
+    arg = json.dumps({"model": str(model), "on": attnpool, "reqs": reqs, "new": max_tokens,
+                      "kw": kw})
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code, arg], cwd=root, capture_output=True,
+                         text=True, check=False)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"vLLM run failed ({out.returncode}):\n{out.stderr[-3000:]}")
+    tokens, preempted = json.loads(lines[-1][len("RESULT"):])
+    return tokens, preempted

@@ -31,6 +31,10 @@ pytest.importorskip("vllm")
 from tests.helpers import vllm_engine as ve
 
 MODELS = ("llama", "qwen3", "mistral", "gemma2", "gemma3", "gpt_oss")
+#: KV blocks of 32 tokens per model: few enough that the scheduler preempts, enough for one
+#: 512-token request. Models with full and sliding layers keep two KV-cache groups, and the
+#: full group alone needs 16 blocks for it, so they get more.
+BLOCKS = {"llama": 17, "qwen3": 17, "mistral": 17, "gemma2": 24, "gemma3": 32, "gpt_oss": 24}
 NEW = 48
 #: one line per comparison, written where ATTNPOOL_VLLM_REPORT points (the closing figures)
 REPORT = os.environ.get("ATTNPOOL_VLLM_REPORT")
@@ -64,7 +68,7 @@ def _compare(model: Path, name: str, setting: str, reqs: list[dict[str, list[int
 @pytest.mark.parametrize("name", MODELS)
 def test_mixed_batches_chunked_prefix_cached_preempted(root: Path, name: str) -> None:
     pre, hits = _compare(ve.save_tiny(name, root), name, "mixed", ve.prompts(),
-                         num_gpu_blocks_override=17)
+                         num_gpu_blocks_override=BLOCKS[name])
     assert pre > 0, "the small KV cache should have forced a preemption"
     assert hits > 0, "the shared prefixes should have hit the prefix cache"
 
@@ -72,14 +76,6 @@ def test_mixed_batches_chunked_prefix_cached_preempted(root: Path, name: str) ->
 def test_one_request_at_a_time(root: Path) -> None:
     _compare(ve.save_tiny("llama", root), "llama", "one_seq", ve.prompts(lengths=(1, 77, 200),
              shared=1), max_num_seqs=1)
-
-
-def test_ngram_speculative_decoding(root: Path) -> None:
-    # repetitive prompts, so the n-gram proposer finds drafts and verify steps carry them
-    reqs = [{"prompt_token_ids": [5, 6, 7, 8] * 12}, {"prompt_token_ids": [9, 10, 11] * 20 + [4]}]
-    _compare(ve.save_tiny("llama", root), "llama", "ngram", reqs,
-             speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1})
 
 
 def test_corrupting_the_pool_changes_the_tokens(root: Path, monkeypatch: pytest.MonkeyPatch
@@ -102,3 +98,33 @@ def test_corrupting_the_pool_changes_the_tokens(root: Path, monkeypatch: pytest.
     _record(model="llama", setting="corrupted", identical=sum(
         a == b for a, b in zip(native, ours, strict=True)), requests=len(reqs))
     assert ours != native
+
+
+def test_what_attnpool_does_not_serve_is_refused_at_start(root: Path) -> None:
+    """An fp8 KV cache: the engine does not start, and says why (never a wrong token)."""
+    from attnpool import LayoutError
+
+    with pytest.raises(Exception) as e:
+        ve.generate(ve.save_tiny("llama", root), True, ve.prompts(lengths=(5,), shared=0), 2,
+                    kv_cache_dtype="fp8")
+    chain, err = [], e.value
+    while err is not None:
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    assert any(isinstance(x, LayoutError) and "fp8 KV cache" in str(x) for x in chain), chain
+
+
+def test_ngram_speculative_decoding(root: Path) -> None:
+    """Verify steps carry several query rows per request (drafts from repetitive prompts).
+    Each engine in its own process: vLLM cannot start another engine in a process that ran
+    its n-gram proposer."""
+    reqs = [{"prompt_token_ids": [5, 6, 7, 8] * 12}, {"prompt_token_ids": [9, 10, 11] * 20 + [4]}]
+    kw = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1}}
+    model = ve.save_tiny("llama", root)
+    native, _ = ve.generate_apart(model, False, reqs, NEW, **kw)
+    ours, _ = ve.generate_apart(model, True, reqs, NEW, **kw)
+    _record(model="llama", setting="ngram", identical=sum(
+        a == b for a, b in zip(native, ours, strict=True)), requests=len(reqs),
+        tokens=sum(map(len, ours)))
+    assert ours == native

@@ -1,0 +1,149 @@
+"""vLLM's native CPU attention backend against attnpool's, in one run (float32, greedy).
+
+Run in the vLLM environment (``.ci/vllm`` builds one)::
+
+    python benchmarks/vllm_bench.py [--model smollm2|llama] [--rounds 2] [--compiled]
+
+Prints, per engine mode (eager, and compiled with ``--compiled``) and batch (1 request, 8
+requests), the tokens/s of ``LLM.generate`` for each backend, rounds interleaved (native,
+attnpool, native, ...), and whether both gave the same tokens; then the host time of the
+metadata builder's ``build`` per step, by number of requests in the step, for vLLM's
+``CPUAttentionMetadataBuilder.build`` and attnpool's, as microseconds and as a ratio to one
+small torch op (``torch.add`` of two 8-element tensors) timed in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+from tests.helpers import vllm_engine as ve  # noqa: E402
+
+#: per builder class name: num_reqs -> list of seconds
+BUILD: dict[str, dict[int, list[float]]] = collections.defaultdict(
+    lambda: collections.defaultdict(list))
+
+
+def _time_builds() -> None:
+    """Wrap both builders' ``build`` to record its host time per step (the engine runs in
+    this process: the ``uni`` executor)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    from attnpool.integrations.vllm.backend import AttnpoolMetadataBuilder
+
+    for cls in (CPUAttentionMetadataBuilder, AttnpoolMetadataBuilder):
+        orig = cls.build
+
+        def build(self: Any, common_prefix_len: int, cm: Any, fast_build: bool = False,
+                  _orig: Any = orig, _name: str = cls.__name__) -> Any:
+            t = time.perf_counter()
+            out = _orig(self, common_prefix_len, cm, fast_build)
+            BUILD[_name][cm.num_reqs].append(time.perf_counter() - t)
+            return out
+
+        cls.build = build  # type: ignore[method-assign]
+
+
+def _small_op_s() -> float:
+    import torch
+
+    a, b = torch.ones(8), torch.ones(8)
+    for _ in range(1000):
+        torch.add(a, b)
+    t = time.perf_counter()
+    for _ in range(20000):
+        torch.add(a, b)
+    return (time.perf_counter() - t) / 20000
+
+
+def _model(name: str) -> tuple[Path, list[dict[str, list[int]]], list[dict[str, list[int]]]]:
+    if name == "smollm2":
+        from transformers import AutoTokenizer
+
+        from attnpool.tools.vllm_folder import float32_folder
+
+        folder = float32_folder("smollm2")
+        tok = AutoTokenizer.from_pretrained(folder)
+        qs = ["What is the capital of France?", "Name three primary colours.",
+              "Write one sentence about the sea.", "What is 12 times 12?",
+              "Who wrote Hamlet?", "Give me a synonym for happy.",
+              "What colour is the sky on a clear day?", "Count from one to five."]
+        ids = [{"prompt_token_ids": list(tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+            return_dict=False))} for q in qs]
+        return folder, ids[:1], ids
+    path = ve.save_tiny(name, Path("/tmp/attnpool-vllm-bench"))
+    ids = ve.prompts(lengths=(40, 60, 80, 100, 120, 140, 160, 180), shared=0)
+    return path, ids[:1], ids
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--compiled", action="store_true")
+    args = ap.parse_args()
+    _time_builds()
+    path, one, eight = _model(args.model)
+    modes = [True] + ([False] if args.compiled else [])
+    rows = []
+    for eager in modes:
+        kw = {"enforce_eager": eager, "max_model_len": 1024, "max_num_batched_tokens": 1024,
+              "max_num_seqs": 8}
+        from vllm import LLM, SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=args.new, ignore_eos=True)
+        rates: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+        toks: dict[tuple[str, int], list[list[int]]] = {}
+        for _ in range(args.rounds):
+            for on in (False, True):
+                with ve.attnpool_backend(on):
+                    llm = LLM(model=str(path), **ve.engine_args(**kw))
+                    for reqs in (one, eight):
+                        llm.generate(reqs[:1], sp, use_tqdm=False)  # warm
+                        t = time.perf_counter()
+                        outs = llm.generate(reqs, sp, use_tqdm=False)
+                        dt = time.perf_counter() - t
+                        name = "attnpool" if on else "native"
+                        rates[(name, len(reqs))].append(
+                            sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+                        toks[(name, len(reqs))] = [list(o.outputs[0].token_ids) for o in outs]
+                    del llm
+                    import gc
+
+                    gc.collect()
+        for b in (1, len(eight)):
+            nat, ours = rates[("native", b)], rates[("attnpool", b)]
+            same = toks[("native", b)] == toks[("attnpool", b)]
+            rows.append((("eager" if eager else "compiled"), b, max(nat), max(ours),
+                         max(ours) / max(nat), sorted(ours)[len(ours) // 2]
+                         / sorted(nat)[len(nat) // 2], same))
+    print(f"| mode | batch | native tok/s (best) | attnpool tok/s (best) | best ratio | "
+          f"median ratio | same tokens |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.2f}x | {r[5]:.2f}x | "
+              f"{'yes' if r[6] else 'NO'} |")
+    op = _small_op_s()
+    print(f"\none small torch op (torch.add, 8 elements): {op * 1e6:.2f} us\n")
+    print("| requests in the step | steps | vLLM build us (median) | attnpool build us "
+          "(median) | vLLM / op | attnpool / op |\n|---|---|---|---|---|---|")
+    nat, ours = BUILD["CPUAttentionMetadataBuilder"], BUILD["AttnpoolMetadataBuilder"]
+    for n in sorted(set(nat) & set(ours)):
+        a, b = sorted(nat[n]), sorted(ours[n])
+        ma, mb = a[len(a) // 2], b[len(b) // 2]
+        print(f"| {n} | {len(a)} / {len(b)} | {ma * 1e6:.0f} | {mb * 1e6:.0f} | "
+              f"{ma / op:.0f} | {mb / op:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
