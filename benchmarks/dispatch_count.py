@@ -42,7 +42,6 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -64,14 +63,29 @@ class Counts:
     syncs: list[str] = field(default_factory=list)
 
 
-class DispatchCounter(TorchDispatchMode):
-    """Classify every aten op run under it (see the module docstring)."""
+def _opcount() -> ModuleType:
+    """tests/helpers/opcount.py (the tests' op recorder and Triton launch counter), loaded by path
+    (this script runs without the repository root on ``sys.path``)."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "tests" / "helpers" / "opcount.py"
+    spec = importlib.util.spec_from_file_location("opcount", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("opcount", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_OC = sys.modules.get("tests.helpers.opcount") or sys.modules.get("opcount") or _opcount()
+
+
+class DispatchCounter(_OC.OpRecorder):  # type: ignore[misc]
+    """Classify every aten op run under it (see the module docstring); the recording itself, and
+    leaving out the ops of an interpreted Triton launch, is the tests' :class:`OpRecorder`."""
 
     def __init__(self, device: torch.device, host: Iterable[torch.Tensor] = (),
                  in_launch: Callable[[], bool] = lambda: False) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__(in_launch)
         self.device = device
-        self.in_launch = in_launch
         self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
         for t in host:
             self._host[t] = True
@@ -82,11 +96,7 @@ class DispatchCounter(TorchDispatchMode):
             return False
         return self.device.type != "cpu" or t in self._host
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self.in_launch():  # the interpreter emulating a Triton kernel on the host
-            return out
+    def record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         name = str(func)
         ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
@@ -100,10 +110,10 @@ class DispatchCounter(TorchDispatchMode):
                 self._host[o] = True
         if func.is_view:
             c.view += 1
-            return out
+            return
         if name.startswith(_ALLOC_ONLY):
             c.alloc += 0 if host_in else 1  # an allocation, no kernel
-            return out
+            return
         if name.startswith("aten._local_scalar_dense"):
             kind = "host" if host_in else "sync"
         elif name.startswith(("aten.copy_", "aten._to_copy")):
@@ -125,7 +135,6 @@ class DispatchCounter(TorchDispatchMode):
         setattr(c, kind, getattr(c, kind) + 1)
         if kind == "sync":
             c.syncs.append(name)
-        return out
 
 
 def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
@@ -139,17 +148,6 @@ def _written(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:
     return got
 
 
-def _opcount() -> ModuleType:
-    """tests/helpers/opcount.py (the Triton launch counter the op-count tests use), loaded by path."""
-    path = pathlib.Path(__file__).resolve().parent.parent / "tests" / "helpers" / "opcount.py"
-    spec = importlib.util.spec_from_file_location("opcount", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("opcount", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @contextlib.contextmanager
 def _launches(device: torch.device) -> Iterator[Any]:
     """Count Triton launches when triton can run here; otherwise count nothing."""
@@ -158,9 +156,8 @@ def _launches(device: torch.device) -> Iterator[Any]:
     if not triton_usable(device):
         yield None
         return
-    oc = sys.modules.get("opcount") or _opcount()
-    state = oc.LaunchState()
-    with oc.launch_counter(state):
+    state = _OC.LaunchState()
+    with _OC.launch_counter(state):
         yield state
 
 

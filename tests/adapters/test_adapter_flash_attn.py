@@ -25,7 +25,7 @@ from attnpool import BufferPool, InputError, Layout, LayoutError, PagedView, Pha
 from attnpool.adapters import flash_attn as fa
 from attnpool.adapters import sdpa
 
-from tests.helpers.batches import Batch, make_batch, make_table
+from tests.helpers.batches import Batch, make_batch, make_table, tree_mask
 from tests.helpers.fakes_fa3 import (
     FA2,
     FA3,
@@ -53,10 +53,6 @@ def _cache(pool: BufferPool, h_kv: int = 2, seed: int = 0, d: int = D,
     p = pool.cfg.page_size
     return (torch.randn(pages, p, h_kv, d, generator=g).to(dtype),
             torch.randn(pages, p, h_kv, d, generator=g).to(dtype))
-
-
-def _tree_mask(n: int, nd: int) -> torch.Tensor:
-    return torch.ones(n, nd, nd, dtype=torch.bool).tril()
 
 
 def _want(view: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> sdpa.Attn:
@@ -91,7 +87,7 @@ def test_fa3_kwargs_alias_the_pool_and_have_kernel_dtypes() -> None:
 def test_fa3_kwargs_of_a_token_slot_part_view_the_cache_without_copy() -> None:
     pool = _pool(num_draft_tokens=4, topk=2)
     b = make_batch(pool.cfg, 2, random.Random(1), extra=4)
-    view = pool.verify.update_(2, **b.inputs(), tree_mask=_tree_mask(2, 4))
+    view = pool.verify.update_(2, **b.inputs(), tree_mask=tree_mask(2, 4))
     assert view.expand is not None
     k, v = _cache(pool)
     kw = fa.fa3_kwargs(view.expand, torch.randn(8, 4, D), k, v, softmax_scale=0.5)
@@ -119,7 +115,7 @@ def test_fa3_call_path_matches_sdpa(install: Callable[[str, Any], None], module:
     assert kernel.name == module  # says which module runs
     pool = _pool(num_draft_tokens=4, topk=topk)
     b = make_batch(pool.cfg, 3, random.Random(2), extra=4)
-    mask = _tree_mask(3, 4) if topk > 1 else None
+    mask = tree_mask(3, 4) if topk > 1 else None
     view = pool.verify.update_(5, **b.inputs(), tree_mask=mask)
     k, v = _cache(pool, dtype=BF16)
     q = torch.randn(20, 4, D).to(BF16)
@@ -176,7 +172,7 @@ def test_scheduler_metadata_has_the_length_fa3_checks(bs: int, part: str, topk: 
         view: PagedView = pool.decode.update_(bs, **b.inputs())
         q = torch.randn(bs, 4, d).to(BF16)
     else:
-        mask = _tree_mask(n, 4) if topk > 1 else None
+        mask = tree_mask(n, 4) if topk > 1 else None
         view = pool.verify.update_(bs, **b.inputs(), tree_mask=mask).prefix
         q = torch.randn(bs * 4, 4, d).to(BF16)
     k, v = _cache(pool, d=d, dtype=BF16)
@@ -334,7 +330,7 @@ def _gpu_case(page: int, c: int, **kw: Any) -> tuple[BufferPool, Any, torch.Tens
     k, v = (torch.randn(12 * cfg.max_pages + 2, page, 2, 64, device="cuda", dtype=BF16)
             for _ in range(2))
     if cfg.num_draft_tokens:
-        mask = _tree_mask(3, cfg.num_draft_tokens).cuda() if cfg.topk > 1 else None
+        mask = tree_mask(3, cfg.num_draft_tokens).cuda() if cfg.topk > 1 else None
         return pool, pool.verify.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
                                          tree_mask=mask), k, v
     return pool, pool.decode.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table), k, v

@@ -21,7 +21,7 @@ from attnpool import BufferPool, InputError, Layout, LayoutError, PagedView, Pha
 from attnpool.adapters import flashinfer as fi
 from attnpool.adapters import sdpa
 
-from tests.helpers.batches import make_batch
+from tests.helpers.batches import make_batch, tree_mask
 from tests.helpers.fakes_flashinfer import BatchDecodeWithPagedKVCacheWrapper as Decode
 from tests.helpers.fakes_flashinfer import BatchPrefillWithPagedKVCacheWrapper as Prefill
 
@@ -124,7 +124,7 @@ def test_verify_parts_get_their_own_wrappers(topk: int) -> None:
         _plan(w, part)
         w.run(part, torch.zeros(3 * ND, H, D, dtype=BF16), *_cache(pool))
     b = make_batch(pool.cfg, 2, random.Random(topk), extra=ND)
-    mask = torch.ones(2, ND, ND, dtype=torch.bool).tril() if topk > 1 else None
+    mask = tree_mask(2, ND) if topk > 1 else None
     view = pool.verify.update_(3, **b.inputs(), tree_mask=mask)
     k, v = _cache(pool)
     q = torch.randn(3 * ND, H, D).to(BF16)
@@ -305,7 +305,7 @@ def test_real_wrappers_match_sdpa(topk: int) -> None:
     got, want = w.run(dec, q, k, v), sdpa.paged_attention(dec, q, k, v)
     torch.testing.assert_close(got.out[:3].float(), want.out[:3].float(), **tol)
     torch.testing.assert_close(got.lse[:3], want.lse[:3], **tol)
-    mask = torch.ones(3, ND, ND, dtype=torch.bool, device="cuda").tril() if topk > 1 else None
+    mask = tree_mask(3, ND, device="cuda") if topk > 1 else None
     ver = pool.verify.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table, tree_mask=mask)
     q = torch.randn(4 * ND, 4, 64, device="cuda", dtype=torch.bfloat16)
     outs = []

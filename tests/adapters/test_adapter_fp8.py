@@ -34,7 +34,7 @@ from attnpool.adapters import flashinfer as fi
 from attnpool.adapters import fp8, sdpa
 from attnpool.kv.quant import dequantize
 
-from tests.helpers.batches import make_batch
+from tests.helpers.batches import make_batch, tree_mask
 from tests.helpers.fakes_fa3 import FA2, FA3
 from tests.helpers.fakes_flashinfer import BatchDecodeWithPagedKVCacheWrapper as Decode
 from tests.helpers.fakes_flashinfer import BatchPrefillWithPagedKVCacheWrapper as Prefill
@@ -82,7 +82,7 @@ def _view(pool: BufferPool, part: str, seed: int = 1) -> tuple[object, int]:
         return pool.decode.update_(4, **b.inputs(dev)), 3
     topk = 2 if part == "tree" else 1
     b = make_batch(pool.cfg, 3, rng, extra=ND)
-    mask = torch.ones(3, ND, ND, dtype=torch.bool, device=dev).tril() if topk > 1 else None
+    mask = tree_mask(3, ND, device=dev) if topk > 1 else None
     return pool.verify.update_(5, **b.inputs(dev), tree_mask=mask), 3 * ND
 
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from attnpool import BufferPool, InputError, Layout, LayoutError, PagedView, Phase, PoolConfig
 from attnpool.adapters.sdpa import attention, merge_by_lse, paged_attention
 
-from tests.helpers.batches import Batch, make_batch
+from tests.helpers.batches import Batch, make_batch, tree_mask
 from tests.helpers.dense import dense_attention
 
 C, ND, TOPK, STEPS, D = 128, 4, 3, 3, 8
@@ -100,19 +100,6 @@ def _row(b: Batch, i: int, lo: int, hi: int) -> list[int]:
     return [int(x) for x in b.req_to_token[b.slots[i], lo:hi]]
 
 
-def _tree_mask(n: int, nd: int, rng: random.Random) -> torch.Tensor:
-    """Random trees: draft j's parent is an earlier draft or the root; mask = ancestors + self."""
-    mask = torch.zeros(n, nd, nd, dtype=torch.bool)
-    for i in range(n):
-        parent = [-1] + [rng.randrange(-1, j) for j in range(1, nd)]
-        for j in range(nd):
-            k = j
-            while k >= 0:
-                mask[i, j, k] = True
-                k = parent[k]
-    return mask
-
-
 def _total_q(part: PagedView) -> int:
     return int(part.cu_seqlens_q[part.bs])
 
@@ -139,7 +126,7 @@ def test_verify(page: int, heads: tuple[int, int], n: int, pad: int, host: bool,
     n, bs = _sizes(n, pad)
     rng = random.Random(seed)
     b = make_batch(pool.cfg, n, rng, extra=ND)
-    mask = _tree_mask(n, ND, rng) if topk > 1 else None
+    mask = tree_mask(n, ND, rng) if topk > 1 else None
     view = pool.verify.update_(bs, **b.inputs(), seq_lens_cpu=b.seq_lens if host else None,
                                tree_mask=mask)
     pool.check(view)

@@ -25,7 +25,7 @@ from attnpool.adapters import flashinfer as fi
 from attnpool.adapters import sdpa
 from attnpool.adapters.variants import with_sinks
 
-from tests.helpers.batches import shuffled_table
+from tests.helpers.batches import shuffled_table, tree_mask
 from tests.helpers.dense import dense_attention
 from tests.helpers.fakes_fa3 import FA2, FA3, assert_close
 from tests.helpers.fakes_flashinfer import BatchDecodeWithPagedKVCacheWrapper as Decode
@@ -104,7 +104,7 @@ def test_tree_passes_apply_the_sink_once() -> None:
     table = _table(rng)
     k, v = _cache()
     seq, rows = _batch(rng)
-    mask = torch.ones(3, ND, ND, dtype=torch.bool).tril()
+    mask = tree_mask(3, ND)
     mask[:, 2, 1] = False  # draft 2 hangs off draft 0
     t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
     view = pool.verify.update_(4, seq_lens=t(seq), req_pool_indices=t(rows), req_to_token=table,

@@ -11,27 +11,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnpool import CapacityError, InputError, LayoutError, PoolError, ReadRegionError
 from attnpool.lora import LoRABatchPool, LoRABatchView, LoRAConfig, lora_reference
 
-
-class _Ops(TorchDispatchMode):
-    """Records aten ops and the storages of the tensors they return."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-        self.storages: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        self.ops.append(str(func))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() > 0:
-                self.storages.add(t.untyped_storage().data_ptr())
-        return out
+from tests.helpers.opcount import OpRecorder
 
 
 def cfg_(max_bs: int = 8, loras: int = 4, rank: int = 8, tokens: int = 3,
@@ -88,7 +72,7 @@ def weights(c: LoRAConfig, ranks: list[int], din: int, dout: int, seed: int
 # ---- allocation, copies -----------------------------------------------------------------------
 @pytest.mark.parametrize("poison", [False, True])
 def test_one_allocation(poison: bool) -> None:
-    rec = _Ops()
+    rec = OpRecorder()
     with rec:
         pool = LoRABatchPool(cfg_(out=(16, 32)), poison=poison)
     factories = [op for op in rec.ops if re.match(r"aten\.(empty|zeros|ones|full|new_)", op)]
@@ -109,7 +93,7 @@ def test_one_allocation(poison: bool) -> None:
 def test_update_is_one_copy_or_none(staging: bool) -> None:
     pool = LoRABatchPool(cfg_(), staging=staging)
     pool.view(6)  # views are built once per size and cached: a step creates no tensor at all
-    rec = _Ops()
+    rec = OpRecorder()
     with rec:
         v = pool.update_(6, [1, 3, 1], seg_lens=[2, 3, 1], lora_ranks=[8, 4, 0, 2],
                          scalings=[1.0, 0.5, 0.0, 2.0])

@@ -10,29 +10,13 @@ import sys
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnpool
 from attnpool import BufferPool, Layout, Phase, PoolConfig
 
+from tests.helpers.opcount import OpRecorder
+
 SRC = pathlib.Path(attnpool.__file__).parent
-
-
-class _StorageRecorder(TorchDispatchMode):
-    """Records every aten op and the storages of the tensors they return."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-        self.storages: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        self.ops.append(str(func))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() > 0:
-                self.storages.add(t.untyped_storage().data_ptr())
-        return out
 
 
 CONFIGS = [
@@ -44,7 +28,7 @@ CONFIGS = [
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("poison", [False, True])
 def test_one_allocation_no_memset(cfg: PoolConfig, poison: bool) -> None:
-    rec = _StorageRecorder()
+    rec = OpRecorder()
     with rec:
         pool = BufferPool(cfg, poison=poison)
     factories = [op for op in rec.ops if re.match(r"aten\.(empty|zeros|ones|full|new_)", op)]

@@ -29,6 +29,23 @@ class Batch:
         return {"seq_lens": seq, "req_pool_indices": rpi, "req_to_token": table}
 
 
+def tree_mask(n: int, nd: int, rng: random.Random | None = None,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[n, nd, nd]`` bool tree masks for verify / draft trees: ``mask[i, j, k]`` is True when
+    draft ``k`` is draft ``j`` or one of its ancestors. With ``rng``, random trees (each draft's
+    parent an earlier draft or the root); without, the chain (each draft's parent the one before
+    it: the lower triangle)."""
+    mask = torch.zeros(n, nd, nd, dtype=torch.bool)
+    for i in range(n):
+        parent = [-1] + [rng.randrange(-1, j) if rng is not None else j - 1 for j in range(1, nd)]
+        for j in range(nd):
+            k = j
+            while k >= 0:
+                mask[i, j, k] = True
+                k = parent[k]
+    return mask.to(device)
+
+
 def shuffled_table(rng: random.Random, rows: int, context: int, page: int) -> torch.Tensor:
     """``[rows, context]`` int32 token slots over whole pages in shuffled order (page 0 unused)."""
     cols = context // page

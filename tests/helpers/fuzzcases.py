@@ -18,7 +18,7 @@ from torch import Tensor
 
 from attnpool import BufferPool, Impl, Layout, Phase, PoolConfig
 
-from tests.helpers.batches import make_table
+from tests.helpers.batches import make_table, tree_mask
 from tests.helpers.loopref import (
     PagedRows,
     assert_paged_equal,
@@ -29,7 +29,6 @@ from tests.helpers.loopref import (
     local_rows,
     tree_expand_rows,
 )
-from tests.phases.test_phases import _tree_mask
 
 C = 128  # max_context_len of every fuzzed pool
 ND = 4  # num_draft_tokens
@@ -53,11 +52,6 @@ def make_pool(rng: random.Random, impl: Impl, *, page: int | None = None,
                      attention_chunk_size=chunk, pad_seq_len=PAD_LEN, pad_page=PAD_PAGE,
                      num_pages=(2 * 6 + 1) * (-(-C // page)) + 1, impl=impl)
     return BufferPool(cfg, poison=True)
-
-
-def tree_mask(n: int, rng: random.Random) -> Tensor:
-    """Random trees (each draft's parent an earlier draft or the root); mask = ancestors."""
-    return _tree_mask(n, ND, rng)
 
 
 @dataclass
@@ -113,7 +107,7 @@ def valid_call(pool: BufferPool, phase: str, rng: random.Random, *, host: bool |
         oracle = _rows_check(decode_rows(lens, slots, tab, bs, page, PAD_LEN, PAD_PAGE))
     elif phase == "verify":
         if topk > 1:
-            mask = tree_mask(n, rng)
+            mask = tree_mask(n, ND, rng)
             kw["tree_mask"] = mask
             pre = decode_rows(lens, slots, tab, bs, page, PAD_LEN, PAD_PAGE, q_len=ND)
             exp = tree_expand_rows(lens, slots, tab, mask, bs, ND, PAD_LEN, PAD_PAGE * page)

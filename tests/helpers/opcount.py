@@ -12,6 +12,10 @@
   storages, copying them back), which a compiled launch does not do.
 
 Both counters count what actually happens; nothing is inferred from the code under test.
+
+:class:`OpRecorder` is the one ``TorchDispatchMode`` of the tests and benchmarks: ``count`` uses it,
+allocation tests use it alone (``with OpRecorder() as rec:`` then ``rec.ops``, ``rec.storages``),
+and ``benchmarks/dispatch_count.py`` subclasses it to classify each op.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -44,17 +49,35 @@ class LaunchState:
         self.in_launch = 0
 
 
-class OpCounter(TorchDispatchMode):
-    """Counts each aten op; ops issued while ``state.in_launch`` go to ``launch_ops``."""
+class OpRecorder(TorchDispatchMode):
+    """Records every aten op dispatched under it, in order (``ops``), and the storages of the
+    non-empty tensors those ops return (``storages``, data pointers: what an allocation test
+    compares with the pool's one storage). Ops dispatched while ``in_launch()`` is true (the
+    Triton interpreter emulating a kernel on the host) go to ``launch_ops`` instead and are not
+    passed to :meth:`record`; subclasses override :meth:`record` to look at each op further."""
 
-    def __init__(self, state: LaunchState) -> None:
+    def __init__(self, in_launch: Callable[[], bool] = lambda: False) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.state = state
+        self.in_launch = in_launch
+        self.ops: list[str] = []
+        self.launch_ops: list[str] = []
+        self.storages: set[int] = set()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        c = self.state.counts
-        (c.launch_ops if self.state.in_launch else c.ops)[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if self.in_launch():
+            self.launch_ops.append(str(func))
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self.ops.append(str(func))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > 0:
+                self.storages.add(t.untyped_storage().data_ptr())
+        self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        """Called after each op outside a launch has run (``out`` is what it returned)."""
 
 
 @contextlib.contextmanager
@@ -96,6 +119,9 @@ def count(fn: Callable[[], object]) -> Counts:
     kernel: only aten ops are counted, and ``launches`` stays 0)."""
     state = LaunchState()
     has_triton = importlib.util.find_spec("triton") is not None
-    with launch_counter(state) if has_triton else contextlib.nullcontext(), OpCounter(state):
+    rec = OpRecorder(lambda: state.in_launch > 0)
+    with launch_counter(state) if has_triton else contextlib.nullcontext(), rec:
         fn()
+    state.counts.ops.update(rec.ops)
+    state.counts.launch_ops.update(rec.launch_ops)
     return state.counts

@@ -13,34 +13,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnpool import CapacityError, Impl, InputError, LayoutError, PoolError, ReadRegionError
 from attnpool.kv import KVCacheConfig, KVCachePool, KVKind, KVLayout
 
-HAS_TRITON = True
-try:
-    import triton  # noqa: F401
-except Exception:  # pragma: no cover - depends on the machine
-    HAS_TRITON = False
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton cannot be imported")
-
-
-class _Ops(TorchDispatchMode):
-    """Records aten ops and the storages of the tensors they return."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-        self.storages: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        self.ops.append(str(func))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.numel() > 0:
-                self.storages.add(t.untyped_storage().data_ptr())
-        return out
+from tests.helpers.opcount import OpRecorder
 
 
 def mha(layout: KVLayout = KVLayout.NHD, *, pages: int = 6, page: int = 4, heads: int = 3,
@@ -86,7 +63,7 @@ def loop_store(cache: torch.Tensor, layout: KVLayout, slots: list[int], rows: to
 @pytest.mark.parametrize("cfg", [mha(), mha(KVLayout.HND), mla()], ids=["nhd", "hnd", "mla"])
 @pytest.mark.parametrize("poison", [False, True])
 def test_one_allocation(cfg: KVCacheConfig, poison: bool) -> None:
-    rec = _Ops()
+    rec = OpRecorder()
     with rec:
         pool = KVCachePool(cfg, poison=poison)
     factories = [op for op in rec.ops if re.match(r"aten\.(empty|zeros|ones|full|new_)", op)]
@@ -180,7 +157,7 @@ def test_store_has_no_host_sync() -> None:
     pool = KVCachePool(mha())
     k = torch.randn(6, 3, 5)
     slots = torch.tensor([4, -1, 9, -1, 23, 30])  # 30 is past the cache: skipped, not a crash
-    rec = _Ops()
+    rec = OpRecorder()
     with rec:
         pool.update_slots_(slots, bs=8)
         pool.store_kv_(0, k, k, impl=Impl.REFERENCE)
@@ -221,7 +198,6 @@ def test_mla_layout_and_store(rope: int) -> None:
 
 # ---- triton parity (interpret mode on CPU) ----------------------------------------------------
 @pytest.mark.triton
-@needs_triton
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layout=st.sampled_from(list(KVLayout)), page=st.sampled_from([1, 4]),
        heads=st.sampled_from([1, 3]), n=st.integers(0, 10),
@@ -243,7 +219,6 @@ def test_triton_store_equals_reference(layout: KVLayout, page: int, heads: int, 
 
 
 @pytest.mark.triton
-@needs_triton
 @pytest.mark.parametrize("rope", [3, 0])
 def test_triton_mla_equals_reference(rope: int) -> None:
     cfg = mla(rope=rope)
@@ -351,7 +326,6 @@ def test_poison_checks_find_unwritten() -> None:
 # ---- CUDA (skipped without a GPU) -------------------------------------------------------------
 @pytest.mark.cuda
 @pytest.mark.triton
-@needs_triton
 @pytest.mark.parametrize("layout", list(KVLayout))
 def test_cuda_auto_store_is_fused_and_equals_reference(layout: KVLayout,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:

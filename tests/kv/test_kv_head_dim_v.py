@@ -35,7 +35,7 @@ from attnpool.adapters import sdpa
 from attnpool.kv import KVCacheConfig, KVCachePool, KVKind, KVLayout
 from attnpool.kv.quant import dequantize, quantize
 
-from tests.helpers.batches import shuffled_table
+from tests.helpers.batches import shuffled_table, tree_mask
 from tests.helpers.dense import dense_attention
 
 D, DV, H, H_KV, PAGE, C, ROWS, ND = 24, 16, 4, 2, 4, 48, 5, 3
@@ -324,7 +324,7 @@ def test_sdpa_tree_verify_merges_v_rows() -> None:
     table = _table(rng)
     kv = _filled()
     k, v = kv.k_cache(0), kv.v_cache(0)
-    mask = torch.ones(3, ND, ND, dtype=torch.bool).tril()
+    mask = tree_mask(3, ND)
     mask[:, 2, 1] = False  # draft 2 hangs off draft 0
     view, _, seq, rows = _view(_pool(topk=2), "verify", rng, table, tree_mask=mask)
     x = torch.randn(4 * ND, H, D, dtype=torch.float64)

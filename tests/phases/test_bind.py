@@ -22,6 +22,7 @@ from torch import Tensor
 from attnpool import BufferPool, Impl, InputError
 
 from tests.helpers import fuzzcases as fc
+from tests.helpers.batches import tree_mask
 from tests.helpers.opcount import count
 from tests.update.test_fused_phases import assert_same, padded
 
@@ -45,7 +46,7 @@ def fresh_values(call: fc.Call, pool: BufferPool, rng: random.Random, n: int
     slots = rng.sample(range(kw["req_to_token"].shape[0]), rows)
     out = {"seq_lens": torch.tensor(lens), "req_pool_indices": torch.tensor(slots)}
     if "tree_mask" in kw:
-        out["tree_mask"] = torch.cat([fc.tree_mask(n, rng), kw["tree_mask"][n:].cpu()])
+        out["tree_mask"] = torch.cat([tree_mask(n, fc.ND, rng), kw["tree_mask"][n:].cpu()])
     if "out_cache_loc" in kw:
         top = (cfg.num_pages or 2) * cfg.page_size
         out["out_cache_loc"] = torch.randint(cfg.page_size, top, kw["out_cache_loc"].shape)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from attnpool import BufferPool, Layout, Phase, PoolConfig
 
-from tests.helpers.batches import make_batch
+from tests.helpers.batches import make_batch, tree_mask
 from tests.helpers.loopref import (
     assert_paged_equal,
     cross_rows,
@@ -47,19 +47,6 @@ def _sizes(n: int, pad: int) -> tuple[int, int]:
     return min(n, bs), bs
 
 
-def _tree_mask(n: int, nd: int, rng: random.Random) -> torch.Tensor:
-    """Random trees: each draft's parent is an earlier draft (or the root); mask = ancestors."""
-    mask = torch.zeros(n, nd, nd, dtype=torch.bool)
-    for i in range(n):
-        parent = [-1] + [rng.randrange(-1, j) for j in range(1, nd)]
-        for j in range(nd):
-            k = j
-            while k >= 0:
-                mask[i, j, k] = True
-                k = parent[k]
-    return mask
-
-
 @SETTINGS
 @given(**common, topk=st.sampled_from([1, 3]))
 def test_verify(page: int, layout: Layout, n: int, pad: int, host: bool, seed: int,
@@ -70,7 +57,7 @@ def test_verify(page: int, layout: Layout, n: int, pad: int, host: bool, seed: i
     rng = random.Random(seed)
     b = make_batch(pool.cfg, n, rng, extra=nd)
     seq, rpi, table = b.tensors()
-    mask = _tree_mask(n, nd, rng) if topk > 1 else None
+    mask = tree_mask(n, nd, rng) if topk > 1 else None
     view = pool.verify.update_(bs, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
                                seq_lens_cpu=b.seq_lens if host else None,
                                tree_mask=mask)
@@ -222,7 +209,7 @@ def test_overlay_phases_stay_correct_when_next_updated() -> None:
         b = make_batch(cfg, rng.randint(1, 6), rng, extra=64)
         seq, rpi, table = b.tensors()
         n = len(b.seq_lens)
-        mask = _tree_mask(n, 4, rng)
+        mask = tree_mask(n, 4, rng)
         loc = torch.randint(1, 1000, (n, 3, 2))
         enc = torch.full((n,), 64)
         ones = torch.ones(n, dtype=torch.int64)
@@ -280,7 +267,7 @@ def test_eagle_config_edge_capacity() -> None:
     b = make_batch(cfg, 4, rng, extra=8)
     b.seq_lens = [128 - 8] * 4
     seq, rpi, table = b.tensors()
-    mask = torch.ones(4, 8, 8, dtype=torch.bool).tril()
+    mask = tree_mask(4, 8)
     pool.check(pool.verify.update_(4, seq_lens=seq, req_pool_indices=rpi, req_to_token=table,
                                    seq_lens_cpu=b.seq_lens, tree_mask=mask))
     seq4 = seq - 4

@@ -18,6 +18,7 @@ from attnpool.update import reference as ref
 from attnpool.update import triton as tt
 from attnpool.update.reference import PagedBuffers
 
+from tests.helpers.batches import tree_mask
 from tests.helpers.opcount import Counts, count
 
 pytestmark = pytest.mark.triton
@@ -112,7 +113,7 @@ def test_fused_tree_expand_is_one_launch_and_no_aten_op(device_n: bool) -> None:
     e = _bufs(bs * nd, nd)
     rows = bs if device_n else n
     args: dict[str, object] = dict(
-        bs=bs, tree_mask=torch.ones((rows, nd, nd), dtype=torch.bool).tril(),
+        bs=bs, tree_mask=tree_mask(rows, nd),
         seq_lens=torch.full((rows,), 7), req_pool_indices=torch.arange(rows),
         req_to_token=torch.arange(4 * 64, dtype=I32).view(4, 64), pad_len=1, pad_id=0)
     if device_n:
@@ -200,7 +201,7 @@ def _reference_paged(bs: int, layout: tuple[bool, bool]) -> Counts:
 def _reference_tree(bs: int) -> Counts:
     n, nd = bs // 2 + 1, 4
     e = _bufs(bs * nd, nd)
-    mask = torch.ones((n, nd, nd), dtype=torch.bool).tril()
+    mask = tree_mask(n, nd)
     seq, rpi = torch.full((n,), 7), torch.arange(n) % 4
     table = torch.arange(4 * 64, dtype=I32).view(4, 64)
     arange = torch.arange(bs * nd + 1, dtype=I32)
