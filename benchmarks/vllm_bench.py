@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-from tests.helpers import vllm_engine as ve  # noqa: E402
+from tests.helpers import vllm_engine as ve
 
 #: per builder class name: num_reqs -> list of seconds
 BUILD: dict[str, dict[int, list[float]]] = collections.defaultdict(
@@ -127,8 +127,8 @@ def main() -> int:
             rows.append((("eager" if eager else "compiled"), b, max(nat), max(ours),
                          max(ours) / max(nat), sorted(ours)[len(ours) // 2]
                          / sorted(nat)[len(nat) // 2], same))
-    print(f"| mode | batch | native tok/s (best) | attnpool tok/s (best) | best ratio | "
-          f"median ratio | same tokens |\n|---|---|---|---|---|---|---|")
+    print("| mode | batch | native tok/s (best) | attnpool tok/s (best) | best ratio | "
+          "median ratio | same tokens |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.2f}x | {r[5]:.2f}x | "
               f"{'yes' if r[6] else 'NO'} |")
