@@ -282,3 +282,10 @@ def test_vllm_example_runs_mixed_batches_through_one_extend() -> None:
     assert "decode pool.decode: " in out  # uniform decode batches still use pool.decode
     assert f"({len(mixed)} mixed steps: " in out
     assert "all equal to greedy decoding without a cache: ok" in out
+
+
+def test_toy_demo_counts_one_step(capsys: pytest.CaptureFixture[str]) -> None:
+    from attnpool.tools.demo import run_demo
+
+    assert run_demo(device="cpu", steps=1) == 0
+    assert "\n1 step in " in capsys.readouterr().out
