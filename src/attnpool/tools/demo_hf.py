@@ -6,7 +6,9 @@ PagedGenerator` answers them all (continuous batching over ``max_bs = 8`` slots,
 ``pool.extend``, decode steps through ``pool.decode``, a paged KV cache whose pages return to the
 free list as answers end at the end-of-turn token), then ``model.generate`` answers the same
 prompts the usual way (left-padded batches of 8). The demo prints each question and answer, the
-attention kernel that ran, both speeds, and whether the tokens are identical.
+attention kernel that ran, both speeds, and whether the tokens are identical. Each half runs for
+minutes on a small CPU, so stderr shows the tokens generated so far and the rate while it runs
+(:class:`~attnpool.tools.progress.TokenProgress`).
 
 Without a checkpoint, a tiny random Llama (GQA, built from a config: nothing is downloaded)
 serves a dozen prompts; the demo checks its output against ``model.generate`` run per prompt,
