@@ -104,7 +104,7 @@ def test_tests_collect_from_the_unpacked_sdist(sdist: pathlib.Path) -> None:
     assert "error" not in out.stdout.splitlines()[-1], out.stdout[-3000:]
     # every test module of this tree collected tests there
     modules = {ln.split("::")[0] for ln in out.stdout.splitlines() if "::" in ln}
-    assert modules == {p.relative_to(ROOT).as_posix() for p in ROOT.glob("tests/test_*.py")}
+    assert modules == {p.relative_to(ROOT).as_posix() for p in ROOT.glob("tests/**/test_*.py")}
 
 
 def test_triton_is_its_own_extra() -> None:
