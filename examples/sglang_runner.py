@@ -9,7 +9,9 @@ SGLang's conventions, and what attnpool takes for them:
 * ``out_cache_loc``: where a forward's new tokens store their K/V, here the
   :class:`attnpool.KVCachePool` ``slot_mapping`` (a static buffer a captured graph reads).
 * One :class:`attnpool.BufferPool` for every phase, built once; decode graphs captured per batch
-  size by :class:`attnpool.graphs.GraphRunner` (on CPU it runs the same code eagerly).
+  size by :class:`attnpool.graphs.GraphRunner`. On CPU each decode step runs eagerly but padded
+  the same way (the update at the captured size, the real rows first), so the output shows what
+  a replay reads.
 
 The models are a toy target and a draft close to it (examples/toy_model.py), so the output can be
 checked: everything generated must equal greedy decoding computed without any cache or pool.
@@ -107,24 +109,33 @@ class ModelRunner:
             r.cached = len(r.prompt)
         return reqs
 
-    def decode(self, reqs: list[Req]) -> int:
-        """One decode step (a graph replay on CUDA); returns the batch size it ran at."""
+    def decode(self, reqs: list[Req]) -> tuple[int, list[int]]:
+        """One decode step, padded to the next captured batch size: a graph replay on CUDA, the
+        same update and forward run eagerly on CPU. Returns the batch size and the
+        ``cache_seqlens`` the step's attention read (padded rows included)."""
         n = len(reqs)
         for r in reqs:
             self._reserve(r, r.cached + 1)
         rows = self._ints([r.row for r in reqs])
         pos = self._ints([r.cached for r in reqs])
-        padded = self.decode_graphs.padded_size(n) if self.decode_graphs.use_graphs else None
-        bs = padded or n
+        bs = self.decode_graphs.padded_size(n) or n
         self.kv.update_slots_(self.req_to_token[rows, pos], bs=bs)  # out_cache_loc, -1 padded
         lens = [r.cached + 1 for r in reqs]
-        logits = self.decode_graphs.run(
-            self._ints([r.tokens[-1] for r in reqs]), seq_lens=self._ints(lens),
-            req_pool_indices=rows, req_to_token=self.req_to_token, seq_lens_cpu=lens)
+        tokens = self._ints([r.tokens[-1] for r in reqs])
+        inputs = dict(seq_lens=self._ints(lens), req_pool_indices=rows,
+                      req_to_token=self.req_to_token, seq_lens_cpu=lens)
+        if self.decode_graphs.use_graphs:
+            logits = self.decode_graphs.run(tokens, **inputs)
+            view = self.pool.decode.view(bs)  # the bytes the replay read (no write: still valid)
+        else:  # what a replay at bs does, eagerly: the update pads rows n..bs-1 (pad page, length
+            # pad_seq_len), padded rows' tokens store nothing (slot -1), their logits are dropped
+            view = self.pool.decode.update_(bs, **inputs)
+            padded = torch.cat([tokens, tokens.new_zeros(bs - n)])
+            logits = self._decode_forward(view, padded)[:n]
         for r, t in zip(reqs, logits.argmax(-1).tolist(), strict=True):
             r.tokens.append(t)
             r.cached += 1
-        return bs
+        return bs, view.cache_seqlens.tolist()
 
     def speculative_round(self, reqs: list[Req]) -> list[int]:
         """Draft S tokens per request, verify them with the target in one forward, store the
@@ -185,15 +196,17 @@ def main() -> int:
           f"{[p.value for p in pool.phases]} (decode/verify/draft/draft_extend/extend overlay)")
     graphs = runner.decode_graphs
     print(f"decode capture sizes {graphs.capture_sizes}: "
-          + ("CUDA graphs captured" if graphs.use_graphs else "no CUDA here, the runner runs eagerly"))
+          + ("CUDA graphs captured" if graphs.use_graphs else "no CUDA here: each step runs "
+             "eagerly, padded to a captured size as a replay would be"))
     rng = random.Random(0)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 30))] for _ in range(5)]
     reqs = runner.prefill(prompts)
     print(f"prefill: {len(reqs)} prompts of {[len(p) for p in prompts]} tokens through pool.extend")
     for step in range(a.decode_steps):
-        bs = runner.decode(reqs)
-        print(f"decode step {step}: {len(reqs)} requests at bs={bs}, "
-              f"lengths {[r.cached for r in reqs]}")
+        bs, read = runner.decode(reqs)
+        print(f"decode step {step}: {len(reqs)} requests padded to bs={bs}, cache_seqlens "
+              f"{read} ({bs - len(reqs)} padded rows of length {pool.cfg.pad_seq_len} on the pad "
+              f"page)")
     total = 0
     for k in range(a.rounds):
         acc = runner.speculative_round(reqs)

@@ -1,4 +1,5 @@
-"""A vLLM-style model runner on attnpool: continuous batching over a page-level block table.
+"""A vLLM-style model runner on attnpool: continuous batching with chunked prefill over a
+page-level block table, prefill chunks and decode rows mixed in one forward.
 
 vLLM's conventions, and what attnpool takes for them:
 
@@ -7,13 +8,19 @@ vLLM's conventions, and what attnpool takes for them:
 * ``slot_mapping``: the new tokens' slots, ``block_table[i, pos // block_size] * block_size +
   pos % block_size``, written into the :class:`attnpool.KVCachePool`'s static ``slot_mapping``.
 * attnpool's phase updates take the block table itself (``block_table=``, instead of SGLang's
-  token-level ``req_to_token``). Decode passes no ``req_pool_indices``: batch row ``i`` is block
-  table row ``i``, vLLM's convention; a prefill of new requests names their rows.
+  token-level ``req_to_token``) and no ``req_pool_indices``: batch row ``i`` is block table row
+  ``i``, vLLM's convention.
 
-Requests arrive, are prefilled through ``pool.extend`` when a batch row and their blocks are
-free, decode through ``pool.decode`` (CUDA graphs per padded batch size on a GPU, eager on CPU),
-and return their blocks when done. Everything generated is checked against greedy decoding of
-the same toy model computed without any cache (examples/toy_model.py).
+Each step runs one forward over every live request, as vLLM v1 schedules: a request still
+prefilling gets its next chunk of at most ``CHUNK`` prompt tokens, a request past its prompt one
+decode token. A step with any prefill chunk is *mixed* (or pure prefill) and is ONE
+``pool.extend`` update: a decode row is an extend row with one new token (``extend_lens[i] = 1``,
+``seq_lens[i]`` its total length), a chunk row has more, and the whole batch reads one
+``ExtendView`` (eagerly, as vLLM runs such batches, or with attention outside the graph in its
+piecewise mode). A step where every row decodes is a uniform decode batch: ``pool.decode``, CUDA
+graphs per padded batch size on a GPU, eager on CPU. Requests return their blocks when done.
+Everything generated is checked against greedy decoding of the same toy model computed without
+any cache (examples/toy_model.py).
 
 Run: ``python examples/vllm_runner.py`` (``--device cuda`` on a GPU: captures CUDA graphs).
 """
@@ -36,7 +43,8 @@ from toy_model import DTYPE, HEAD_DIM, KV_HEADS, VOCAB, ToyLM, greedy_reference
 MAX_BS, CONTEXT, BLOCK = 4, 128, 16
 MAX_BLOCKS = CONTEXT // BLOCK
 NUM_BLOCKS = 24  # fewer than MAX_BS full contexts: requests also wait for blocks
-PREFILL_TOKENS = 256
+CHUNK = 16  # prompt tokens a request prefills per step (chunked prefill)
+STEP_TOKENS = MAX_BS * CHUNK  # the most tokens one forward packs (max_extend_tokens)
 
 
 @dataclass
@@ -46,15 +54,24 @@ class Req:
     max_new: int
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     blocks: list[int] = field(default_factory=list)
+    computed: int = 0  # positions whose K/V the cache holds
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+
+def _rows(n: int) -> str:
+    return f"{n} decode row{'' if n == 1 else 's'}"
 
 
 class Runner:
     def __init__(self, device: torch.device) -> None:
         self.dev = device
         self.pool = BufferPool(PoolConfig(max_bs=MAX_BS, max_context_len=CONTEXT, page_size=BLOCK,
-                                          device=device, max_extend_tokens=PREFILL_TOKENS))
+                                          device=device, max_extend_tokens=STEP_TOKENS))
         self.kv = KVCachePool(KVCacheConfig(
-            num_pages=NUM_BLOCKS, page_size=BLOCK, max_tokens=PREFILL_TOKENS, num_kv_heads=KV_HEADS,
+            num_pages=NUM_BLOCKS, page_size=BLOCK, max_tokens=STEP_TOKENS, num_kv_heads=KV_HEADS,
             head_dim=HEAD_DIM, dtype=DTYPE, device=device))
         self.block_table = torch.zeros(MAX_BS, MAX_BLOCKS, dtype=torch.int32, device=device)
         self.free_blocks = list(range(1, NUM_BLOCKS))  # block 0: the pad block
@@ -83,7 +100,8 @@ class Runner:
         return self.block_table[r, p // BLOCK].long() * BLOCK + p % BLOCK
 
     def admit(self, waiting: list[Req]) -> list[Req]:
-        """Move waiting requests into free batch rows while their blocks fit, and prefill them."""
+        """Move waiting requests into free batch rows while their blocks fit (their prompts are
+        prefilled chunk by chunk by the next steps)."""
         new: list[Req] = []
         while waiting and len(self.batch) < MAX_BS:
             need = -(-(len(waiting[0].prompt) + waiting[0].max_new) // BLOCK)
@@ -94,29 +112,43 @@ class Runner:
             r.tokens = list(r.prompt)
             self.batch.append(r)
             new.append(r)
-        if not new:
-            return new
-        table = self._tables()
-        rows = [self.batch.index(r) for r in new]
-        lens = [len(r.prompt) for r in new]
-        view = self.pool.extend.update_(
-            len(new), seq_lens=self._ints(lens), extend_lens=self._ints(lens),
-            req_pool_indices=self._ints(rows), block_table=table, seq_lens_cpu=lens,
-            extend_lens_cpu=lens)
-        slots = torch.cat([self._slots([i] * n, list(range(n))) for i, n in zip(rows, lens,
-                                                                             strict=True)])
-        tokens = self._ints([t for r in new for t in r.prompt])
-        logits = self.model.forward(view, tokens, self.kv, 0, slots)
-        last = (torch.tensor(lens).cumsum(0) - 1).to(self.dev)
-        for r, t in zip(new, logits[last].argmax(-1).tolist(), strict=True):
-            r.tokens.append(t)
         return new
 
-    def decode(self) -> int:
-        """One decode step for every live request; returns the batch size it ran at."""
+    def step(self) -> str:
+        """One forward over every live request; returns what it ran."""
+        if any(r.prefilling for r in self.batch):
+            return self._extend()
+        return self._decode()
+
+    def _extend(self) -> str:
+        """Prefill chunks, with the decode rows of the other requests when there are any: one
+        ``pool.extend`` update, one forward, every row an extend row."""
+        table, n = self._tables(), len(self.batch)
+        q = [min(CHUNK, len(r.prompt) - r.computed) if r.prefilling else 1 for r in self.batch]
+        seq = [r.computed + k for r, k in zip(self.batch, q, strict=True)]
+        view = self.pool.extend.update_(n, seq_lens=self._ints(seq), extend_lens=self._ints(q),
+                                        block_table=table, seq_lens_cpu=seq, extend_lens_cpu=q)
+        pos = [list(range(r.computed, s)) for r, s in zip(self.batch, seq, strict=True)]
+        slots = torch.cat([self._slots([i] * len(p), p) for i, p in enumerate(pos)])
+        tokens = self._ints([r.tokens[p] for r, ps in zip(self.batch, pos, strict=True) for p in ps])
+        logits = self.model.forward(view, tokens, self.kv, 0, slots)
+        last = (torch.tensor(q).cumsum(0) - 1).to(self.dev)  # each row's last query
+        decodes = sum(not r.prefilling for r in self.batch)
+        chunks = ", ".join(f"request {r.rid} tokens {r.computed}-{s - 1} of {len(r.prompt)}"
+                           for r, s in zip(self.batch, seq, strict=True) if r.prefilling)
+        for r, s, t in zip(self.batch, seq, logits[last].argmax(-1).tolist(), strict=True):
+            r.computed = s
+            if not r.prefilling:  # a decode row, or a prompt's last chunk: a new token
+                r.tokens.append(t)
+        kind = "mixed" if decodes else "prefill"
+        return (f"{kind} pool.extend: {_rows(decodes)} + prefill chunks [{chunks}] "
+                f"({sum(q)} tokens, one forward)")
+
+    def _decode(self) -> str:
+        """A uniform decode batch: ``pool.decode``, replayed from a CUDA graph on a GPU."""
         n = len(self.batch)
         table = self._tables()
-        pos = [len(r.tokens) - 1 for r in self.batch]  # the pending token's position
+        pos = [r.computed for r in self.batch]  # the pending token's position
         padded = self.graphs.padded_size(n) if self.graphs.use_graphs else None
         bs = padded or n
         self.kv.update_slots_(self._slots(list(range(n)), pos), bs=bs)
@@ -125,7 +157,8 @@ class Runner:
                                  seq_lens=self._ints(lens), block_table=table, seq_lens_cpu=lens)
         for r, t in zip(self.batch, logits.argmax(-1).tolist(), strict=True):
             r.tokens.append(t)
-        return bs
+            r.computed += 1
+        return f"decode pool.decode: {_rows(n)} at bs={bs}"
 
     def retire(self) -> list[Req]:
         """Finished requests leave the batch (rows behind them move up) and free their blocks."""
@@ -150,23 +183,23 @@ def main() -> int:
     waiting = [Req(i, [rng.randrange(VOCAB) for _ in range(rng.randint(3, 40))], rng.randint(4, 12))
                for i in range(a.requests)]
     finished: list[Req] = []
-    step = 0
+    step, mixed = 0, 0
     while waiting or runner.batch:
         new = runner.admit(waiting)
-        done = runner.retire()  # a one-token request may finish at its prefill
-        n = len(runner.batch)
-        bs = runner.decode() if n else 0
-        done += runner.retire()
+        what = runner.step()
+        mixed += what.startswith("mixed")
+        done = runner.retire()
         finished += done
-        print(f"step {step:2d}: prefilled {[r.rid for r in new]}, decoded {n} at bs={bs}, "
-              f"finished {[r.rid for r in done]}, free blocks {len(runner.free_blocks)}")
+        print(f"step {step:2d}: admitted {[r.rid for r in new]}; {what}; finished "
+              f"{[r.rid for r in done]}, free blocks {len(runner.free_blocks)}")
         step += 1
     for r in finished:
         new_tokens = r.tokens[len(r.prompt):]
         if new_tokens != greedy_reference(runner.model, r.prompt, len(new_tokens)):
             raise SystemExit(f"request {r.rid}: generated tokens differ from greedy decoding")
-    print(f"{len(finished)} requests, {sum(r.max_new for r in finished)} tokens, all equal to greedy "
-          f"decoding without a cache: ok ({time.perf_counter() - t0:.1f}s)")
+    print(f"{len(finished)} requests, {sum(r.max_new for r in finished)} tokens ({mixed} mixed "
+          f"steps: prefill chunks and decode rows in one pool.extend forward), all equal to "
+          f"greedy decoding without a cache: ok ({time.perf_counter() - t0:.1f}s)")
     return 0
 
 

@@ -30,5 +30,5 @@ def test_sglang_runner() -> None:
 
 def test_vllm_runner() -> None:
     out = _run("vllm_runner.py")
-    assert "prefilled [0, 1, 2, 3]" in out  # four batch rows, then requests wait for rows/blocks
+    assert "admitted [0, 1, 2, 3]" in out  # four batch rows, then requests wait for rows/blocks
     assert "10 requests" in out and "all equal to greedy decoding without a cache: ok" in out

@@ -83,6 +83,6 @@ def test_decode_step_breakdown_and_report() -> None:
     res = bench_e2e.run_workload(model, wl, rounds=1, progress=False)
     text = bench_e2e_model.format_run({"workload": wl.describe(), "threads": 1, "results": res,
                                        "breakdown": b})
-    for want in ("### tiny, 1 thread(s)", "attnpool / hf-generate: ", "| kv_store | ",
+    for want in ("### tiny, 1 thread: ", "attnpool / hf-generate: ", "| kv_store | ",
                  "| rows computed per step | ", f"| {TINY.prompts}/{TINY.prompts} |"):
         assert want in text, (want, text)

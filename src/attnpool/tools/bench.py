@@ -36,6 +36,7 @@ from ..errors import PoolError
 from ..pool import BufferPool
 from .baseline import ClassicPaged, Fill, per_buffer_allocator
 from .bench_report import format_report, plot
+from .progress import Bar
 
 K = 1024
 
@@ -112,22 +113,26 @@ def config_info(cfg: PoolConfig) -> dict[str, Any]:
 @dataclass(frozen=True)
 class InitImpl:
     """One way to allocate a config's buffers. ``prepare(cfg)`` does the arithmetic once and
-    returns the timed call, which allocates (and returns) everything; ``nbytes`` is what it holds."""
+    returns the timed call, which allocates (and returns) everything; ``nbytes`` is what it holds.
+    ``about``: one line under the report's tables saying what the column measures."""
 
     name: str
     baseline: bool
+    about: str
     prepare: Callable[[PoolConfig], Callable[[], object]]
     nbytes: Callable[[PoolConfig], int]
 
 
 INIT_IMPLS: tuple[InitImpl, ...] = (
-    InitImpl("per-buffer zeros", True, lambda c: per_buffer_allocator(c, Fill.ZEROS),
+    InitImpl("per-buffer zeros", True, "one torch.zeros per buffer, as engines allocate "
+             "(the baseline)", lambda c: per_buffer_allocator(c, Fill.ZEROS),
              lambda c: plan_arena(c).separate_nbytes),
-    InitImpl("per-buffer empty", False, lambda c: per_buffer_allocator(c, Fill.EMPTY),
+    InitImpl("per-buffer empty", False, "one torch.empty per buffer (no fill: not safe to read "
+             "before a write)", lambda c: per_buffer_allocator(c, Fill.EMPTY),
              lambda c: plan_arena(c).separate_nbytes),
     # The pool's call includes planning its layout: a user pays for it at construction.
-    InitImpl("attnpool arena", False, lambda c: lambda: BufferPool(c),
-             lambda c: plan_arena(c).nbytes),
+    InitImpl("attnpool arena", False, "BufferPool(cfg): the plan and one torch.empty for every "
+             "buffer", lambda c: lambda: BufferPool(c), lambda c: plan_arena(c).nbytes),
 )
 
 
@@ -196,10 +201,12 @@ def make_inputs(case: UpdateCase, device: torch.device, seed: int = 0) -> Update
 @dataclass(frozen=True)
 class UpdateImpl:
     """One update path. ``prepare(case, inputs, device)`` builds its buffers and returns the
-    per-step call; ``skip(case, device)`` returns why it cannot run here, or None."""
+    per-step call; ``skip(case, device)`` returns why it cannot run here, or None. ``about``:
+    one line under the report's tables saying what the column measures."""
 
     name: str
     baseline: bool
+    about: str
     prepare: Callable[[UpdateCase, UpdateInputs, torch.device], Callable[[], object]]
     skip: Callable[[UpdateCase, torch.device], str | None] = lambda case, dev: None
 
@@ -238,10 +245,16 @@ def _triton_skip(case: UpdateCase, dev: torch.device) -> str | None:
 
 #: Update paths, baseline first. Adding a path is adding a line.
 UPDATE_IMPLS: tuple[UpdateImpl, ...] = (
-    UpdateImpl("classic", True, _classic),
-    UpdateImpl("attnpool-reference", False, _attnpool(Impl.REFERENCE, host=True)),
-    UpdateImpl("attnpool-reference-static", False, _attnpool(Impl.REFERENCE, host=False)),
-    UpdateImpl("attnpool-triton", False, _attnpool(Impl.TRITON, host=True), _triton_skip),
+    UpdateImpl("classic", True, "the per-op refill of zero-filled buffers engines did before "
+               "fusing (the baseline; attnpool.tools.baseline)", _classic),
+    UpdateImpl("attnpool-reference", False, "pool.decode/verify.update_ on the torch reference "
+               "path, given seq_lens_cpu (host bounds: only the longest row's page columns)",
+               _attnpool(Impl.REFERENCE, host=True)),
+    UpdateImpl("attnpool-reference-static", False, "the same update without seq_lens_cpu: "
+               "nothing read on the host, static bounds, every page column gathered",
+               _attnpool(Impl.REFERENCE, host=False)),
+    UpdateImpl("attnpool-triton", False, "the fused Triton update, given seq_lens_cpu (timed "
+               "on CUDA only)", _attnpool(Impl.TRITON, host=True), _triton_skip),
 )
 
 
@@ -289,33 +302,11 @@ def interleaved(fns: list[Callable[[], object]], device: torch.device, suite: Su
 
 
 # ---- runner -----------------------------------------------------------------------------------
-class _Progress:
-    """A plain-text progress bar on stderr (no dependency): redrawn in place on a terminal, a
-    line per quarter otherwise (logs)."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = max(1, total), 0, enabled
-        self.tty = sys.stderr.isatty()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        fill = 30 * self.done // self.total
-        line = f"[{'#' * fill}{'.' * (30 - fill)}] {self.done}/{self.total} {label}"
-        if self.tty:
-            sys.stderr.write(f"\r{line[:100]:<100}" + ("\n" if self.done == self.total else ""))
-        elif self.done == self.total or (4 * self.done // self.total
-                                         != 4 * (self.done - 1) // self.total):
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-
 def run(suite: Suite, device: torch.device, progress: bool = True) -> dict[str, Any]:
     """Measure every case of ``suite``; returns the JSON-able report (see :func:`format_report`)."""
     cases = update_cases(suite)
     total = len(suite.init_configs) * (len(INIT_IMPLS) + 1) + len(cases) * len(UPDATE_IMPLS)
-    bar = _Progress(total, progress)
+    bar = Bar(total, progress)
     results: list[dict[str, Any]] = []
     memory: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
@@ -370,6 +361,11 @@ def _baselines() -> set[str]:
             | OTHER_BASELINES)
 
 
+def columns() -> dict[str, str]:
+    """What each implementation's column measures (printed under the tables, kept in JSON)."""
+    return {i.name: i.about for i in INIT_IMPLS} | {u.name: u.about for u in UPDATE_IMPLS}
+
+
 def ratios(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """``impl / baseline`` median of every non-baseline result with a baseline in its case."""
     base = {(r["group"], r["case"]): r for r in results if r["impl"] in _baselines()}
@@ -392,6 +388,7 @@ def run_cli(quick: bool, json_path: str | None, plot_path: str | None, device: s
     dev = device_of(device)
     rep = run(QUICK if quick else FULL, dev, progress=progress)
     rep["quick"] = quick
+    rep["columns"] = columns()
     print(format_report(rep, _baselines()))
     if json_path:
         with open(json_path, "w") as f:

@@ -52,6 +52,7 @@ import torch
 
 from ..integrations.tiny import random_prompts, tiny_llama
 from .bench import device_of, machine_info
+from .words import plural, span
 
 
 @dataclass(frozen=True)
@@ -220,7 +221,9 @@ def run_attnpool(model: Any, wl: Workload) -> Run:
     return _clock(go)
 
 
-def run_hf_generate(model: Any, wl: Workload) -> Run:
+def run_hf_generate(model: Any, wl: Workload, streamer: Any = None) -> Run:
+    """``model.generate`` in left-padded batches of ``max_bs`` (``streamer``: generate's own,
+    e.g. a progress counter)."""
     dev = next(model.parameters()).device
     timer = Timer()
     mod = sys.modules[type(model.model).__module__]
@@ -235,7 +238,8 @@ def run_hf_generate(model: Any, wl: Workload) -> Run:
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk],
                                 device=dev)
             out = model.generate(ids, attention_mask=mask, max_new_tokens=wl.new_tokens,
-                                 do_sample=False, pad_token_id=pad, eos_token_id=wl.eos)
+                                 do_sample=False, pad_token_id=pad, eos_token_id=wl.eos,
+                                 streamer=streamer)
             outs += [cut(o, wl.eos) for o in out[:, width:].tolist()]
         return outs, timer.seconds, timer.calls
 
@@ -379,8 +383,9 @@ def results_table(results: list[dict[str, Any]], prompts: int) -> str:
 def format_e2e(rep: dict[str, Any]) -> str:
     """A Markdown table of the report, with the case and machine above it."""
     c = rep["case"]
-    head = (f"e2e: {c['name']} float32, {c['prompts']} prompts of {c['lo']}-{c['hi']} tokens, "
-            f"{c['new_tokens']} new tokens each, max_bs {c['max_bs']}, page {c['page_size']}\n"
+    head = (f"e2e: {c['name']} float32, {plural(c['prompts'], 'prompt')} of "
+            f"{span((c['lo'], c['hi']), 'token')}, {plural(c['new_tokens'], 'new token')} each, "
+            f"max_bs {c['max_bs']}, page {c['page_size']}\n"
             f"machine: {json.dumps(rep['machine'])}")
     return head + "\n" + results_table(rep["results"], c["prompts"])
 

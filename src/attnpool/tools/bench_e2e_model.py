@@ -42,6 +42,7 @@ from .bench_e2e import (
     threads_set,
 )
 from .checkpoint import QUESTIONS, Loaded, equal_prompts, load, note, prompts_of
+from .words import plural, span
 
 #: Timed rounds per method (after one warm-up run).
 ROUNDS = 3
@@ -51,11 +52,12 @@ def workloads(loaded: Loaded, quick: bool = False) -> list[Workload]:
     """The equal-length and the chat workload of the module docstring (``quick``: smaller)."""
     n, length, new_eq = (4, 16, 16) if quick else (8, 32, 64)
     equal = Workload("equal", tuple(map(tuple, equal_prompts(loaded, n, length))), new_eq,
-                     max_bs=n, about=f"{n} plain-text prompts of {length} tokens, no EOS")
+                     max_bs=n,
+                     about=f"{plural(n, 'plain-text prompt')} of {plural(length, 'token')}, no EOS")
     qs = QUESTIONS[:6] if quick else QUESTIONS
     chat = Workload("chat", tuple(map(tuple, prompts_of(loaded, qs))), 32 if quick else 128,
                     max_bs=4 if quick else 8, eos=loaded.eos,
-                    about=f"{len(qs)} chat-template questions, stop at token {loaded.eos}")
+                    about=f"{plural(len(qs), 'chat-template question')}, stop at token {loaded.eos}")
     return [equal, chat]
 
 
@@ -261,7 +263,7 @@ def run_model(loaded: Loaded, device: torch.device, quick: bool = False,
             for wl in workloads(loaded, quick):
                 if only is not None and wl.name not in only:
                     continue
-                note(f"e2e {loaded.name}: workload {wl.name}, {threads} thread(s)")
+                note(f"e2e {loaded.name}: workload {wl.name}, {plural(threads, 'thread')}")
                 load0 = _load()
                 res = run_workload(loaded.model, wl, rounds)
                 run = {"workload": wl.describe(), "threads": threads, "results": res,
@@ -283,7 +285,7 @@ def _load() -> list[float] | None:
 
 
 def format_head(rep: dict[str, Any]) -> str:
-    return (f"e2e: {rep['model']} {rep['dtype']}, greedy, {rep['rounds']} timed rounds\n"
+    return (f"e2e: {rep['model']} {rep['dtype']}, greedy, {plural(rep['rounds'], 'timed round')}\n"
             f"machine: {json.dumps(rep['machine'])}")
 
 
@@ -292,8 +294,9 @@ def format_run(r: dict[str, Any]) -> str:
     decode-step breakdown."""
     w, load = r["workload"], r.get("load_average")
     seen = f"; load average {load['start']} -> {load['end']}" if load else ""
-    return (f"\n### {w['name']}, {r['threads']} thread(s): {w['about']}; {w['prompts']} prompts "
-            f"of {w['lo']}-{w['hi']} tokens, up to {w['new_tokens']} new tokens, max_bs "
+    return (f"\n### {w['name']}, {plural(r['threads'], 'thread')}: {w['about']}; "
+            f"{plural(w['prompts'], 'prompt')} of {span((w['lo'], w['hi']), 'token')}, up to "
+            f"{plural(w['new_tokens'], 'new token')}, max_bs "
             f"{w['max_bs']}, page {w['page_size']}{seen}\n\n"
             f"{results_table(r['results'], w['prompts'])}"
             f"\n\n{_ratios(r['results'])}\n\n{breakdown_table(r['breakdown'])}")

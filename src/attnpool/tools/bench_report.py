@@ -6,9 +6,17 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from .words import plural
+
 
 def _fmt_s(s: float) -> str:
     return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+
+
+def ratio(x: float) -> str:
+    """A ratio with two significant digits at least: ``0.56``, ``0.004``, ``4.1e-05`` (a
+    fixed ``.2f`` prints every ratio under 0.005 as ``0.00``)."""
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -21,7 +29,9 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def format_report(rep: dict[str, Any], baselines: set[str]) -> str:
     """Tables of medians with ``impl / baseline`` ratios, one per group, plus memory.
 
-    ``baselines`` names the implementations the ratios divide by.
+    ``baselines`` names the implementations the ratios divide by; ``rep["columns"]`` (when
+    present) says what each column measures, listed under the tables, since a column's name
+    alone (``attnpool-reference-static``) does not.
     """
     out = [f"machine: {json.dumps(rep['machine'])}"]
     rat = {(r["group"], r["case"], r["impl"]): r["ratio"] for r in rep["ratios"]}
@@ -35,19 +45,25 @@ def format_report(rep: dict[str, Any], baselines: set[str]) -> str:
         rows = []
         for case in dict.fromkeys(r["case"] for r in rs):
             row = [case] + [_fmt_s(med[(case, i)]) if (case, i) in med else "-" for i in impls]
-            row += [f"{rat[(group, case, i)]:.2f}" if (group, case, i) in rat else "-"
+            row += [ratio(rat[(group, case, i)]) if (group, case, i) in rat else "-"
                     for i in others if base]
             rows.append(row)
         if rows:
             out += ["", f"{group} (median per call)", _table(header, rows)]
     mem = [[m["case"], f"{m['separate_nbytes'] / 2**20:.1f} MiB",
-            f"{m['overlaid_nbytes'] / 2**20:.1f} MiB", f"{m['ratio']:.2f}"] for m in rep["memory"]]
+            f"{m['overlaid_nbytes'] / 2**20:.1f} MiB", ratio(m["ratio"])] for m in rep["memory"]]
     if mem:
         out += ["", "memory", _table(["case", "separate", "overlaid", "overlaid / separate"], mem)]
+    about = rep.get("columns", {})
+    seen = dict.fromkeys(r["impl"] for r in rep["results"])
+    if any(i in about for i in seen):
+        out += ["", "columns (ratios: column / baseline median; below 1: attnpool is faster or "
+                "smaller)"]
+        out += [f"  {i}: {about[i]}" for i in seen if i in about]
     why: dict[tuple[str, str], int] = {}
     for s in rep["skipped"]:
         why[(s["impl"], s["reason"])] = why.get((s["impl"], s["reason"]), 0) + 1
-    out += [f"skipped {impl} ({k} cases): {reason}" for (impl, reason), k in why.items()]
+    out += [f"skipped {impl} ({plural(k, 'case')}): {reason}" for (impl, reason), k in why.items()]
     return "\n".join(out)
 
 

