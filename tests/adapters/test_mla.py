@@ -1,0 +1,258 @@
+"""Absorbed MLA over a latent KVCachePool == the expanded per-head computation.
+
+Each test fills a poison-mode pool's phase from a random batch (padded rows: ``bs > n``), stores
+random latents (``c_kv``, ``k_pe``) for exactly the token slots the batch's rows read in a
+poison-mode latent :class:`KVCachePool` (every other slot is NaN), and checks, in float64:
+
+    unabsorb_out(mla.attention(view, absorb_q(q_nope, W_UK), kv_cache, shape, q_pe=q_pe), W_UV)
+    == dense attention of [q_nope | q_pe] over the expanded keys [c_kv W_UK^T | k_pe] and
+       values c_kv W_UV,
+
+where the dense oracle (:func:`tests.helpers.dense.dense_attention`) is given each query's key
+slots straight from ``req_to_token`` and the phase's definition, never from the view. The two
+sides differ only in the order of float64 sums (the absorbed dot product runs over ``L + R``
+products, the expanded one over ``nope + rope``), so they agree to ~1e-14; 1e-12 is the bound.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from attnpool import BufferPool, Impl, InputError, Layout, PagedView, PoolConfig
+from attnpool.adapters import mla
+from attnpool.adapters.mla_absorb import absorb_q, expand_kv, split_kv_b_proj, unabsorb_out
+from attnpool.kv import KVCachePool
+from attnpool.kv.mla_shape import MLAShape
+
+from tests.helpers.batches import Batch, make_batch
+from tests.helpers.dense import dense_attention
+
+SHAPE = MLAShape(num_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                 kv_lora_rank=16)
+C, ND, TOPK, STEPS, T_EXT = 128, 4, 3, 3, 40
+TOL = 1e-12
+F64 = torch.float64
+
+
+def _pool(page: int, **kw: Any) -> BufferPool:
+    cfg = PoolConfig(max_bs=6, max_context_len=C, page_size=page, device="cpu",
+                     layout=Layout.BOTH, pad_page=0, **kw)
+    return BufferPool(cfg, poison=True)
+
+
+def _row(b: Batch, i: int, lo: int, hi: int) -> list[int]:
+    return [int(x) for x in b.req_to_token[b.slots[i], lo:hi]]
+
+
+class Model:
+    """One MLA layer's weights and its latent cache, plus the expanded cache they imply."""
+
+    def __init__(self, table: Tensor, page: int, slots: Sequence[int], seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        s = SHAPE
+        pages = int(table.max()) // page + 2
+        self.pool = KVCachePool(s.latent_config(pages, page, dtype=F64, max_tokens=8),
+                                poison=True)
+        used = sorted(set(slots))
+        lat = torch.randn(len(used), s.kv_lora_rank, generator=g, dtype=F64)
+        pe = torch.randn(len(used), s.qk_rope_head_dim, generator=g, dtype=F64)
+        self.pool.store_mla_(0, lat, pe, torch.tensor(used), impl=Impl.REFERENCE)
+        w = torch.randn(s.num_heads * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank,
+                        generator=g, dtype=F64) / s.kv_lora_rank ** 0.5
+        self.w_uk, self.w_uv = split_kv_b_proj(w, s)
+        row = self.pool.kv_cache(0).reshape(-1, s.latent_row)
+        k, v = expand_kv(row[:, : s.kv_lora_rank], row[:, s.kv_lora_rank:], self.w_uk,
+                         self.w_uv)
+        self.k_exp = k.view(pages, page, s.num_heads, -1)
+        self.v_exp = v.view(pages, page, s.num_heads, -1)
+        self.gen = g
+
+    def queries(self, total: int) -> tuple[Tensor, Tensor]:
+        s = SHAPE
+        return (torch.randn(total, s.num_heads, s.qk_nope_head_dim, generator=self.gen,
+                            dtype=F64),
+                torch.randn(total, s.num_heads, s.qk_rope_head_dim, generator=self.gen,
+                            dtype=F64))
+
+
+def _layouts(view: object) -> list[Layout]:
+    parts = [view] if isinstance(view, PagedView) else [view.prefix, view.expand]  # type: ignore[attr-defined]
+    parts = [p for p in parts if p is not None]
+    out = []
+    if all(p.page_table is not None for p in parts):
+        out.append(Layout.FLASH_ATTN)
+    if all(p.kv_indptr is not None for p in parts):
+        out.append(Layout.FLASHINFER)
+    return out
+
+
+def _check(view: object, m: Model, total: int, keys: Sequence[Sequence[int]],
+           layouts: int = 2) -> None:
+    q_nope, q_pe = m.queries(total)
+    want_o, want_lse = dense_attention(torch.cat((q_nope, q_pe), -1), m.k_exp, m.v_exp, keys,
+                                       softmax_scale=SHAPE.softmax_scale)
+    q_lat = absorb_q(q_nope, m.w_uk)
+    kv = m.pool.kv_cache(0)
+    lays = _layouts(view)
+    assert len(lays) == layouts
+    n = len(keys)
+    for lay in lays:
+        got = mla.attention(view, q_lat, kv, SHAPE, q_pe=q_pe, layout=lay)
+        assert got.out.shape == (total, SHAPE.num_heads, SHAPE.kv_lora_rank)
+        assert torch.isfinite(got.out).all(), lay  # padded rows too (never a NaN page lane)
+        o = unabsorb_out(got.out, m.w_uv)
+        torch.testing.assert_close(o[:n], want_o, atol=TOL, rtol=0, msg=str(lay))
+        torch.testing.assert_close(got.lse[:n].double(), want_lse, atol=1e-5, rtol=0)
+        # the packed query is the same computation, bit for bit
+        packed = mla.attention(view, torch.cat((q_lat, q_pe), -1), kv, SHAPE, layout=lay)
+        assert torch.equal(packed.out, got.out) and torch.equal(packed.lse, got.lse)
+        # the SDPA-only output path agrees (another summation order)
+        out = mla.attention_out(view, q_lat, kv, SHAPE, q_pe=q_pe, layout=lay)
+        torch.testing.assert_close(unabsorb_out(out, m.w_uv)[:n], want_o, atol=TOL, rtol=0)
+
+
+PAGES = [1, 64]
+SIZES = [(3, 5), (1, 1), (6, 6)]  # (n, bs)
+
+
+@pytest.mark.parametrize("n, bs", SIZES)
+@pytest.mark.parametrize("page", PAGES)
+def test_decode(page: int, n: int, bs: int) -> None:
+    pool = _pool(page)
+    b = make_batch(pool.cfg, n, random.Random(page + n))
+    view = pool.decode.update_(bs, **b.inputs())
+    pool.check(view)
+    keys = [_row(b, i, 0, b.seq_lens[i]) for i in range(n)]
+    m = Model(b.req_to_token, page, [s for k in keys for s in k], 1)
+    _check(view, m, bs, keys)
+
+
+@pytest.mark.parametrize("topk", [1, TOPK])
+@pytest.mark.parametrize("n, bs", SIZES)
+@pytest.mark.parametrize("page", PAGES)
+def test_verify(page: int, n: int, bs: int, topk: int) -> None:
+    pool = _pool(page, num_draft_tokens=ND, topk=topk)
+    rng = random.Random(7 * page + n + topk)
+    b = make_batch(pool.cfg, n, rng, extra=ND)
+    mask = None
+    if topk > 1:  # random trees: ancestors and self
+        mask = torch.zeros(n, ND, ND, dtype=torch.bool)
+        for i in range(n):
+            parent = [-1] + [rng.randrange(-1, j) for j in range(1, ND)]
+            for j in range(ND):
+                k = j
+                while k >= 0:
+                    mask[i, j, k] = True
+                    k = parent[k]
+    view = pool.verify.update_(bs, **b.inputs(), tree_mask=mask)
+    pool.check(view)
+    keys = []
+    for i, length in enumerate(b.seq_lens):
+        for j in range(ND):
+            if mask is None:
+                keys.append(_row(b, i, 0, length + j + 1))
+            else:
+                drafts = [_row(b, i, length + kk, length + kk + 1)[0] for kk in range(ND)
+                          if mask[i, j, kk]]
+                keys.append(_row(b, i, 0, length) + drafts)
+    m = Model(b.req_to_token, page, [s for k in keys for s in k], 2)
+    _check(view, m, bs * ND, keys)
+
+
+@pytest.mark.parametrize("n, bs", SIZES)
+@pytest.mark.parametrize("page", PAGES)
+def test_extend_with_cached_prefix(page: int, n: int, bs: int) -> None:
+    pool = _pool(page, max_extend_tokens=T_EXT)
+    rng = random.Random(11 * page + n)
+    b = make_batch(pool.cfg, n, rng)
+    budget, ext = T_EXT, []
+    for length in b.seq_lens:  # some rows extend a cached prefix, some prefill from 0
+        e = max(1, min(length, budget - (n - len(ext) - 1), rng.choice([1, length, 7])))
+        ext.append(e)
+        budget -= e
+    seq, rpi, table = b.tensors()
+    view = pool.extend.update_(bs, seq_lens=seq, extend_lens=torch.tensor(ext),
+                               req_pool_indices=rpi, req_to_token=table)
+    pool.check(view)
+    keys = [_row(b, i, 0, length - e + j + 1)
+            for i, (length, e) in enumerate(zip(b.seq_lens, ext, strict=True)) for j in range(e)]
+    assert any(length > e for length, e in zip(b.seq_lens, ext, strict=True)) or n == 1
+    m = Model(b.req_to_token, page, [s for k in keys for s in k], 3)
+    _check(view, m, T_EXT, keys)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_draft_steps_and_draft_extend(page: int) -> None:
+    pool = _pool(page, num_draft_tokens=ND, spec_steps=STEPS)
+    rng = random.Random(13 + page)
+    n, bs = 3, 5
+    b = make_batch(pool.cfg, n, rng, extra=max(STEPS, ND))
+    view = pool.draft.update_(bs, **b.inputs())
+    keys_all = [_row(b, i, 0, b.seq_lens[i] + max(STEPS, ND)) for i in range(n)]
+    m = Model(b.req_to_token, page, [s for k in keys_all for s in k], 4)
+    for sv in view.steps:
+        _check(sv, m, bs, [_row(b, i, 0, b.seq_lens[i] + sv.step) for i in range(n)],
+               layouts=1)
+    acc = [rng.randint(1, ND) for _ in range(n)]
+    seq = [length + a for length, a in zip(b.seq_lens, acc, strict=True)]
+    _, rpi, table = b.tensors()
+    de = pool.draft_extend.update_(bs, seq_lens=torch.tensor(seq), accept_lens=torch.tensor(acc),
+                                   req_pool_indices=rpi, req_to_token=table)
+    keys = [_row(b, i, 0, length - a + j + 1)
+            for i, (length, a) in enumerate(zip(seq, acc, strict=True)) for j in range(a)]
+    _check(de, m, int(de.cu_seqlens_q[bs]), keys)
+
+
+def test_plan_once_per_forward() -> None:
+    """``plan`` + ``run_plan`` (what a forward over many layers does) == ``attention_out``."""
+    pool = _pool(16)
+    b = make_batch(pool.cfg, 4, random.Random(5))
+    view = pool.decode.update_(6, **b.inputs())
+    keys = [_row(b, i, 0, b.seq_lens[i]) for i in range(4)]
+    m = Model(b.req_to_token, 16, [s for k in keys for s in k], 6)
+    q_nope, q_pe = m.queries(6)
+    q_lat = absorb_q(q_nope, m.w_uk)
+    pl = mla.plan(view, num_q=6, shape=SHAPE)
+    kv = m.pool.kv_cache(0)
+    got = mla.run_plan(pl, q_lat, kv, SHAPE, q_pe=q_pe)
+    assert torch.equal(got, mla.attention_out(view, q_lat, kv, SHAPE, q_pe=q_pe))
+
+
+def test_values_are_a_view_of_the_cache() -> None:
+    kv = KVCachePool(SHAPE.latent_config(4, 4, dtype=F64)).kv_cache(0)
+    k, v = mla.latent_kv(kv, SHAPE)
+    assert k is kv and v.data_ptr() == kv.data_ptr() and v.shape[-1] == SHAPE.kv_lora_rank
+    assert v.stride() == kv.stride()
+
+
+def test_scale_is_the_unabsorbed_heads() -> None:
+    assert SHAPE.softmax_scale == 1 / math.sqrt(8 + 4)
+    v3 = MLAShape(128, 128, 64, 128, 512)
+    assert v3.softmax_scale == 1 / math.sqrt(192) and v3.latent_row == 576
+
+
+def test_refusals() -> None:
+    pool = _pool(4)
+    b = make_batch(pool.cfg, 2, random.Random(0))
+    view = pool.decode.update_(2, **b.inputs())
+    kv = KVCachePool(SHAPE.latent_config(80, 4, dtype=F64)).kv_cache(0)
+    q = torch.zeros(2, 4, SHAPE.latent_row, dtype=F64)
+    with pytest.raises(InputError, match=r"latent cache \[num_pages, page_size, 1, 20\]"):
+        mla.attention(view, q, kv[..., :16], SHAPE)
+    with pytest.raises(InputError, match=r"packed absorbed query must be \[T, 4, 20\]"):
+        mla.attention(view, q[..., :16], kv, SHAPE)
+    with pytest.raises(InputError, match=r"q_pe must be \[2, 4, 4\]"):
+        mla.attention(view, q[..., :16], kv, SHAPE, q_pe=q[..., :3])
+    with pytest.raises(InputError, match="q must be"):
+        mla.attention(view, q[:, :2], kv, SHAPE)
+    with pytest.raises(InputError, match="MLAShape"):
+        mla.attention(view, q, kv, (4, 8, 4, 6, 16))  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="kv_b_proj weight must be a floating tensor of shape"):
+        split_kv_b_proj(torch.zeros(4 * 14, 15), SHAPE)
