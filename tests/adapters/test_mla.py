@@ -25,14 +25,16 @@ import pytest
 import torch
 from torch import Tensor
 
-from attnpool import BufferPool, Impl, InputError, Layout, PagedView, PoolConfig
+from attnpool import BufferPool, Impl, InputError, Layout, LayoutError, PagedView, PoolConfig
 from attnpool.adapters import mla
+from attnpool.adapters import mla_flashinfer as mla_fi
 from attnpool.adapters.mla_absorb import absorb_q, expand_kv, split_kv_b_proj, unabsorb_out
 from attnpool.kv import KVCachePool
 from attnpool.kv.mla_shape import MLAShape
 
 from tests.helpers.batches import Batch, make_batch
 from tests.helpers.dense import dense_attention
+from tests.helpers.fakes_flashinfer_mla import BatchMLAPagedAttentionWrapper as FakeMLA
 
 SHAPE = MLAShape(num_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                  kv_lora_rank=16)
@@ -256,3 +258,124 @@ def test_refusals() -> None:
         mla.attention(view, q, kv, (4, 8, 4, 6, 16))  # type: ignore[arg-type]
     with pytest.raises(InputError, match="kv_b_proj weight must be a floating tensor of shape"):
         split_kv_b_proj(torch.zeros(4 * 14, 15), SHAPE)
+
+
+# ---- FlashInfer's MLA wrapper (a fake built from its source: fakes_flashinfer_mla.py) ----------
+F32 = torch.float32
+
+
+def _fi(shape: MLAShape = SHAPE) -> mla_fi.MLAGraphWrappers:
+    return mla_fi.MLAGraphWrappers(torch.zeros(256, dtype=torch.uint8), shape,
+                                   wrapper_cls=FakeMLA)
+
+
+@pytest.mark.parametrize("phase", ["decode", "chain", "tree", "draft_extend"])
+@pytest.mark.parametrize("page", [1, 16])
+def test_flashinfer_wrapper_matches_sdpa(page: int, phase: str) -> None:
+    topk = TOPK if phase == "tree" else 1
+    pool = _pool(page, num_draft_tokens=ND, topk=topk)
+    rng = random.Random(page * 31 + len(phase))
+    n, bs = 3, 5
+    b = make_batch(pool.cfg, n, rng, extra=ND)
+    mask = None
+    if phase == "tree":
+        mask = torch.tril(torch.ones(ND, ND, dtype=torch.bool))[None].repeat(n, 1, 1)
+        mask[:, 2, 1] = False  # draft 2 branches from draft 0
+    w = _fi()
+    if phase == "decode":
+        views = [pool.decode.view(bs)]
+        update: Any = lambda: pool.decode.update_(bs, **b.inputs())  # noqa: E731
+    elif phase == "draft_extend":
+        views = [pool.draft_extend.view(bs)]
+        acc = [rng.randint(1, ND) for _ in range(n)]
+        seq = torch.tensor([s + a for s, a in zip(b.seq_lens, acc, strict=True)])
+        _, rpi, table = b.tensors()
+        update = lambda: pool.draft_extend.update_(  # noqa: E731
+            bs, seq_lens=seq, accept_lens=torch.tensor(acc), req_pool_indices=rpi,
+            req_to_token=table)
+    else:
+        cap = pool.verify.view(bs)
+        views = [p for p in (cap.prefix, cap.expand) if p is not None]
+        update = lambda: pool.verify.update_(bs, **b.inputs(), tree_mask=mask)  # noqa: E731
+    for v in views:  # before capture: one wrapper per part, on the part's buffers
+        wr = w.wrapper(v)
+        assert wr._kv_indptr_buf.data_ptr() == v.kv_indptr.data_ptr()
+        assert wr._kv_indices_buf.data_ptr() == v.kv_indices.data_ptr()
+        assert wr._qo_indptr_buf.data_ptr() == v.cu_seqlens_q.data_ptr()
+    assert len(w) == len(views)
+    view = update()
+    parts = [view] if isinstance(view, PagedView) else [p for p in (view.prefix, view.expand)
+                                                         if p is not None]
+    for part in parts:
+        w.plan(part, q_dtype=F32)
+    keys_slots = [s for i in range(n) for s in _row(b, i, 0, b.seq_lens[i] + ND)]
+    m = Model(b.req_to_token, page, keys_slots, 9)
+    kv = m.pool.kv_cache(0).float()  # (a copy: float32 for the fake's dtype checks)
+    total = int(parts[0].cu_seqlens_q[bs]) if phase != "decode" else bs
+    q = torch.randn(total, SHAPE.num_heads, SHAPE.latent_row, dtype=F32)
+    got = w.attention(view, q, kv)
+    want = mla.attention(view, q, kv, SHAPE, layout=Layout.FLASHINFER)
+    rows = int(view.cu_seqlens_q[n]) if isinstance(view, PagedView) else n * ND
+    torch.testing.assert_close(got.out[:rows], want.out[:rows], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.lse[:rows], want.lse[:rows].float(), atol=1e-5, rtol=1e-5)
+    # the split query form is the same call; the caches are views of the pool's row
+    got2 = w.attention(view, q[..., :16], kv, q_pe=q[..., 16:])
+    assert torch.equal(got2.out, got.out)
+    wr = w.wrapper(parts[0])
+    call = wr.runs[-1]
+    assert call["ckv_cache"].data_ptr() == kv.data_ptr()
+    assert call["kpe_cache"].data_ptr() == kv.data_ptr() + 16 * kv.element_size()
+
+
+def test_flashinfer_kv_len_of_padded_rows_is_zero() -> None:
+    """Padded rows own no CSR pages: their kv_len_arr entry is 0, not pad_seq_len (a kernel
+    would read pages past the row's own)."""
+    pool = _pool(4)
+    b = make_batch(pool.cfg, 2, random.Random(3))
+    w = _fi()
+    w.wrapper(pool.decode.view(4))
+    view = pool.decode.update_(4, **b.inputs())
+    w.plan(view, q_dtype=F32)
+    wr = w.wrapper(view)
+    assert wr._kv_len_arr_buf.tolist() == [*b.seq_lens, 0, 0]
+    assert view.cache_seqlens.tolist()[2:] == [1, 1]  # what the page-table layout pads with
+    # a wrapper fed cache_seqlens instead reads pages the padded rows do not own
+    wr.plan(qo_indptr=view.cu_seqlens_q, kv_indptr=view.kv_indptr, kv_indices=view.kv_indices,
+            kv_len_arr=view.cache_seqlens.clone(), num_heads=4, head_dim_ckv=16,
+            head_dim_kpe=4, page_size=4, causal=False, sm_scale=1.0, q_data_type=F32,
+            kv_data_type=F32)
+    kv = KVCachePool(SHAPE.latent_config(int(b.req_to_token.max()) // 4 + 2, 4, dtype=F32)
+                     ).kv_cache(0)
+    with pytest.raises(RuntimeError, match=r"kv_len_arr\[2\] = 1 needs 1 pages, the row owns 0"):
+        wr.run(q_nope=torch.zeros(4, 4, 16), q_pe=torch.zeros(4, 4, 4), ckv_cache=kv[:, :, 0, :16],
+               kpe_cache=kv[:, :, 0, 16:])
+
+
+def test_flashinfer_refusals() -> None:
+    pool = _pool(4, sliding_window=8)
+    b = make_batch(pool.cfg, 2, random.Random(4))
+    w = _fi()
+    view = pool.decode.update_(2, **b.inputs())
+    with pytest.raises(LayoutError, match="no wrapper was created"):
+        w.plan(view, q_dtype=F32)
+    w.wrapper(view)
+    kv = KVCachePool(SHAPE.latent_config(80, 4, dtype=F32)).kv_cache(0)
+    with pytest.raises(LayoutError, match="never planned"):
+        w.run(view, torch.zeros(2, 4, 20), kv)
+    with pytest.raises(LayoutError, match="no sliding window"):
+        w.wrapper(view.window)
+    w.plan(view, q_dtype=F32)
+    with pytest.raises(InputError, match="at least the 2 query rows"):
+        w.run(view, torch.zeros(1, 4, 20), kv)
+    pt_only = BufferPool(PoolConfig(max_bs=2, max_context_len=C, page_size=4, device="cpu",
+                                    layout=Layout.FLASH_ATTN), poison=True)
+    v2 = pt_only.decode.update_(2, **b.inputs())
+    with pytest.raises(LayoutError, match="reads CSR page lists"):
+        w.wrapper(v2)
+    # the fake's own checks, as FlashInfer makes them
+    with pytest.raises(ValueError, match="reserved kv_len_arr buffer has insufficient"):
+        FakeMLA(torch.zeros(8), use_cuda_graph=True, qo_indptr=view.cu_seqlens_q,
+                kv_indptr=view.kv_indptr, kv_indices=view.kv_indices,
+                kv_len_arr=torch.zeros(3, dtype=torch.int32)).plan(
+            view.cu_seqlens_q, view.kv_indptr, view.kv_indices, torch.zeros(2, dtype=torch.int32),
+            4, 16, 4, 4, False, 1.0, F32, F32)

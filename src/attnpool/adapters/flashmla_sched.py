@@ -132,7 +132,7 @@ def get_mla_metadata(cache_seqlens: Tensor, num_parts: int, *,
         cut_reqs.append(torch.where(cut, m, b))
         req, blk, split = new_req, new_blk, new_split
     begin_req, begin_blk, end_req, end_blk, begin_split, resumed = (
-        torch.stack(c) for c in zip(*rows))
+        torch.stack(c) for c in zip(*rows, strict=True))
     md.zero_()
     if layout is SchedLayout.ARGUMENTS:
         md[:, 0] = torch.where(begin_req >= b, -1, begin_req)

@@ -59,9 +59,7 @@ def latent_kv(kv_cache: Tensor, shape: MLAShape) -> tuple[Tensor, Tensor]:
     return kv_cache, kv_cache[..., : shape.kv_lora_rank]
 
 
-def packed_q(q: Tensor, shape: MLAShape, q_pe: Tensor | None = None) -> Tensor:
-    """The absorbed query as one ``[T, H, L + R]`` tensor: ``q`` itself when packed, else
-    ``cat(q [T, H, L], q_pe [T, H, R])`` (a copy of the queries, not of the cache)."""
+def _check_q(q: Tensor, shape: MLAShape, q_pe: Tensor | None) -> None:
     h, lat, r = shape.num_heads, shape.kv_lora_rank, shape.qk_rope_head_dim
     if not isinstance(q, Tensor) or q.dim() != 3 or q.shape[1] != h:
         got = tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__
@@ -71,16 +69,32 @@ def packed_q(q: Tensor, shape: MLAShape, q_pe: Tensor | None = None) -> Tensor:
             raise InputError(f"a packed absorbed query must be [T, {h}, {lat + r}] "
                              f"([q_nope·W_UK (L={lat}) | q_pe (R={r})]), got {tuple(q.shape)}; "
                              "pass the rope part as q_pe= for the split form")
-        return q
+        return
     if q.shape[2] != lat:
         raise InputError(f"with q_pe given, q is the absorbed latent query [T, {h}, {lat}], got "
                          f"{tuple(q.shape)}")
     if not isinstance(q_pe, Tensor) or tuple(q_pe.shape) != (q.shape[0], h, r) \
             or q_pe.dtype != q.dtype or q_pe.device != q.device:
-        got = (tuple(q_pe.shape), q_pe.dtype) if isinstance(q_pe, Tensor) else type(q_pe).__name__
+        what = (f"{tuple(q_pe.shape)} {q_pe.dtype}" if isinstance(q_pe, Tensor)
+                else type(q_pe).__name__)
         raise InputError(f"q_pe must be [{q.shape[0]}, {h}, {r}] of q's dtype {q.dtype} on "
-                         f"{q.device}, got {got}")
-    return torch.cat((q, q_pe), dim=-1)
+                         f"{q.device}, got {what}")
+
+
+def packed_q(q: Tensor, shape: MLAShape, q_pe: Tensor | None = None) -> Tensor:
+    """The absorbed query as one ``[T, H, L + R]`` tensor: ``q`` itself when packed, else
+    ``cat(q [T, H, L], q_pe [T, H, R])`` (a copy of the queries, not of the cache)."""
+    _check_q(q, shape, q_pe)
+    return q if q_pe is None else torch.cat((q, q_pe), dim=-1)
+
+
+def split_q(q: Tensor, shape: MLAShape, q_pe: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The absorbed query as ``(latent [T, H, L], rope [T, H, R])``: ``(q, q_pe)`` when split,
+    else two column views of the packed ``q`` (no copy): what FlashInfer and flash-attn take."""
+    _check_q(q, shape, q_pe)
+    if q_pe is not None:
+        return q, q_pe
+    return q[..., : shape.kv_lora_rank], q[..., shape.kv_lora_rank:]
 
 
 def _scale(shape: MLAShape, softmax_scale: float | None) -> float:

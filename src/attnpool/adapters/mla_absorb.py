@@ -45,7 +45,7 @@ def split_kv_b_proj(weight: Tensor, shape: MLAShape) -> tuple[Tensor, Tensor]:
 
 def absorb_q(q_nope: Tensor, w_uk: Tensor) -> Tensor:
     """``q_lat [T, H, L] = q_nope [T, H, nope] · W_UK [H, nope, L]`` per head."""
-    h, n, lat = w_uk.shape if isinstance(w_uk, Tensor) and w_uk.dim() == 3 else (0, 0, 0)
+    h, n, _ = w_uk.shape if isinstance(w_uk, Tensor) and w_uk.dim() == 3 else (0, 0, 0)
     if not h:
         raise InputError("w_uk must be [H, nope, L] (split_kv_b_proj's first result)")
     q = _tensor("q_nope", q_nope, (q_nope.shape[0] if isinstance(q_nope, Tensor) else -1, h, n))
