@@ -27,6 +27,7 @@ from torch import Tensor
 
 from attnpool import BufferPool, Impl, InputError, Layout, LayoutError, PagedView, PoolConfig
 from attnpool.adapters import mla
+from attnpool.adapters import mla_fa4
 from attnpool.adapters import mla_flashinfer as mla_fi
 from attnpool.adapters.mla_absorb import absorb_q, expand_kv, split_kv_b_proj, unabsorb_out
 from attnpool.kv import KVCachePool
@@ -34,6 +35,7 @@ from attnpool.kv.mla_shape import MLAShape
 
 from tests.helpers.batches import Batch, make_batch
 from tests.helpers.dense import dense_attention
+from tests.helpers.fakes_fa4_mla import FA4
 from tests.helpers.fakes_flashinfer_mla import BatchMLAPagedAttentionWrapper as FakeMLA
 
 SHAPE = MLAShape(num_heads=4, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
@@ -379,3 +381,69 @@ def test_flashinfer_refusals() -> None:
                 kv_len_arr=torch.zeros(3, dtype=torch.int32)).plan(
             view.cu_seqlens_q, view.kv_indptr, view.kv_indices, torch.zeros(2, dtype=torch.int32),
             4, 16, 4, 4, False, 1.0, F32, F32)
+
+
+# ---- flash-attn 4's qv path (a fake built from its source: fakes_fa4_mla.py) -------------------
+V3ISH = MLAShape(num_heads=2, qk_nope_head_dim=8, qk_rope_head_dim=64, v_head_dim=6,
+                 kv_lora_rank=512)  # flash-attn 4's qv path takes rope 64 / latent 512 only
+
+
+@pytest.mark.parametrize("phase", ["decode", "chain", "tree"])
+def test_fa4_qv_matches_sdpa(phase: str) -> None:
+    page = 16
+    pool = _pool(page, num_draft_tokens=ND, topk=TOPK if phase == "tree" else 1)
+    rng = random.Random(len(phase))
+    n, bs = 3, 4
+    b = make_batch(pool.cfg, n, rng, extra=ND)
+    if phase == "decode":
+        view: Any = pool.decode.update_(bs, **b.inputs())
+        total = bs
+    else:
+        mask = None
+        if phase == "tree":
+            mask = torch.tril(torch.ones(ND, ND, dtype=torch.bool))[None].repeat(n, 1, 1)
+            mask[:, 3, 2] = False
+        view = pool.verify.update_(bs, **b.inputs(), tree_mask=mask)
+        total = bs * ND
+    pages = int(b.req_to_token.max()) // page + 2
+    kvp = KVCachePool(V3ISH.latent_config(pages, page, dtype=torch.bfloat16, max_tokens=8))
+    g = torch.Generator().manual_seed(3)
+    slots = torch.arange(page, pages * page)
+    kvp.store_mla_(0, torch.randn(len(slots), 512, generator=g).bfloat16(),
+                   torch.randn(len(slots), 64, generator=g).bfloat16(), slots,
+                   impl=Impl.REFERENCE)
+    kv = kvp.kv_cache(0)
+    q = (torch.randn(total, 2, 576, generator=g) / 8).bfloat16()
+    fake = FA4()
+    got = mla_fa4.attention(view, q, kv, V3ISH, fn=fake.flash_attn_varlen_func)
+    want = mla.attention(view, q.float(), kv.float(), V3ISH)
+    rows = n * (1 if phase == "decode" else ND)
+    torch.testing.assert_close(got.out[:rows].float(), want.out[:rows].float(), atol=2e-2,
+                               rtol=2e-2)
+    torch.testing.assert_close(got.lse[:rows], want.lse[:rows].float(), atol=1e-3, rtol=1e-3)
+    call = fake.calls[0]
+    assert call["softmax_scale"] == V3ISH.softmax_scale  # never FA4's (64 + 512) ** -0.5
+    assert call["v"].data_ptr() == kv.data_ptr()  # column views of the cache: no copy
+    assert call["k"].data_ptr() == kv.data_ptr() + 512 * kv.element_size()
+    assert call["page_table"].data_ptr() == (view if phase == "decode" else view.prefix
+                                             ).page_table.data_ptr()
+
+
+def test_fa4_refusals() -> None:
+    fake = FA4()
+    fi_only = BufferPool(PoolConfig(max_bs=2, max_context_len=C, page_size=16, device="cpu",
+                                    layout=Layout.FLASHINFER, sliding_window=8), poison=True)
+    b = make_batch(fi_only.cfg, 2, random.Random(1))
+    view = fi_only.decode.update_(2, **b.inputs())
+    kv = KVCachePool(V3ISH.latent_config(4, 16, dtype=torch.bfloat16)).kv_cache(0)
+    q = torch.zeros(2, 2, 576, dtype=torch.bfloat16)
+    with pytest.raises(LayoutError, match="reads a page table"):
+        mla_fa4.attention(view, q, kv, V3ISH, fn=fake.flash_attn_varlen_func)
+    pool = _pool(16, sliding_window=8)
+    view = pool.decode.update_(2, **make_batch(pool.cfg, 2, random.Random(1)).inputs())
+    with pytest.raises(LayoutError, match="no sliding window"):
+        mla_fa4.attention(view.window, q, kv, V3ISH, fn=fake.flash_attn_varlen_func)
+    assert not fake.calls
+    # the fake's own checks: Blackwell only, and FA4's head sizes for qv
+    with pytest.raises(AssertionError, match="only support Blackwell arch with qv"):
+        mla_fa4.attention(view, q, kv, V3ISH, fn=FA4(arch=90).flash_attn_varlen_func)
