@@ -26,8 +26,7 @@ import torch
 from torch import Tensor
 
 from attnpool import BufferPool, Impl, InputError, Layout, LayoutError, PagedView, PoolConfig
-from attnpool.adapters import mla
-from attnpool.adapters import mla_fa4
+from attnpool.adapters import mla, mla_fa4
 from attnpool.adapters import mla_flashinfer as mla_fi
 from attnpool.adapters.mla_absorb import absorb_q, expand_kv, split_kv_b_proj, unabsorb_out
 from attnpool.kv import KVCachePool
