@@ -17,7 +17,9 @@ from .variants import with_sinks
 
 
 class Attn(NamedTuple):
-    """Attention result: ``out [total_q, H, D]`` (q's dtype), ``lse [total_q, H]`` float32."""
+    """Attention result: ``out [total_q, H, D]`` (q's dtype), ``lse [total_q, H]`` float32
+    (float64 from the SDPA adapter given float64 queries, so a float64 reference stays float64
+    through a tree's merge)."""
 
     out: Tensor
     lse: Tensor
@@ -42,13 +44,16 @@ def merge_by_lse(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Attn:
                          f"{tuple(o1.shape)}, {tuple(lse1.shape)}, {tuple(o2.shape)}, "
                          f"{tuple(lse2.shape)}")
     neg_inf = float("-inf")
-    a = torch.where(torch.isposinf(lse1), neg_inf, lse1.float())
-    b = torch.where(torch.isposinf(lse2), neg_inf, lse2.float())
+    # float32 at least; float64 passes (the SDPA adapter's float64 reference) merge in float64
+    lt = torch.promote_types(torch.promote_types(lse1.dtype, lse2.dtype), torch.float32)
+    a = torch.where(torch.isposinf(lse1), neg_inf, lse1.to(lt))
+    b = torch.where(torch.isposinf(lse2), neg_inf, lse2.to(lt))
     lse = torch.logaddexp(a, b)
     ref = torch.where(torch.isneginf(lse), 0.0, lse)  # keeps exp() finite when both are empty
     w1 = torch.exp(a - ref)[..., None]
     w2 = torch.exp(b - ref)[..., None]
-    out = (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
+    ot = torch.promote_types(o1.dtype, lt)
+    out = (o1.to(ot) * w1 + o2.to(ot) * w2).to(o1.dtype)
     return Attn(out, lse)
 
 

@@ -240,7 +240,7 @@ def _explicit(pl: Plan, q: Tensor, k_cache: Tensor, v_cache: Tensor,
     lse_q = scatter(lse_l, pl, float("-inf"))
     if sinks is not None:  # (in the scores' precision, before lse goes to float32)
         out, lse_q = with_sinks(out, lse_q, sinks)
-    return Attn(out, lse_q.float())
+    return Attn(out, lse_q if lse_q.dtype == torch.float64 else lse_q.float())
 
 
 class AttnOptions(TypedDict, total=False):

@@ -178,8 +178,15 @@ def gather_pair(pl: Lanes, k_cache: Tensor, v_cache: Tensor, dtype: torch.dtype,
     """``(k, v)`` as :func:`gather_kv` gives them, with one ``index_select`` for both when the
     two caches are one strided run of token rows (a :class:`attnpool.KVCachePool` layer: its V
     pages follow its K pages in the same allocation, rows of the same size): the index and the
-    index shifted by the K-to-V distance. Anything else (fp8 scales, K and V of different head
+    index shifted by the K-to-V distance. When ``v_cache`` is ``k_cache``'s first columns (an MLA
+    latent cache: the values are the keys' latent part), K is copied once and V is a view of that
+    copy. Anything else (fp8 scales, K and V of different head
     sizes or dtypes, separate tensors) takes two copies."""
+    if _is_prefix(k_cache, v_cache) and _same_scale(k_scale, v_scale):
+        # V is K's first Dv columns (an MLA latent row: values = the latent part of the key):
+        # one copy of K serves both, V is a view of it
+        k = gather_kv(pl, k_cache, dtype, k_scale)
+        return k, k[..., : v_cache.shape[-1]]
     dist = None if k_scale is not None or v_scale is not None else _kv_gap(k_cache, v_cache)
     if dist is None:
         return gather_kv(pl, k_cache, dtype, k_scale), gather_kv(pl, v_cache, dtype, v_scale)
@@ -194,6 +201,21 @@ def gather_pair(pl: Lanes, k_cache: Tensor, v_cache: Tensor, dtype: torch.dtype,
     span = g.span if page > 1 else pl.lmax
     k, v = _lanes(pl, src.index_select(0, idx), d, (2, pl.b), span, tail, dtype).unbind(0)
     return k, v
+
+
+def _is_prefix(k: Tensor, v: Tensor) -> bool:
+    """Whether ``v`` is ``k[..., :Dv]``: the same first element, dtype, strides and leading
+    dims, fewer columns (a :meth:`attnpool.KVCachePool.kv_cache` row's latent part)."""
+    return (v.dim() == 4 and k.dim() == 4 and v.data_ptr() == k.data_ptr()
+            and v.dtype == k.dtype and v.device == k.device and v.shape[:3] == k.shape[:3]
+            and v.shape[3] < k.shape[3] and v.stride() == k.stride())
+
+
+def _same_scale(a: Tensor | None, b: Tensor | None) -> bool:
+    """Both None, or one scale (the same memory and shape): K and V dequantize alike."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
 def _pair_index(pl: Lanes, dist: int, rows: int) -> tuple[Tensor, Tensor | None, int]:
