@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..arena import Arena
-from ..config import INT_DTYPES, PHASE_FACTS, Impl, Phase, PoolConfig, resolve_impl
+from ..config import INT_DTYPES, PHASE_FACTS, Impl, Phase, PoolConfig, ceil_div, resolve_impl
 from ..errors import CapacityError, InputError, LayoutError, PoolError
 from ..inputs import check_block_table, check_bs, check_req_to_token, check_tensor, host_lens
 from ..update import reference as ref
@@ -512,5 +512,5 @@ class PhaseBase(Generic[ViewT]):
         those (see :func:`attnpool.update.reference.paged_update_`)."""
         if host is None:
             return self._max_pages
-        return min(self._max_pages, -(-(max(host, default=0) + add) // self.cfg.page_size))
+        return min(self._max_pages, ceil_div(max(host, default=0) + add, self.cfg.page_size))
 

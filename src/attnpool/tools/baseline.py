@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..arena import plan_arena
-from ..config import PoolConfig
+from ..config import PoolConfig, ceil_div
 from ..errors import InputError
 from ..inputs import check_bs
 
@@ -150,7 +150,7 @@ class ClassicPaged:
         if n < bs:
             max_len = max(max_len, cfg.pad_seq_len)
         max_len += self.add
-        max_pages = -(-max_len // p)
+        max_pages = ceil_div(max_len, p)
         if p > 1:
             pages = req_to_token[rpi[:, None], self.page_starts[:max_pages][None, :]] // p
         else:  # every column starts a page: engines gather whole rows of a column slice

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
+from ..config import ceil_div
+
 if TYPE_CHECKING:
     from ..pool import BufferPool
 
@@ -104,7 +106,7 @@ class _Batch:
         self.rows = bs if cap else max(1, bs - 1)
         # a few table rows (not 1, which Triton would specialize on), or one per row without rpi
         trows = 5 if rpi else bs
-        width = cfg.max_context_len if not block else -(-cfg.max_context_len // cfg.page_size)
+        width = cfg.max_context_len if not block else ceil_div(cfg.max_context_len, cfg.page_size)
         name = "block_table" if block else "req_to_token"
         self.common: dict[str, Any] = {"seq_lens": _t(self.rows, dt), name: _t((trows, width), tdt)}
         if rpi:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..config import ceil_div
 from ..errors import InputError, LayoutError
 from .reference_ops import (
     PagedBuffers,
@@ -99,9 +100,9 @@ def paged_part_(
                  max_q=max_q, block_size=block_size, b=b)
     p, pt = page_size, b.page_table
     if max_len is None:
-        cols = pt.shape[1] if pt is not None else -(-table_width(req_to_token, block_size) // p)
+        cols = pt.shape[1] if pt is not None else ceil_div(table_width(req_to_token, block_size), p)
         max_len = cols * p
-    cap = pt.shape[1] if pt is not None else -(-max_len // p)
+    cap = pt.shape[1] if pt is not None else ceil_div(max_len, p)
     w = cap if width is None else min(width, cap)
     n = seq_lens.shape[0]
     out = None if pt is None else pt[:n, :w]
@@ -119,7 +120,7 @@ def paged_part_(
         _tokens_(seq_lens, extra, q_lens, req_pool_indices, req_to_token, block_size,
                  token_offset, positions, out_slots)
     paged_(b, bs=bs, pages=pages, page_size=p, pad_page=pad_page,
-           pad_pages=-(-pad_seq_len // p), arange=_arange(b, max(w, bs) + 1, seq_lens))
+           pad_pages=ceil_div(pad_seq_len, p), arange=_arange(b, max(w, bs) + 1, seq_lens))
 
 
 INT32_MAX = 2**31 - 1
@@ -178,7 +179,7 @@ def _steps_(b: PagedBuffers, bs: int, seq_lens: Tensor, pages: Tensor, extra: in
             if n < bs:
                 step.cache_seqlens[n:bs].fill_(pad_len)
         paged_(step, bs=bs, pages=pages if d == steps - 1 else pages[:, :0], page_size=p,
-               pad_page=pad_page, pad_pages=-(-pad_len // p), arange=arange)
+               pad_page=pad_page, pad_pages=ceil_div(pad_len, p), arange=arange)
 
 
 def _queries_(b: PagedBuffers, bs: int, q_lens: Tensor, cu: Tensor, pad_q: int,
@@ -298,7 +299,7 @@ def local_part_(
     if b.page_table is not None:
         width = b.page_table.shape[1]
     else:
-        width = -(-min(chunk, table_width(req_to_token, block_size)) // p)
+        width = ceil_div(min(chunk, table_width(req_to_token, block_size)), p)
     pages = gather_pages(req_to_token, req_pool_indices.repeat_interleave(per), p, width, off,
                          block_size=block_size)
     pages = torch.where(valid[:, None], pages, pad_page)
@@ -311,7 +312,7 @@ def local_part_(
     pad = torch.div(arange[: rows - real], per, rounding_mode="floor").add_(1).mul_(q)
     torch.add(pad, cu_seqlens_q[real : real + 1], out=cu_seqlens_q[real + 1 : rows + 1])
     lengths_(b.cache_seqlens, kv_lens, 0, rows, pad_len, width * p)
-    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=-(-pad_len // p),
+    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=ceil_div(pad_len, p),
            arange=arange)
 
 
@@ -339,7 +340,7 @@ def local_extend_part_(
     if b.page_table is not None:
         width = b.page_table.shape[1]
     else:
-        width = -(-min(chunk, table_width(req_to_token, block_size)) // p)
+        width = ceil_div(min(chunk, table_width(req_to_token, block_size)), p)
     rpi = req_pool_indices[req] if req_pool_indices.shape[0] else req_pool_indices.new_zeros(rows)
     pages = gather_pages(req_to_token, rpi, p, width, off, block_size=block_size)
     pages = torch.where(valid[:, None], pages, pad_page)
@@ -347,5 +348,5 @@ def local_extend_part_(
     arange = _arange(b, max(width, rows) + 1, seq_lens)
     cumsum_(cu_seqlens_q, q_lens)
     lengths_(b.cache_seqlens, kv_lens, 0, rows, pad_len, width * p)
-    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=-(-pad_len // p),
+    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=ceil_div(pad_len, p),
            arange=arange)

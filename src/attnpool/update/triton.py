@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import is_int
+from ..config import ceil_div, is_int
 from ..errors import CapacityError, InputError, LayoutError
 from ..inputs import check_tensor
 from . import triton_checks as ck
@@ -175,7 +175,7 @@ def paged_launch(
     tok_cols, tp, block_table = ck.block(table, block_size)
     if token_offset is not None:
         ck.vec("token_offset", token_offset, rows, dev)
-    pad_pages = -(-pad_seq_len // page_size)
+    pad_pages = ceil_div(pad_seq_len, page_size)
     ck.need(is_int(steps) and steps >= 1, InputError, f"steps must be an int >= 1, got {steps}")
     has_pt, has_fi = ck.layouts(b, bs, dev, pad_pages, steps if steps > 1 else 0)
     ck.need(steps == 1 or not has_fi, LayoutError,
@@ -204,7 +204,7 @@ def paged_launch(
     if b.page_table is not None:
         width, pt_stride = b.page_table.shape[1], b.page_table.stride(0)
     else:
-        width, pt_stride = -(-tok_cols // page_size), 0
+        width, pt_stride = ceil_div(tok_cols, page_size), 0
 
     if max_len is None:
         max_len = width * page_size
@@ -372,13 +372,13 @@ def local_launch(
     table = ck.table(req_to_token, dev)
     tok_cols, tp, block_table = ck.block(table, block_size)
     rows = bs * rows_per_request
-    pad_pages = -(-pad_len // page_size)
+    pad_pages = ceil_div(pad_len, page_size)
     has_pt, has_fi = ck.layouts(b, rows, dev, pad_pages)
     ck.buf("cu_seqlens_q", cu_seqlens_q, rows + 1, dev)
     if b.page_table is not None:
         width, pt_stride = b.page_table.shape[1], b.page_table.stride(0)
     else:
-        width, pt_stride = -(-min(chunk, tok_cols) // page_size), 0
+        width, pt_stride = ceil_div(min(chunk, tok_cols), page_size), 0
     dummy = b.cache_seqlens
     args = (
         seq_lens, req_pool_indices, table, num_real if num_real is not None else dummy,
