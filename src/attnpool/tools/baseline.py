@@ -139,7 +139,7 @@ class ClassicPaged:
             self.req_pool_indices[:bs].zero_()
         self.seq_lens[:n].copy_(seq_lens)
         self.req_pool_indices[:n].copy_(req_pool_indices)
-        seq, rpi = self.seq_lens[:bs], self.req_pool_indices[:bs]
+        seq, rows = self.seq_lens[:bs], self.req_pool_indices[:bs]
         # Backend replay.
         if self.add:
             seq = seq + self.add
@@ -152,9 +152,9 @@ class ClassicPaged:
         max_len += self.add
         max_pages = ceil_div(max_len, p)
         if p > 1:
-            pages = req_to_token[rpi[:, None], self.page_starts[:max_pages][None, :]] // p
+            pages = req_to_token[rows[:, None], self.page_starts[:max_pages][None, :]] // p
         else:  # every column starts a page: engines gather whole rows of a column slice
-            pages = req_to_token[rpi, :max_pages]
+            pages = req_to_token[rows, :max_pages]
         self.page_table[:bs, :max_pages].copy_(pages)
         return ClassicView(
             bs=bs,

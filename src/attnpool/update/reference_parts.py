@@ -10,21 +10,17 @@ from torch import Tensor
 
 from ..config import ceil_div
 from ..errors import InputError, LayoutError
-from .reference_ops import (
-    PagedBuffers,
-    cumsum_,
+from .buffers import PagedBuffers, table_width, window_width
+from .row_layouts import (
     draft_expand,
     extend_tokens,
     floor_div,
     gather_pages,
-    lengths_,
     local_extend_rows,
     local_rows,
-    paged_,
-    table_width,
     tree_expand,
-    window_width,
 )
+from .writes import cumsum_, lengths_, paged_
 
 
 def _no_num_real(num_real: Tensor | None) -> None:
@@ -199,7 +195,8 @@ def _queries_(b: PagedBuffers, bs: int, q_lens: Tensor, cu: Tensor, pad_q: int,
     torch.add(pad if pad_q == 1 else pad * pad_q, cu[n : n + 1], out=cu[n + 1 : bs + 1])
 
 
-def _tokens_(seq_lens: Tensor, extra: int, q_lens: Tensor | None, rpi: Tensor, table: Tensor,
+def _tokens_(seq_lens: Tensor, extra: int, q_lens: Tensor | None, req_pool_indices: Tensor,
+             table: Tensor,
              block_size: int | None, token_offset: Tensor | None, positions: Tensor | None,
              out_slots: Tensor | None) -> None:
     """Packed query tokens' positions and KV slots (:func:`extend_tokens`), then their pads."""
@@ -208,7 +205,8 @@ def _tokens_(seq_lens: Tensor, extra: int, q_lens: Tensor | None, rpi: Tensor, t
     size = max(0 if positions is None else positions.shape[0],
                0 if out_slots is None else out_slots.shape[0])
     lens = seq_lens + extra if extra else seq_lens
-    pos, slots = extend_tokens(lens, q_lens, rpi, table, size, block_size, token_offset)
+    pos, slots = extend_tokens(lens, q_lens, req_pool_indices, table, size, block_size,
+                               token_offset)
     if positions is not None:
         positions.copy_(pos[: positions.shape[0]])
     if out_slots is not None:
@@ -341,8 +339,9 @@ def local_extend_part_(
         width = b.page_table.shape[1]
     else:
         width = ceil_div(min(chunk, table_width(req_to_token, block_size)), p)
-    rpi = req_pool_indices[req] if req_pool_indices.shape[0] else req_pool_indices.new_zeros(rows)
-    pages = gather_pages(req_to_token, rpi, p, width, off, block_size=block_size)
+    row_requests = (req_pool_indices[req] if req_pool_indices.shape[0]
+                    else req_pool_indices.new_zeros(rows))
+    pages = gather_pages(req_to_token, row_requests, p, width, off, block_size=block_size)
     pages = torch.where(valid[:, None], pages, pad_page)
     # --- writes start here ---
     arange = _arange(b, max(width, rows) + 1, seq_lens)
