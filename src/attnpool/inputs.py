@@ -73,10 +73,12 @@ def check_tensor(
             raise TypeError("check_tensor needs a config or a device")
         device = cfg.torch_device
     want = device
+    lo, hi = outside
+    # (a 1-D tensor is contiguous iff its stride is 1 or it has at most one element)
     if (type(t) is Tensor and t.dim() == ndim and t.dtype in dtypes and t.device == want
-            and (rows is None or t.shape[0] == rows)
-            and (not contiguous or ndim != 1 or t.shape[0] <= 1 or t.stride(0) == 1)
-            and not outside[0] <= t.data_ptr() < outside[1]):
+            and (rows is None or t.size(0) == rows)
+            and (not contiguous or ndim != 1 or t.is_contiguous())
+            and not lo <= t.data_ptr() < hi):
         return t
     if not isinstance(t, Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -112,9 +114,10 @@ def check_table(name: str, t: object, device: torch.device, cols: int = 1, what:
     it row-major), not inside ``outside`` (:func:`not_inside`). Needs no config: ``what`` names
     the bound ``cols`` comes from in the message, and ``cfg``, when given, adds the sizes it was
     derived from. The accepted case is one expression of attribute reads."""
+    lo, hi = outside
     if (type(t) is Tensor and t.dim() == 2 and t.dtype in INT_DTYPES and t.device == device
-            and t.shape[0] >= 1 and t.shape[1] >= cols and t.stride(1) == 1
-            and not outside[0] <= t.data_ptr() < outside[1]):
+            and (shape := t.shape)[0] >= 1 and shape[1] >= cols and t.stride(1) == 1
+            and not lo <= t.data_ptr() < hi):
         return t
     t = check_tensor(name, t, None, 2, device=device)
     if t.shape[0] < 1:

@@ -77,6 +77,9 @@ class PhaseBase(Generic[ViewT]):
         self._regions = arena.regions(self.phase)
         #: the producer every view of this phase carries (``view.is_current``, stale checks)
         self._stamp = arena.stamp(self.phase)
+        #: ``_mark(rows)`` records this phase's write of ``rows`` rows (the overlay bookkeeping
+        #: of every update)
+        self._mark = partial(arena.mark, self._regions, self.phase)
         #: assembled parts per batch shape (see :meth:`_run`)
         self._launches = LaunchCache()
         #: views handed out, per phase-specific key (see :meth:`_memo`)
@@ -120,17 +123,21 @@ class PhaseBase(Generic[ViewT]):
         return Inputs(n=0, seq_lens=none, req_pool_indices=none, req_to_token=empty,
                       block_size=None, num_real=None,
                       window_table=None if self._window_buffers is None else empty,
-                      seq_lens_host=None, seq_lens_cpu=None)
+                      seq_lens_host=None, seq_lens_cpu=None, launch_key=())
 
     def _run(self, key: Hashable, bs: int, values: tuple[Any, ...]) -> None:
         """Run the parts of an update with the value record ``values``: built and checked on
-        the first update of ``key`` (the batch shape), only replayed with new inputs after
-        (:mod:`attnpool.update.launch_cache`)."""
+        the first update of ``key`` (the batch shape: ``bs``, the inputs' ``launch_key`` and
+        which of the phase's own optional inputs are given), only replayed with new inputs
+        after (:mod:`attnpool.update.launch_cache`)."""
         launches = self._launches
         plan = launches.get(key)
         if plan is None:
             plan = launches.add(key, self._parts(self.ops, bs, values), values, self.ALIASES)
-        launches.run(plan, values)
+        if launches.recording is not None:
+            launches.record(plan, values)
+        for part in plan:
+            part(values)
 
     def _paged_launch(self, ops: UpdatePath, b: PagedBuffers, bs: int, x: Inputs,
                       **kw: Any) -> Replay:
@@ -153,14 +160,6 @@ class PhaseBase(Generic[ViewT]):
         return {"window": self._window_buffers, "window_size": self.cfg.sliding_window,
                 "window_table": x.window_table}
 
-    @staticmethod
-    def _window_key(x: Inputs) -> Hashable:
-        """The window table's part of a launch key: its shape when it is its own table."""
-        window_table = x.window_table
-        if window_table is None or window_table is x.req_to_token:
-            return None
-        return window_table.shape, window_table.stride(0)
-
     # ---- capture state and overlay bookkeeping -------------------------------------------------
     def _write_capture_state(self) -> None:
         """The padded state of ``max_bs`` rows: the phase's parts over no real row, written by
@@ -180,14 +179,10 @@ class PhaseBase(Generic[ViewT]):
         self._write_capture_state()
         self.arena.mark_written(self.phase, self.cfg.max_bs)
 
-    def _mark(self, rows: int) -> None:
-        """Record this phase's write of ``rows`` rows (the overlay bookkeeping of every update)."""
-        self.arena.mark(self._regions, self.phase, rows)
-
     def _after_write(self, bs: int) -> Callable[[], None]:
         """What a bound update's call records after its launches: this phase's write of ``bs``
         rows (a phase with more state of its own extends it)."""
-        return partial(self.arena.mark, self._regions, self.phase, bs)
+        return partial(self._mark, bs)
 
     def bind(self, bs: int, **inputs: Any) -> BoundUpdate[ViewT]:
         """``update_(bs, **inputs)`` once, bound for cheap replays (see :mod:`.bound`).

@@ -117,7 +117,7 @@ class DecodePhase(PhaseBase[DecodeView]):
         """
         cfg = self.cfg
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len)
-        n, table = x.n, x.req_to_token
+        n = x.n
         ids = None
         if request_ids is not None:
             if x.num_real is not None:
@@ -136,8 +136,7 @@ class DecodePhase(PhaseBase[DecodeView]):
         # --- writes start here (a part's first build repeats the checks above) ---
         if keep is not None and flags is not None:
             keep.copy_(flags, non_blocking=True)
-        self._run((bs, x.block_size, table.shape, table.stride(0), x.num_real is None,
-                   keep is None, self._window_key(x)), bs,
+        self._run((bs, x.launch_key, keep is None), bs,
                   DecodeValues(inputs=x, keep=keep, width=self._width(x.seq_lens_host)))
         return self._done(bs, n, x.seq_lens_host, ids)
 

@@ -135,10 +135,9 @@ class DraftPhase(PhaseBase[DraftView]):
                                  f"got {tuple(loc.shape)}")
         if self.validate:  # (the value lists are built only then)
             self._check_values(x, cfg.max_context_len - steps)
-        host, table = x.seq_lens_host, x.req_to_token
+        host = x.seq_lens_host
         # --- writes start here (every part's inputs were checked above) ---
-        self._run((bs, x.block_size, table.shape, table.stride(0), x.num_real is None,
-                   None if loc is None else loc.stride(), self._window_key(x)), bs,
+        self._run((bs, x.launch_key, None if loc is None else loc.stride()), bs,
                   DraftValues(inputs=x, out_cache_loc=loc,
                               width=self._width(host, 0 if self.tree else steps)))
         self._mark(bs)

@@ -79,7 +79,7 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
         """
         cfg = self.cfg
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len, accept_lens_cpu)
-        host, table = x.seq_lens_host, x.req_to_token
+        host = x.seq_lens_host
         acc, acc_host = self.input_pass.lens("accept_lens", accept_lens, accept_lens_cpu, x.n,
                                              cfg.num_draft_tokens)
         if host is not None and acc_host is not None:
@@ -93,8 +93,7 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
                                [("accept_lens_cpu", accept_lens_cpu, "accept_lens")],
                                at_most=[("accept_lens", "seq_lens")])
         # --- writes start here ---
-        self._run((bs, x.block_size, table.shape, table.stride(0), x.num_real is None,
-                   self._window_key(x)), bs,
+        self._run((bs, x.launch_key), bs,
                   DraftExtendValues(inputs=x, q_lens=acc, width=self._width(host), pad_q=1))
         self._mark(bs)
         return self._view(bs, self._max_k(host, 0, x.n, bs, cfg.max_context_len))

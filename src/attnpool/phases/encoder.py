@@ -88,7 +88,7 @@ class EncoderPhase(PhaseBase[EncoderView]):
         """
         cfg = self.cfg
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len, encoder_lens_cpu)
-        n, host, table = x.n, x.seq_lens_host, x.req_to_token
+        n, host = x.n, x.seq_lens_host
         enc, enc_host = self.input_pass.lens("encoder_lens", encoder_lens, encoder_lens_cpu, n,
                                              cfg.max_encoder_len)
         if host is not None and enc_host is not None:
@@ -101,7 +101,7 @@ class EncoderPhase(PhaseBase[EncoderView]):
                                sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len))
         # --- writes start here (both parts' inputs were checked above) ---
         # (the cross part caps its width at its own capacity, ceil(max_encoder_len / P))
-        self._run((bs, x.block_size, table.shape, table.stride(0), x.num_real is None), bs,
+        self._run((bs, x.launch_key), bs,
                   EncoderValues(inputs=x, encoder_lens=enc, width=self._width(host),
                                 encoder_width=self._width(enc_host)))
         # One write of the overlay: the encoder now owns it, decoder rows included (decode's own

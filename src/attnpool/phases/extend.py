@@ -110,7 +110,7 @@ class ExtendPhase(PhaseBase[ExtendView]):
         """
         cfg, t_max = self.cfg, self.max_tokens
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len, extend_lens_cpu)
-        n, host, table = x.n, x.seq_lens_host, x.req_to_token
+        n, host = x.n, x.seq_lens_host
         ext, ehost = self.input_pass.lens("extend_lens", extend_lens, extend_lens_cpu, n,
                                           cfg.max_context_len)
         total = self._check_host(host, ehost)
@@ -129,8 +129,7 @@ class ExtendPhase(PhaseBase[ExtendView]):
                                [("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
                                at_most=[("extend_lens", "seq_lens")], sum_at_most=("extend_lens", t_max))
         # --- writes start here ---
-        self._run((bs, x.block_size, table.shape, table.stride(0), x.num_real is None,
-                   None if slots is None else slots.shape[0], self._window_key(x),
+        self._run((bs, x.launch_key, None if slots is None else slots.shape[0],
                    None if window_slots is None else window_slots.shape[0]), bs,
                   ExtendValues(inputs=x, q_lens=ext, out_slots=slots, width=self._width(host),
                                window_out_slots=window_slots))

@@ -64,6 +64,9 @@ class Inputs(NamedTuple):
             None without a window part.
         seq_lens_host: the checked host copy of ``seq_lens`` as ints, else None.
         seq_lens_cpu: the host copy as given (validation mode compares it), else None.
+        launch_key: what of these inputs a part's assembled launch depends on (the request
+            table's kind, shape and row stride, the capturable mode, a window table's own
+            shape): the shared part of a phase's launch cache key.
     """
 
     n: int
@@ -75,6 +78,7 @@ class Inputs(NamedTuple):
     window_table: Tensor | None
     seq_lens_host: list[int] | None
     seq_lens_cpu: Tensor | Sequence[int] | None
+    launch_key: tuple[object, ...]
 
 
 class InputPass:
@@ -151,8 +155,11 @@ class InputPass:
                 raise CapacityError(f"window_block_table without req_pool_indices needs a row "
                                     f"per input row (row i of the batch is table row i): >= {n} "
                                     f"rows, got {window_table.shape[0]}")
+        key = (block_size, table.shape, table.stride(0), num_real is None,
+               None if window_table is None or window_table is table
+               else (window_table.shape, window_table.stride(0)))
         return Inputs(n, seq_lens, rows, table, block_size, num_real, window_table,
-                      None if cpu is None else host_lens("seq_lens_cpu", cpu, n, 1, hi), cpu)
+                      None if cpu is None else host_lens("seq_lens_cpu", cpu, n, 1, hi), cpu, key)
 
     def _capturable(self, bs: int, n: int, num_real: object,
                     host: tuple[Tensor | Sequence[int] | None, ...]) -> None:

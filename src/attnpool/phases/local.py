@@ -116,14 +116,12 @@ class LocalPhase(PhaseBase[LocalView]):
             return self._extend(bs, seq_lens, extend_lens, extend_lens_cpu, shared)
         if extend_lens is not None or extend_lens_cpu is not None:
             raise InputError(f"extend_lens go with for_phase=Phase.EXTEND, got {for_phase}")
-        q, extra, per = self._shape(for_phase)
+        _, extra, _ = self._shape(for_phase)
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len - extra)
         if self.validate:  # (the value lists are built only then)
             self._check_values(x, cfg.max_context_len - extra)
-        table = x.req_to_token
         # --- writes start here ---
-        self._run((bs, extra, q, per, x.block_size, table.shape, table.stride(0),
-                   x.num_real is None), bs,
+        self._run((bs, x.launch_key, for_phase), bs,
                   LocalValues(inputs=x, for_phase=for_phase, extend_lens=None))
         self._mark(bs)
         self._state = for_phase
@@ -143,7 +141,7 @@ class LocalPhase(PhaseBase[LocalView]):
             raise InputError("for_phase=Phase.EXTEND needs extend_lens ([n] new tokens per "
                              "request)")
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len, extend_cpu)
-        host, table = x.seq_lens_host, x.req_to_token
+        host = x.seq_lens_host
         ext, ehost = self.input_pass.lens("extend_lens", extend_lens, extend_cpu, x.n,
                                           cfg.max_context_len)
         if ehost is not None:
@@ -160,7 +158,7 @@ class LocalPhase(PhaseBase[LocalView]):
                                at_most=[("extend_lens", "seq_lens")],
                                sum_at_most=("extend_lens", t_max))
         # --- writes start here ---
-        self._run((bs, Phase.EXTEND, x.block_size, table.shape, table.stride(0)), bs,
+        self._run((bs, x.launch_key, Phase.EXTEND), bs,
                   LocalValues(inputs=x, for_phase=Phase.EXTEND, extend_lens=ext))
         self._mark(bs)
         self._state = Phase.EXTEND

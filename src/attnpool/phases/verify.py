@@ -90,10 +90,9 @@ class VerifyPhase(PhaseBase[VerifyView]):
         if self.validate:  # (the value lists are built only then)
             self._check_values(x, cfg.max_context_len - nd, tree_mask=mask)
         add = 0 if self.tree else nd
-        host, table = x.seq_lens_host, x.req_to_token
+        host = x.seq_lens_host
         # --- writes start here (every part's inputs were checked above) ---
-        self._run((bs, x.block_size, table.shape, table.stride(0), x.num_real is None,
-                   None if mask is None else mask.stride(), self._window_key(x)), bs,
+        self._run((bs, x.launch_key, None if mask is None else mask.stride()), bs,
                   VerifyValues(inputs=x, tree_mask=mask, width=self._width(host, add)))
         self._mark(bs)
         return self._view(bs, self._max_k(host, add, x.n, bs, cfg.max_context_len))

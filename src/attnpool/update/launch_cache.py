@@ -42,9 +42,8 @@ class LaunchCache(dict[Hashable, Plan]):
             part.take(values, **alias) for part, alias in zip(parts, aliases, strict=True))
         return plan
 
-    def run(self, plan: Plan, values: tuple[Any, ...]) -> None:
-        """Run ``plan`` with ``values`` (recorded too while a bound update is being built)."""
+    def record(self, plan: Plan, values: tuple[Any, ...]) -> None:
+        """While a bound update is being built: keep ``plan``'s launches with ``values`` fixed
+        (each part replays as ``part(values)``; the caller runs them)."""
         if self.recording is not None:
             self.recording.extend(part.bound(values) for part in plan)
-        for part in plan:
-            part(values)
