@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -90,25 +91,23 @@ def install(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, Any], No
 # and the run fails at its end if the enumeration lacks one: a new phase part, flag or argument
 # type then needs a config in attnpool/tools/kernel_cases.py. Checked at the end, whatever ran.
 _POOL_LAUNCHES: Any = None
+_REGISTERED = contextlib.ExitStack()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     global _POOL_LAUNCHES
     if HAS_TRITON:
         from attnpool.tools.kernels import Recorder
-        from attnpool.update import triton_checks
 
         _POOL_LAUNCHES = Recorder(pools_only=True)
-        triton_checks.RECORD = _POOL_LAUNCHES
+        _REGISTERED.enter_context(_POOL_LAUNCHES.active())
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     rec = _POOL_LAUNCHES
     if rec is None:
         return
-    from attnpool.update import triton_checks
-
-    triton_checks.RECORD = None
+    _REGISTERED.close()
     if not rec.specs or exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
         return
     from attnpool.tools.kernels import enumerate_specs, missing

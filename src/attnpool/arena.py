@@ -20,15 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import OVERLAID_PHASES, PHASE_FACTS, Phase, PoolConfig
+from .config import OVERLAID_PHASES, PHASE_FACTS, Phase, PoolConfig, align
 from .errors import LayoutError
 from .specs import BufferSpec, Pad, Region, Shape, specs_for
-
-ALIGN = 256
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def _numel(shape: Shape) -> int:
@@ -69,7 +63,7 @@ class ArenaPlan:
         out: dict[str, int] = {}
         for p in self.placements:
             k = p.spec.phase.value if p.spec.phase else "shared"
-            out[k] = out.get(k, 0) + _align(p.nbytes)
+            out[k] = out.get(k, 0) + align(p.nbytes)
         return out
 
     def as_dict(self) -> dict[str, object]:
@@ -137,7 +131,7 @@ def plan_arena(cfg: PoolConfig) -> ArenaPlan:
             shape = s.shape(cfg)
             nbytes = _numel(shape) * s.dtype.itemsize
             placements[s.key] = Placement(s, shape, offset, nbytes)
-            offset += _align(nbytes)
+            offset += align(nbytes)
     base = offset
     top = base
     for phase in Phase:
@@ -149,10 +143,10 @@ def plan_arena(cfg: PoolConfig) -> ArenaPlan:
                 shape = s.shape(cfg)
                 nbytes = _numel(shape) * s.dtype.itemsize
                 placements[s.key] = Placement(s, shape, at, nbytes)
-                at += _align(nbytes)
+                at += align(nbytes)
         top = max(top, at)
     ordered = tuple(placements[s.key] for s in specs)
-    separate = sum(_align(p.nbytes) for p in ordered)
+    separate = sum(align(p.nbytes) for p in ordered)
     return ArenaPlan(cfg, ordered, top, separate)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .arena import sentinel
+from .config import ceil_div
 from .errors import PoolError
 from .views import ExtendView, PagedView
 
@@ -57,7 +58,7 @@ def check_paged(v: PagedView, name: str = "view", num_pages: int | None = None) 
             _fail(f"{name}.cache_seqlens", f"row {i} is {x}, expected in [0, {v.max_seqlen_k}]")
     _check_cumsum(f"{name}.cu_seqlens_q", _host(v.cu_seqlens_q[: bs + 1]), None, v.max_seqlen_q)
     _check_cumsum(f"{name}.cu_seqlens_k", _host(v.cu_seqlens_k[: bs + 1]), lens, v.max_seqlen_k)
-    npages = [-(-x // page) for x in lens]
+    npages = [ceil_div(x, page) for x in lens]
     if v.page_table is not None:
         rows = v.page_table[:bs].detach().cpu()
         if rows.shape[1] < max(npages, default=0):

@@ -122,8 +122,28 @@ def is_int(v: object) -> TypeGuard[int]:
     return type(v) is int
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (``b > 0``), exactly: no float on the way."""
     return -(-a // b)
+
+
+#: byte boundary every region of a pool's single allocation starts on (the arena's buffers, the
+#: KV cache's slot mapping, the LoRA fields): what CUDA allocations guarantee, and enough for
+#: vectorised kernel loads
+ALIGN = 256
+
+
+def align(nbytes: int) -> int:
+    """``nbytes`` rounded up to the next :data:`ALIGN` boundary."""
+    return ceil_div(nbytes, ALIGN) * ALIGN
+
+
+def window_span_pages(window: int, queries: int, page_size: int) -> int:
+    """Pages a sliding-window row spans: ``ceil((W - 1 + q) / P) + 1``, from the page holding the
+    oldest key its first query sees (``W - 1`` keys back, anywhere in that page: the ``+ 1``) to
+    the page holding its newest position (``q - 1`` queries on). The window parts' page tables
+    and the window page allocator's per-request hold are this wide."""
+    return ceil_div(window - 1 + queries, page_size) + 1
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -277,7 +297,7 @@ class PoolConfig:
                                   f"at different depths, so no one window start serves a row), got "
                                   f"topk={self.topk} with sliding_window={w}")
             # a padded row reads pad_seq_len keys of its window part too: they must fit its table
-            room = min(_ceil_div(w, self.page_size) + 1, self.max_pages) * self.page_size
+            room = min(window_span_pages(w, 1, self.page_size), self.max_pages) * self.page_size
             need(self.pad_seq_len <= room,
                  f"pad_seq_len must fit the window parts' page tables (<= {room} tokens with "
                  f"sliding_window={w}, page_size={self.page_size})", self.pad_seq_len)
@@ -301,7 +321,7 @@ class PoolConfig:
     @property
     def max_pages(self) -> int:
         """Width of every page table: ceil(max_context_len / page_size)."""
-        return _ceil_div(self.max_context_len, self.page_size)
+        return ceil_div(self.max_context_len, self.page_size)
 
     def window_pages(self, phase: Phase) -> int:
         """Width of ``phase``'s window page table: ``ceil((W - 1 + q_max) / P) + 1`` pages (the
@@ -310,13 +330,13 @@ class PoolConfig:
         queries = PHASE_FACTS[phase].window_queries
         if self.sliding_window is None or queries is None:
             return 0
-        span = self.sliding_window - 1 + queries(self)
-        return min(_ceil_div(span, self.page_size) + 1, self.max_pages)
+        return min(window_span_pages(self.sliding_window, queries(self), self.page_size),
+                   self.max_pages)
 
     @property
     def pad_pages(self) -> int:
         """Pages a padded row reads: ceil(pad_seq_len / page_size)."""
-        return _ceil_div(self.pad_seq_len, self.page_size)
+        return ceil_div(self.pad_seq_len, self.page_size)
 
     @property
     def phases(self) -> tuple[Phase, ...]:

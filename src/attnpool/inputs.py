@@ -47,6 +47,10 @@ def check_count(bs: object, hi: int, bound: str) -> int:
     raise CapacityError(f"bs must be an int in [1, {bound}={hi}], got {bs!r}")
 
 
+#: an address range no tensor lies in: the default of the ``outside`` checks below
+NOWHERE = (0, 0)
+
+
 def check_tensor(
     name: str,
     t: object,
@@ -56,8 +60,11 @@ def check_tensor(
     rows: int | None = None,
     device: torch.device | None = None,
     contiguous: bool = True,
+    outside: tuple[int, int] = NOWHERE,
 ) -> Tensor:
-    """A tensor of ``ndim`` dims, one of ``dtypes``, on the pool's device (or ``device``).
+    """A tensor of ``ndim`` dims, one of ``dtypes``, on the pool's device (or ``device``), whose
+    data does not start inside ``outside``'s address range (a pool's own storage: see
+    :func:`not_inside`).
 
     The hot path is one expression of attribute reads; the per-check messages below are only
     reached (and formatted) when it fails, or for a device spelled without its index."""
@@ -66,9 +73,12 @@ def check_tensor(
             raise TypeError("check_tensor needs a config or a device")
         device = cfg.torch_device
     want = device
-    if (isinstance(t, Tensor) and t.dim() == ndim and t.dtype in dtypes and t.device == want
-            and (rows is None or t.shape[0] == rows)
-            and (not contiguous or ndim != 1 or t.shape[0] <= 1 or t.stride(0) == 1)):
+    lo, hi = outside
+    # (a 1-D tensor is contiguous iff its stride is 1 or it has at most one element)
+    if (type(t) is Tensor and t.dim() == ndim and t.dtype in dtypes and t.device == want
+            and (rows is None or t.size(0) == rows)
+            and (not contiguous or ndim != 1 or t.is_contiguous())
+            and not lo <= t.data_ptr() < hi):
         return t
     if not isinstance(t, Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -83,17 +93,33 @@ def check_tensor(
     if contiguous and ndim == 1 and t.shape[0] > 1 and t.stride(0) != 1:
         # Kernels index per-row vectors flat; a strided one would need a copy (an allocation).
         raise InputError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
+    return not_inside(name, t, outside)
+
+
+def not_inside(name: str, t: Tensor, outside: tuple[int, int]) -> Tensor:
+    """Refuse an input whose data starts inside ``outside``, a pool's own storage (e.g. a view's
+    ``cache_seqlens`` passed back as ``seq_lens``). Overlaid phases share those bytes, and the
+    fused path reads inputs while it writes the arena, so such an input could be overwritten
+    half-way through its own update. One pointer compare; copy the tensor first instead."""
+    lo, hi = outside
+    if lo <= t.data_ptr() < hi:
+        raise InputError(f"{name} must not alias the pool's own buffers (copy it first), got a "
+                         f"tensor at arena offset {t.data_ptr() - lo}")
     return t
 
 
 def check_table(name: str, t: object, device: torch.device, cols: int = 1, what: str = "",
-                cfg: PoolConfig | None = None) -> Tensor:
+                cfg: PoolConfig | None = None, outside: tuple[int, int] = NOWHERE) -> Tensor:
     """A request table ``[>= 1, >= cols]`` of ints on ``device``, rows contiguous (kernels index
-    it row-major). Needs no config: ``what`` names the bound ``cols`` comes from in the message,
-    and ``cfg``, when given, adds the sizes it was derived from."""
-    t = check_tensor(name, t, None, 2, device=device)
-    if t.shape[0] >= 1 and t.shape[1] >= cols and t.stride(1) == 1:
+    it row-major), not inside ``outside`` (:func:`not_inside`). Needs no config: ``what`` names
+    the bound ``cols`` comes from in the message, and ``cfg``, when given, adds the sizes it was
+    derived from. The accepted case is one expression of attribute reads."""
+    lo, hi = outside
+    if (type(t) is Tensor and t.dim() == 2 and t.dtype in INT_DTYPES and t.device == device
+            and (shape := t.shape)[0] >= 1 and shape[1] >= cols and t.stride(1) == 1
+            and not lo <= t.data_ptr() < hi):
         return t
+    t = check_tensor(name, t, None, 2, device=device)
     if t.shape[0] < 1:
         raise InputError(f"{name} must have >= 1 row, got shape {tuple(t.shape)}")
     if t.shape[1] < cols:
@@ -101,21 +127,23 @@ def check_table(name: str, t: object, device: torch.device, cols: int = 1, what:
         src = ("" if cfg is None else
                f" (max_context_len={cfg.max_context_len}, page_size={cfg.page_size})")
         raise InputError(f"{name} must have >= {bound} columns{src}, got {t.shape[1]}")
-    raise InputError(f"{name} rows must be contiguous (stride(1)=1), got {t.stride()}")
+    if t.stride(1) != 1:
+        raise InputError(f"{name} rows must be contiguous (stride(1)=1), got {t.stride()}")
+    return not_inside(name, t, outside)
 
 
 def check_req_to_token(t: object, cfg: PoolConfig, device: torch.device | None = None,
-                       name: str = "req_to_token") -> Tensor:
+                       name: str = "req_to_token", outside: tuple[int, int] = NOWHERE) -> Tensor:
     """``[num_req_slots, >= max_context_len]`` int token slots (:func:`check_table`)."""
     return check_table(name, t, cfg.torch_device if device is None else device,
-                       cfg.max_context_len, "max_context_len", cfg)
+                       cfg.max_context_len, "max_context_len", cfg, outside)
 
 
 def check_block_table(t: object, cfg: PoolConfig, device: torch.device | None = None,
-                      name: str = "block_table") -> Tensor:
+                      name: str = "block_table", outside: tuple[int, int] = NOWHERE) -> Tensor:
     """``[num_rows, >= max_pages]`` int page ids (:func:`check_table`)."""
     return check_table(name, t, cfg.torch_device if device is None else device,
-                       cfg.max_pages, "max_pages", cfg)
+                       cfg.max_pages, "max_pages", cfg, outside)
 
 
 def host_lens(

@@ -39,21 +39,15 @@ from torch import Tensor
 
 from .arena import sentinel
 from .check import ReadRegionError
-from .config import is_int, resolve_device
+from .config import align, is_int, resolve_device
 from .errors import CapacityError, InputError, LayoutError, PoolError
 from .inputs import check_count
-
-ALIGN = 256
 
 #: (name, dtype, length as a function of (max_bs, max_loras, max_tokens)), in layout order.
 _FIELDS: tuple[tuple[str, torch.dtype, int], ...] = (
     ("seg_lens", torch.int32, 0), ("seg_indptr", torch.int32, 1), ("weight_indices", torch.int32, 0),
     ("lora_ranks", torch.int32, 2), ("scalings", torch.float32, 2), ("permutation", torch.int64, 3),
 )
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,12 +172,12 @@ class LoRABatchPool:
         offsets, at = [], 0
         for _, dt, k in _FIELDS:
             offsets.append(at)
-            at += _align(lens[k] * dt.itemsize)
+            at += align(lens[k] * dt.itemsize)
         self.meta_nbytes = at
         out_at = {}
         for d in cfg.output_dims:
             out_at[d] = at
-            at += _align(cfg.max_tokens * d * cfg.output_dtype.itemsize)
+            at += align(cfg.max_tokens * d * cfg.output_dtype.itemsize)
         self.nbytes = at
         # The one device allocation: metadata first (the region each update copies), then outputs.
         self.storage = torch.empty(at, dtype=torch.uint8, device=dev)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import OVERLAID_PHASES, Layout, Phase, PoolConfig
+from .config import OVERLAID_PHASES, Layout, Phase, PoolConfig, ceil_div
 
 Shape = tuple[int, ...]
 
@@ -203,7 +203,7 @@ def local_rows(c: PoolConfig) -> int:
 
 def _local_width(c: PoolConfig) -> int:
     a = c.attention_chunk_size or c.page_size
-    return -(-min(a, c.max_context_len) // c.page_size)
+    return ceil_div(min(a, c.max_context_len), c.page_size)
 
 
 def _steps(c: PoolConfig) -> int:
@@ -230,12 +230,12 @@ SHARED_SPECS: tuple[BufferSpec, ...] = (
                const_step=lambda c: c.topk, needed=lambda c: c.spec_steps > 0 and c.topk > 1),
     # Written each step by the flash-attn adapter (FA3 computes it; the tail is zeroed). Used in
     # the same forward as any phase, so it stays outside the overlay.
-    BufferSpec("scheduler_metadata", None, I32, lambda c: (-(-c.max_bs // 4) * 4 * 4 + 1,),
+    BufferSpec("scheduler_metadata", None, I32, lambda c: (ceil_div(c.max_bs, 4) * 4 * 4 + 1,),
                Pad.PAYLOAD, "flash-attn 3 scheduler metadata",
                needed=lambda c: c.fa3_scheduler_metadata),
     # FA3 plans per window setting: window parts (read in the same forward) keep their own
     BufferSpec("window_scheduler_metadata", None, I32,
-               lambda c: (-(-c.max_bs // 4) * 4 * 4 + 1,), Pad.PAYLOAD,
+               lambda c: (ceil_div(c.max_bs, 4) * 4 * 4 + 1,), Pad.PAYLOAD,
                "flash-attn 3 scheduler metadata of window parts",
                needed=lambda c: c.fa3_scheduler_metadata and c.sliding_window is not None),
 )
@@ -314,7 +314,7 @@ EXTEND_SPECS = (
 # Only the cross part: decoder self-attention reuses the decode buffers (offset rows), and the
 # cross part is read in the same forward, so it sits outside the overlay.
 ENCODER_SPECS = paged_specs(
-    Phase.ENCODER, _max_bs, lambda c: -(-c.max_encoder_len // c.page_size), prefix="cross_",
+    Phase.ENCODER, _max_bs, lambda c: ceil_div(c.max_encoder_len, c.page_size), prefix="cross_",
     what="cross-attention over encoder tokens: ",
 )
 

@@ -10,7 +10,7 @@ import torch
 
 import attnpool
 from attnpool import BufferPool, CapacityError, Impl, InputError, Layout, PoolConfig, PoolError
-from attnpool.update import reference_ops
+from attnpool.update import row_layouts
 
 from tests.helpers.batches import make_batch
 
@@ -150,7 +150,7 @@ def test_reference_page_ids_do_not_depend_on_the_default_device() -> None:
     want = pool.decode.update_(6, seq_lens=t[0], req_pool_indices=t[1], req_to_token=t[2])
     want_pt = want.page_table.clone()
     fresh = BufferPool(pool.cfg)
-    reference_ops._SHIFTS.clear()  # (so the first update below makes its cached shift again)
+    row_layouts._SHIFTS.clear()  # (so the first update below makes its cached shift again)
     with torch.device("meta"):
         got = fresh.decode.update_(6, seq_lens=t[0], req_pool_indices=t[1], req_to_token=t[2])
     assert torch.equal(got.page_table[:4], want_pt[:4])

@@ -58,7 +58,7 @@ def test_no_specialization_spills(compiled: list[K.Result]) -> None:
 def test_registers_do_not_grow_with_the_batch(compiled: list[K.Result]) -> None:
     """The largest parts (16384 rows) use one scan step of ``MAX_BLOCK`` rows, like a part of
     ``MAX_BLOCK`` rows: the block is capped and the warp count is one for every size."""
-    from attnpool.update import triton_checks as ck
+    from attnpool.update import tuning as ck
 
     blocks = {v for r in compiled for n, k, v in r.spec.params if n == "BLOCK" and k == "constexpr"}
     assert max(blocks) == ck.MAX_BLOCK == ck.scan_block(16384)
@@ -72,7 +72,7 @@ def test_every_block_fits_the_register_file(compiled: list[K.Result]) -> None:
     """A block whose threads need more registers than an SM holds compiles but fails to launch
     (ptxas honours ``maxnreg`` over the block size): registers x threads <= 65536 everywhere,
     the 128-draft tree included (its mask is read in row tiles: 8 warps suffice)."""
-    from attnpool.update import triton_checks as ck
+    from attnpool.update import tuning as ck
 
     over = [f"{_where(r)}: {r.regs} registers x {32 * r.spec.num_warps} threads"
             for r in compiled if not r.error
@@ -86,8 +86,9 @@ def test_every_block_fits_the_register_file(compiled: list[K.Result]) -> None:
 def test_enumeration_reaches_every_kernel_and_warp_count() -> None:
     from attnpool.kv import store_kernels
     from attnpool.tools.kernel_cases import tiers
-    from attnpool.update import triton_checks as ck
+    from attnpool.update import kernel_loaders as ck
     from attnpool.update import triton_draft_kernels
+    from attnpool.update.tuning import warps as tier_warps
 
     specs = K.enumerate_specs(TARGET)
     kernels = (ck.paged_kernels().paged_kernel, ck.kernels().tree_expand_kernel,
@@ -95,7 +96,7 @@ def test_enumeration_reaches_every_kernel_and_warp_count() -> None:
                store_kernels._store_kernel)
     names = {f"{k.fn.__module__}:{k.fn.__qualname__}" for k in kernels}
     assert {s.kernel for s in specs} == names
-    warps = {ck.warps(r) for r in tiers()}
+    warps = {tier_warps(r) for r in tiers()}
     for name in ("paged_kernel", "local_kernel", "draft_expand_kernel"):
         assert {s.num_warps for s in specs if s.name == name} == warps, name
     # page sizes 1 (a constant to Triton), 16 (divisible by 16) and 4 (neither) all reach the
@@ -120,7 +121,7 @@ def test_chunked_scan_writes_the_same_bytes(name: str, monkeypatch: pytest.Monke
     draft expand part more) take several steps per program: the running sums must still write
     exactly what the reference path writes. (The wrappers read ``MAX_BLOCK`` per launch they
     assemble, and each test builds its own pools.)"""
-    from attnpool.update import triton_checks as ck
+    from attnpool.update import tuning as ck
 
     from tests.update import test_fused_phases as fused
 
@@ -135,7 +136,7 @@ def test_chunked_scan_writes_the_same_window_bytes(phase: str,
     """The same for window parts (programs ``bs..2bs-1`` of the paged kernel scan the batch
     again, for the window lengths), with 5 rows in steps of 4."""
     from attnpool import Layout
-    from attnpool.update import triton_checks as ck
+    from attnpool.update import tuning as ck
 
     from tests.phases import test_window
 

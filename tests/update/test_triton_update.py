@@ -405,7 +405,7 @@ def test_tree_expand_in_row_tiles(nd: int, rows: int | None, device_n: bool,
     """A large tree's mask is read ``tile_rows`` rows at a time (N = 40: two tiles of 32 rows
     of 64 columns), the CSR offset carried from tile to tile; smaller tiles are forced for
     small trees (``rows``) so that every path loops. Padded requests too."""
-    from attnpool.update import triton_checks as ck
+    from attnpool.update import tuning as ck
 
     if rows is not None:
         monkeypatch.setattr(ck, "tile_rows", lambda bn: rows)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import inspect
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -77,6 +78,17 @@ def test_the_branch_check_sees_a_branch() -> None:
     assert len(_branches_on_path(tree)) == 2
 
 
+class _Shared(NamedTuple):
+    seq_lens: torch.Tensor
+    req_pool_indices: torch.Tensor
+    req_to_token: torch.Tensor
+
+
+class _Values(NamedTuple):
+    inputs: _Shared
+    token_offset: torch.Tensor | None
+
+
 def _kwargs(c: Case) -> dict[str, object]:
     return {"bs": c.bs, "seq_lens": c.seq, "req_pool_indices": c.rpi, "req_to_token": c.table,
             "extra": c.extra, "page_size": c.page, "pad_seq_len": c.pad_seq_len,
@@ -97,13 +109,15 @@ def test_the_same_call_of_either_module_writes_the_same_bytes(c: Case) -> None:
 @SETTINGS
 @given(cases())
 def test_a_bound_reference_call_replays_with_new_inputs(c: Case) -> None:
-    """``*_launch(...).take(names)`` then a call with new values: the same bytes as a direct
-    update with those values (the protocol phases cache parts by)."""
+    """``*_launch(...).take(values)`` then a call with new values: the same bytes as a direct
+    update with those values (the protocol phases cache parts by: a value record whose first
+    field holds the shared inputs, each read by name)."""
     a, b = pair(c)
     names = ("seq_lens", "req_pool_indices", "req_to_token", "token_offset")
     zeros = {k: torch.zeros_like(v) for k, v in _kwargs(c).items()  # ok: a stale first input
              if k in names and isinstance(v, torch.Tensor)}
-    call = ref.paged_launch(a, **{**_kwargs(c), **zeros}).take(names)
-    call((c.seq, c.rpi, c.table, c.off))
+    values = _Values(_Shared(c.seq, c.rpi, c.table), c.off)
+    call = ref.paged_launch(a, **{**_kwargs(c), **zeros}).take(values)
+    call(values)
     tt.paged_update_(b, **_kwargs(c))
     assert_read_region_equal(a, b, c.bs, c.page)

@@ -38,10 +38,10 @@ from torch import Tensor
 
 from ..arena import sentinel
 from ..check import ReadRegionError
-from ..config import Impl, is_int, resolve_impl
+from ..config import Impl, align, is_int, resolve_impl
 from ..errors import CapacityError, InputError, LayoutError, PoolError
 from ..inputs import check_count, check_tensor
-from .config import PAD_PAGE, KVCacheConfig, KVKind, KVLayout, align
+from .config import PAD_PAGE, KVCacheConfig, KVKind, KVLayout
 from .quant import MODEL_DTYPES, check_scales, dequantize, is_fp8, store_reference_
 from .step import Parts, StepStore
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import is_int, resolve_device
+from ..config import align, is_int, resolve_device
 from ..errors import PoolError
 
 
@@ -26,14 +26,8 @@ class KVKind(enum.Enum):
     MLA = "mla"
 
 
-#: byte alignment of the slot mapping after the pages
-ALIGN = 256
 #: page 0 of every layer part: padded rows read it, so it is zeroed once and never handed out
 PAD_PAGE = 0
-
-
-def align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def fmt_bytes(n: int) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import ceil_div
 from ..errors import CapacityError, InputError
 
 
@@ -81,7 +82,7 @@ class PageAllocator:
 
     def pages_for(self, tokens: int) -> int:
         """Pages that hold ``tokens`` token positions."""
-        return -(-tokens // self.page_size)
+        return ceil_div(tokens, self.page_size)
 
     def check_fits(self, tokens: int) -> None:
         """Raise :class:`CapacityError` if ``tokens`` positions exceed the whole cache: such a

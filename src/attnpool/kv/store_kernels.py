@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..update import triton_checks as ck
+from ..update.launch import record_launch
 
 
 @triton.jit  # type: ignore[untyped-decorator,misc]
@@ -144,8 +144,8 @@ def store_(
         quant = {"QUANT": True, "FP8_MAX": fmax, "MBITS": mbits, "EMIN": emin, "FP8": fp8}
     kw = {"PAGE_SIZE": page_size, "BLOCK_H": triton.next_power_of_2(heads), "BLOCK_D": block_d,
           **quant}
-    if ck.RECORD is not None and ck.RECORD(_store_kernel, (n,), tuple(args), kw):
-        return  # recorded, not run: see attnpool.update.triton_checks.RECORD
+    if record_launch(_store_kernel, (n,), tuple(args), kw):
+        return  # recorded, not run: see attnpool.update.launch.recording
     # Launch on the cache's device (the current device may be another GPU).
     guard = torch.cuda.device(slots.device) if slots.device.type == "cuda" else nullcontext()
     with guard:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..config import ceil_div, window_span_pages
 from ..errors import CapacityError, InputError
 
 
@@ -89,7 +90,7 @@ class WindowPageAllocator:
     def span(self) -> int:
         """Most pages a request holds between steps and during one: the oldest visible key
         (``W - 1`` before the first query) up to the newest written position (``Q - 1`` after)."""
-        return -(-(self.window - 1 + self.lookahead) // self.page_size) + 1
+        return window_span_pages(self.window, self.lookahead, self.page_size)
 
     @property
     def free_pages(self) -> int:
@@ -102,7 +103,7 @@ class WindowPageAllocator:
         return self._unreserved
 
     def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
+        return ceil_div(tokens, self.page_size)
 
     def reservation(self, prompt_len: int, tokens: int) -> int:
         """Pages reserved at admission for a request of ``prompt_len`` prompt tokens that can
@@ -134,13 +135,13 @@ class WindowPageAllocator:
         write into its window table (freed pages need no write)."""
         p = self.page_size
         keep_from = max(0, first_query - self.window + 1) // p  # page of the oldest visible key
-        for j in range(alloc.freed_below, min(keep_from, -(-alloc.end // p))):
+        for j in range(alloc.freed_below, min(keep_from, ceil_div(alloc.end, p))):
             page = alloc.pages.pop(j, None)
             if page is not None:
                 self._free.append(page)
         alloc.freed_below = max(alloc.freed_below, keep_from)
         new: list[tuple[int, int]] = []
-        for j in range(max(-(-alloc.end // p), alloc.freed_below), -(-end // p)):
+        for j in range(max(ceil_div(alloc.end, p), alloc.freed_below), ceil_div(end, p)):
             if len(alloc.pages) >= alloc.reserved:
                 raise CapacityError(
                     f"row {alloc.row}: positions < {end} with queries from {first_query} need "

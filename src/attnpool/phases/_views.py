@@ -6,7 +6,7 @@ from typing import Any, TypeVar
 
 from torch import Tensor
 
-from ..update.reference import PagedBuffers
+from ..update.buffers import PagedBuffers
 from ..views import PagedView, Stamp
 
 V = TypeVar("V", bound=PagedView)
@@ -42,3 +42,16 @@ def part_view(
         stamp=stamp,
         **extra,
     )
+
+
+def window_view(b: PagedBuffers, rows: int, cu_seqlens_q: Tensor, *, max_q: int, max_k: int,
+                window: int, page_size: int, pages: int, stamp: Stamp,
+                cls: type[V] = PagedView, **extra: Any) -> V:  # type: ignore[assignment]
+    """A window part's view (``b``: its buffers, ``pages`` wide) of ``rows`` rows: causal with
+    ``window_left = W - 1``; its key bound is the full part's ``max_k``, capped by the window
+    table's width in tokens. ``cls`` (and its ``extra`` fields) is the full part's class, so an
+    adapter that tells parts apart by class (FA2 refuses rows of varying query counts) treats
+    both parts alike."""
+    return part_view(b, rows, cu_seqlens_q, max_q=max_q, max_k=min(max_k, pages * page_size),
+                     page_size=page_size, causal=True, stamp=stamp, cls=cls,
+                     window_left=window - 1, **extra)

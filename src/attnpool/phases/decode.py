@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -14,10 +13,24 @@ from ..config import Phase
 from ..errors import InputError
 from ..views import DecodeView
 from ._views import part_view
-from .base import PhaseBase, Shared
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
 
 if TYPE_CHECKING:
     from typing import Unpack
+
+
+class DecodeValues(NamedTuple):
+    """One decode update's values, as its part reads them (by these names).
+
+    Attributes:
+        inputs: the checked shared inputs (:class:`attnpool.phases.inputs_pass.Inputs`).
+        keep: ``[bs]`` int8 device flags of the incremental page table, else None.
+        width: page columns the real rows need (host bound; the reference path's gather).
+    """
+
+    inputs: Inputs
+    keep: Tensor | None
+    width: int
 
 
 class DecodePhase(PhaseBase[DecodeView]):
@@ -43,8 +56,6 @@ class DecodePhase(PhaseBase[DecodeView]):
     """
 
     phase = Phase.DECODE
-    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "keep", "width", "window_table")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -105,11 +116,11 @@ class DecodePhase(PhaseBase[DecodeView]):
             the refilled view (same tensors as ``view(bs)``; host ints reflect this batch).
         """
         cfg = self.cfg
-        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len)
-        seq_lens, n, rpi, table, blk, host, wt, num_real, _ = x
+        x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len)
+        n = x.n
         ids = None
         if request_ids is not None:
-            if num_real is not None:
+            if x.num_real is not None:
                 raise InputError("request_ids cannot be combined with num_real (the real rows "
                                  "are not known on the host), got both")
             if isinstance(request_ids, Tensor):
@@ -122,24 +133,21 @@ class DecodePhase(PhaseBase[DecodeView]):
             self._check_values(x, cfg.max_context_len)
         flags = self._keep_flags(ids, bs)
         keep = None if flags is None else self._keep[:bs]
-        width = self._width(host)
         # --- writes start here (a part's first build repeats the checks above) ---
         if keep is not None and flags is not None:
             keep.copy_(flags, non_blocking=True)
-        self._run((bs, blk, table.shape, table.stride(0), num_real is None, keep is None,
-                   self._wkey(table, wt)), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, keep, width, wt))
-        return self._done(bs, n, host, ids)
+        self._run((bs, x.launch_key, keep is None), bs,
+                  DecodeValues(inputs=x, keep=keep, width=self._width(x.seq_lens_host)))
+        return self._done(bs, n, x.seq_lens_host, ids)
 
-    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _parts(self, ops: UpdatePath, bs: int, values: DecodeValues) -> tuple[Replay, ...]:
         """One paged part (``keep``: the incremental page table, see the class docstring)."""
-        _, seq_lens, rpi, table, blk, num_real, keep, width, wt = vals
-        return (self._paged_launch(ops, self._b, bs, seq_lens, rpi, table, blk,
-                                   num_real=num_real, keep=keep, width=width, **self._win(wt)),)
+        x = values.inputs
+        return (self._paged_launch(ops, self._b, bs, x, keep=values.keep, width=values.width,
+                                   **self._window(x)),)
 
-    def _capture_vals(self) -> tuple[Any, ...]:
-        none = self._arange[:0]
-        return (0, none, none, self._empty_pages(), None, None, None, 0, self._capture_wt())
+    def _capture_values(self) -> DecodeValues:
+        return DecodeValues(inputs=self._capture_inputs(), keep=None, width=0)
 
     def _keep_flags(self, ids: list[Hashable] | None, bs: int) -> Tensor | None:
         """Host ``keep`` flags, or None when no row can keep its pages (or bytes changed since)."""

@@ -5,8 +5,7 @@ docs/design.md, Draft decode and Overlay.
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
 
@@ -14,13 +13,27 @@ from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
 from ..specs import draft_expand_width
-from ..update.reference import PagedBuffers
+from ..update.buffers import PagedBuffers
 from ..views import DraftStepView, DraftView, PagedView
 from ._views import part_view
-from .base import PhaseBase, Shared
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
 
 if TYPE_CHECKING:
     from typing import Unpack
+
+
+class DraftValues(NamedTuple):
+    """One draft round's values, as its parts read them (by these names).
+
+    Attributes:
+        inputs: the checked shared inputs (:class:`attnpool.phases.inputs_pass.Inputs`).
+        out_cache_loc: ``[n, S, K]`` int device token slots of the drafts (tree), else None.
+        width: page columns the real rows need (host bound; the reference path's gather).
+    """
+
+    inputs: Inputs
+    out_cache_loc: Tensor | None
+    width: int
 
 
 class DraftPhase(PhaseBase[DraftView]):
@@ -37,8 +50,6 @@ class DraftPhase(PhaseBase[DraftView]):
     """
 
     phase = Phase.DRAFT
-    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "out_cache_loc", "width", "window_table")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -69,12 +80,12 @@ class DraftPhase(PhaseBase[DraftView]):
                                if cfg.spec_steps > 1 else self._chain[0])
             #: with a window, the same per step over the window table (rows from step 1's
             #: window start); the launch writes the stacked buffers, or step 1's alone
-            w = self._wbuf
-            self._wsteps = () if w is None else tuple(
+            w = self._window_buffers
+            self._window_steps = () if w is None else tuple(
                 PagedBuffers(w.cache_seqlens[d], w.cu_seqlens_k[d], w.page_table, None, None,
                              None, self._arange) for d in range(cfg.spec_steps))
             if w is not None and cfg.spec_steps == 1:
-                self._wbuf = self._wsteps[0]
+                self._window_buffers = self._window_steps[0]
 
     def _expand_step(self, d: int) -> PagedBuffers:
         a, ph = self.arena, self.phase
@@ -111,49 +122,48 @@ class DraftPhase(PhaseBase[DraftView]):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg, steps = self.cfg, self.cfg.spec_steps
-        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len - steps)
-        seq_lens, n, rpi, table, blk, host, wt, num_real, _ = x
+        x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len - steps)
         loc: Tensor | None = None
         if not self.tree:
             if out_cache_loc is not None:
                 raise InputError("out_cache_loc is only for topk > 1; chain drafts read "
                                  f"req_to_token, got one with topk={cfg.topk}")
         else:
-            loc = self._tensor("out_cache_loc", out_cache_loc, 3, rows=n)
+            loc = self.input_pass.tensor("out_cache_loc", out_cache_loc, 3, rows=x.n)
             if loc.shape[1] != steps or loc.shape[2] != cfg.topk:
                 raise InputError(f"out_cache_loc must be [n, {steps}, {cfg.topk}], "
                                  f"got {tuple(loc.shape)}")
         if self.validate:  # (the value lists are built only then)
             self._check_values(x, cfg.max_context_len - steps)
-        width = self._width(host, 0 if self.tree else steps)
+        host = x.seq_lens_host
         # --- writes start here (every part's inputs were checked above) ---
-        self._run((bs, blk, table.shape, table.stride(0), num_real is None,
-                   None if loc is None else loc.stride(), self._wkey(table, wt)), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, loc, width, wt))
+        self._run((bs, x.launch_key, None if loc is None else loc.stride()), bs,
+                  DraftValues(inputs=x, out_cache_loc=loc,
+                              width=self._width(host, 0 if self.tree else steps)))
         self._mark(bs)
-        return self._view(bs, host, n)
+        return self._view(bs, host, x.n)
 
-    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _parts(self, ops: UpdatePath, bs: int, values: DraftValues) -> tuple[Replay, ...]:
         """Chain: every step in one paged part (``steps``: per-step lengths, one shared table).
         Tree: the prefix pass over whole pages, then every step's expand rows."""
-        _, seq_lens, rpi, table, blk, num_real, loc, width, wt = vals
-        cfg = self.cfg
-        if not self.tree:
-            return (self._paged_launch(ops, self._chain_all, bs, seq_lens, rpi, table, blk,
-                                       extra=1, steps=cfg.spec_steps, num_real=num_real,
-                                       width=width, **self._win(wt)),)
-        prefix = self._paged_launch(ops, self._prefix, bs, seq_lens, rpi, table, blk,
-                                    full_pages=True, num_real=num_real, width=width)
+        x, cfg = values.inputs, self.cfg
+        if values.out_cache_loc is None:  # a chain round
+            return (self._paged_launch(ops, self._chain_all, bs, x, extra=1,
+                                       steps=cfg.spec_steps, width=values.width,
+                                       **self._window(x)),)
+        prefix = self._paged_launch(ops, self._prefix, bs, x, full_pages=True,
+                                    width=values.width)
         expand = ops.draft_tree_expand_launch(
-            self._expand_all, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi, req_to_token=table,
-            out_cache_loc=loc, page_size=cfg.page_size, pad_len=self._expand_pad,
-            pad_id=cfg.pad_page * cfg.page_size, num_real=num_real, block_size=blk)
+            self._expand_all, bs=bs, seq_lens=x.seq_lens, req_pool_indices=x.req_pool_indices,
+            req_to_token=x.req_to_token, out_cache_loc=values.out_cache_loc,
+            page_size=cfg.page_size, pad_len=self._expand_pad,
+            pad_id=cfg.pad_page * cfg.page_size, num_real=x.num_real, block_size=x.block_size)
         return prefix, expand
 
-    def _capture_vals(self) -> tuple[Any, ...]:
-        cfg, none = self.cfg, self._arange[:0]
-        loc = none.view(0, cfg.spec_steps, cfg.topk) if self.tree else None
-        return (0, none, none, self._empty_pages(), None, None, loc, 0, self._capture_wt())
+    def _capture_values(self) -> DraftValues:
+        cfg = self.cfg
+        loc = self._arange[:0].view(0, cfg.spec_steps, cfg.topk) if self.tree else None
+        return DraftValues(inputs=self._capture_inputs(), out_cache_loc=loc, width=0)
 
     @property
     def _expand_pad(self) -> int:
@@ -184,8 +194,8 @@ class DraftPhase(PhaseBase[DraftView]):
                 max_k = self._max_k(host, d + 1, n, bs, c)
                 v: PagedView = part_view(b, bs, self._arange, max_q=1, max_k=max_k,
                                          page_size=cfg.page_size, causal=True, stamp=self._stamp)
-                win = self._window_view(bs, self._arange, 1, max_k, self._wsteps[d]
-                                        ) if self._wsteps else None
+                win = self._window_view(bs, self._arange, 1, max_k, self._window_steps[d]
+                                        ) if self._window_steps else None
                 out.append(DraftStepView(d + 1, v, None, stamp=self._stamp, window=win))
         return DraftView(bs=bs, steps=tuple(out), stamp=self._stamp)
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
 
@@ -13,10 +12,26 @@ from ..config import Phase
 from ..errors import CapacityError
 from ..views import DraftExtendView
 from ._views import part_view
-from .base import PhaseBase, Shared
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
 
 if TYPE_CHECKING:
     from typing import Unpack
+
+
+class DraftExtendValues(NamedTuple):
+    """One draft extend update's values, as its part reads them (by these names).
+
+    Attributes:
+        inputs: the checked shared inputs (:class:`attnpool.phases.inputs_pass.Inputs`).
+        q_lens: ``[n]`` int device queries per request (``accept_lens``).
+        width: page columns the real rows need (host bound; the reference path's gather).
+        pad_q: queries per padded row (1; N in the capture state, see the class docstring).
+    """
+
+    inputs: Inputs
+    q_lens: Tensor
+    width: int
+    pad_q: int
 
 
 class DraftExtendPhase(PhaseBase[DraftExtendView]):
@@ -35,8 +50,6 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
     """
 
     phase = Phase.DRAFT_EXTEND
-    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "q_lens", "width", "pad_q", "window_table")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -65,10 +78,10 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg = self.cfg
-        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len, accept_lens_cpu)
-        seq_lens, n, rpi, table, blk, host, wt, num_real, _ = x
-        acc, acc_host = self._lens("accept_lens", accept_lens, accept_lens_cpu, n,
-                                   cfg.num_draft_tokens)
+        x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len, accept_lens_cpu)
+        host = x.seq_lens_host
+        acc, acc_host = self.input_pass.lens("accept_lens", accept_lens, accept_lens_cpu, x.n,
+                                             cfg.num_draft_tokens)
         if host is not None and acc_host is not None:
             # the accepted tokens are part of the KV: a request cannot run more queries than keys
             for i, (a, s) in enumerate(zip(acc_host, host, strict=True)):
@@ -79,29 +92,27 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
             self._check_values(x, cfg.max_context_len, [("accept_lens", acc, 1, cfg.num_draft_tokens)],
                                [("accept_lens_cpu", accept_lens_cpu, "accept_lens")],
                                at_most=[("accept_lens", "seq_lens")])
-        width = self._width(host)
         # --- writes start here ---
-        self._run((bs, blk, table.shape, table.stride(0), num_real is None,
-                   self._wkey(table, wt)), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, acc, width, 1, wt))
+        self._run((bs, x.launch_key), bs,
+                  DraftExtendValues(inputs=x, q_lens=acc, width=self._width(host), pad_q=1))
         self._mark(bs)
-        return self._view(bs, self._max_k(host, 0, n, bs, cfg.max_context_len))
+        return self._view(bs, self._max_k(host, 0, x.n, bs, cfg.max_context_len))
 
-    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _parts(self, ops: UpdatePath, bs: int, values: DraftExtendValues
+               ) -> tuple[Replay, ...]:
         """One paged part with its query part: ``cu_seqlens_q`` over ``accept_lens`` (clamped
         into ``[0, N]``: an out-of-contract device value cannot push the packed query offsets
         past the captured buffer), ``pad_q`` queries per padded row."""
-        _, seq_lens, rpi, table, blk, num_real, acc, width, pad_q, wt = vals
-        return (self._paged_launch(ops, self._b, bs, seq_lens, rpi, table, blk, q_lens=acc,
-                                   cu_seqlens_q=self._cu_q, pad_q=pad_q,
-                                   max_q=self.cfg.num_draft_tokens, num_real=num_real,
-                                   width=width, **self._win(wt)),)
+        x = values.inputs
+        return (self._paged_launch(ops, self._b, bs, x, q_lens=values.q_lens,
+                                   cu_seqlens_q=self._cu_q, pad_q=values.pad_q,
+                                   max_q=self.cfg.num_draft_tokens, width=values.width,
+                                   **self._window(x)),)
 
-    def _capture_vals(self) -> tuple[Any, ...]:
+    def _capture_values(self) -> DraftExtendValues:
         # N queries per padded row: every captured bs has cu_seqlens_q[bs] = bs*N (class doc)
-        none = self._arange[:0]
-        return (0, none, none, self._empty_pages(), None, None, none, 0,
-                self.cfg.num_draft_tokens, self._capture_wt())
+        return DraftExtendValues(inputs=self._capture_inputs(), q_lens=self._arange[:0],
+                                 width=0, pad_q=self.cfg.num_draft_tokens)
 
     def _view(self, bs: int, max_k: int) -> DraftExtendView:
         key = (bs, max_k)

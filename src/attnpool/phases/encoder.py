@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
 
@@ -13,10 +12,28 @@ from ..config import Phase
 from ..inputs import host_lens
 from ..views import DecodeView, EncoderView, PagedView
 from ._views import part_view
-from .base import PhaseBase, Shared
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
 
 if TYPE_CHECKING:
     from typing import Unpack
+
+
+class EncoderValues(NamedTuple):
+    """One encoder update's values, as its parts read them (by these names, or through
+    :attr:`EncoderPhase.ALIASES`).
+
+    Attributes:
+        inputs: the checked shared inputs (:class:`attnpool.phases.inputs_pass.Inputs`).
+        encoder_lens: ``[n]`` int device encoder lengths: the cross part's lengths, the
+            decoder part's token offsets.
+        width: page columns the decoder rows need (host bound; the reference path's gather).
+        encoder_width: page columns the cross rows need (likewise).
+    """
+
+    inputs: Inputs
+    encoder_lens: Tensor
+    width: int
+    encoder_width: int
 
 
 class EncoderPhase(PhaseBase[EncoderView]):
@@ -34,10 +51,8 @@ class EncoderPhase(PhaseBase[EncoderView]):
     """
 
     phase = Phase.ENCODER
-    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "encoder_lens", "width", "enc_width")
     #: the cross part reads the encoder lengths as its lengths, the decoder part as offsets
-    ALIASES = ({"seq_lens": "encoder_lens", "width": "enc_width"},
+    ALIASES = ({"seq_lens": "encoder_lens", "width": "encoder_width"},
                {"token_offset": "encoder_lens"})
 
     def __init__(self, arena: Arena) -> None:
@@ -45,7 +60,7 @@ class EncoderPhase(PhaseBase[EncoderView]):
         self._b = self._paged("cross_")
         #: the decode phase's buffers, where this phase writes its decoder rows (under its own
         #: ownership of those bytes: see ``PHASE_FACTS``' ``writes_decode``)
-        self._dec = self._paged(phase=Phase.DECODE)
+        self._decoder = self._paged(phase=Phase.DECODE)
         self._pad = min(self.cfg.pad_seq_len, self.cfg.max_encoder_len)
 
     def _capture_view(self, bs: int) -> EncoderView:
@@ -72,10 +87,10 @@ class EncoderPhase(PhaseBase[EncoderView]):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg = self.cfg
-        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len, encoder_lens_cpu)
-        seq_lens, n, rpi, table, blk, host, _, num_real, _ = x
-        enc, enc_host = self._lens("encoder_lens", encoder_lens, encoder_lens_cpu, n,
-                                   cfg.max_encoder_len)
+        x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len, encoder_lens_cpu)
+        n, host = x.n, x.seq_lens_host
+        enc, enc_host = self.input_pass.lens("encoder_lens", encoder_lens, encoder_lens_cpu, n,
+                                             cfg.max_encoder_len)
         if host is not None and enc_host is not None:
             host_lens("encoder_lens_cpu + seq_lens_cpu",
                       [a + b for a, b in zip(enc_host, host, strict=True)], n, 2,
@@ -84,11 +99,11 @@ class EncoderPhase(PhaseBase[EncoderView]):
             self._check_values(x, cfg.max_context_len, [("encoder_lens", enc, 1, cfg.max_encoder_len)],
                                [("encoder_lens_cpu", encoder_lens_cpu, "encoder_lens")],
                                sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len))
-        # (the cross part caps its width at its own capacity, ceil(max_encoder_len / P))
-        enc_width, width = self._width(enc_host), self._width(host)
         # --- writes start here (both parts' inputs were checked above) ---
-        self._run((bs, blk, table.shape, table.stride(0), num_real is None), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, enc, width, enc_width))
+        # (the cross part caps its width at its own capacity, ceil(max_encoder_len / P))
+        self._run((bs, x.launch_key), bs,
+                  EncoderValues(inputs=x, encoder_lens=enc, width=self._width(host),
+                                encoder_width=self._width(enc_host)))
         # One write of the overlay: the encoder now owns it, decoder rows included (decode's own
         # view of those buffers is not valid until decode writes them again).
         self._mark(bs)
@@ -101,24 +116,24 @@ class EncoderPhase(PhaseBase[EncoderView]):
         key = ("enc", bs, max_k, dec_k)
         return self._views.get(key) or self._memo(key, lambda: EncoderView(
             bs, self._view(bs, max_k),
-            part_view(self._dec, bs, self._arange, max_q=1, max_k=dec_k,
+            part_view(self._decoder, bs, self._arange, max_q=1, max_k=dec_k,
                       page_size=self.cfg.page_size, causal=True, cls=DecodeView,
                       stamp=self._stamp),
             stamp=self._stamp))
 
-    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _parts(self, ops: UpdatePath, bs: int, values: EncoderValues) -> tuple[Replay, ...]:
         """The cross part over the encoder tokens, then the decoder rows after them."""
-        _, seq_lens, rpi, table, blk, num_real, enc, width, enc_width = vals
-        cross = self._paged_launch(ops, self._b, bs, enc, rpi, table, blk,
+        x = values.inputs
+        cross = self._paged_launch(ops, self._b, bs, x._replace(seq_lens=values.encoder_lens),
                                    pad_seq_len=self._pad, max_len=self.cfg.max_encoder_len,
-                                   num_real=num_real, width=enc_width)
-        dec = self._paged_launch(ops, self._dec, bs, seq_lens, rpi, table, blk,
-                                 token_offset=enc, num_real=num_real, width=width)
-        return cross, dec
+                                   width=values.encoder_width)
+        decoder = self._paged_launch(ops, self._decoder, bs, x,
+                                     token_offset=values.encoder_lens, width=values.width)
+        return cross, decoder
 
-    def _capture_vals(self) -> tuple[Any, ...]:
-        none = self._arange[:0]
-        return (0, none, none, self._empty_pages(), None, None, none, 0, 0)
+    def _capture_values(self) -> EncoderValues:
+        return EncoderValues(inputs=self._capture_inputs(), encoder_lens=self._arange[:0],
+                             width=0, encoder_width=0)
 
     def _view(self, bs: int, max_k: int) -> PagedView:
         key = (bs, max_k)

@@ -6,8 +6,7 @@ docs/design.md, Extend.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
 
@@ -16,10 +15,28 @@ from ..config import Phase
 from ..errors import CapacityError, InputError, LayoutError
 from ..views import ExtendView
 from ._views import part_view
-from .base import PhaseBase, Shared
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
 
 if TYPE_CHECKING:
     from typing import Unpack
+
+
+class ExtendValues(NamedTuple):
+    """One extend update's values, as its part reads them (by these names).
+
+    Attributes:
+        inputs: the checked shared inputs (:class:`attnpool.phases.inputs_pass.Inputs`).
+        q_lens: ``[n]`` int device new tokens per request (``extend_lens``).
+        out_slots: ``[L]`` int device slot mapping to write, else None.
+        width: page columns the real rows need (host bound; the reference path's gather).
+        window_out_slots: ``[L]`` int device slot mapping of the window table, else None.
+    """
+
+    inputs: Inputs
+    q_lens: Tensor
+    out_slots: Tensor | None
+    width: int
+    window_out_slots: Tensor | None
 
 
 class ExtendPhase(PhaseBase[ExtendView]):
@@ -36,8 +53,6 @@ class ExtendPhase(PhaseBase[ExtendView]):
     """
 
     phase = Phase.EXTEND
-    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "q_lens", "out_slots", "width", "window_table", "window_out_slots")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -94,31 +109,30 @@ class ExtendPhase(PhaseBase[ExtendView]):
             the refilled :class:`attnpool.ExtendView` (same tensors as ``view(bs)``).
         """
         cfg, t_max = self.cfg, self.max_tokens
-        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len, extend_lens_cpu)
-        seq_lens, n, rpi, table, blk, host, wt, num_real, _ = x
-        ext, ehost = self._lens("extend_lens", extend_lens, extend_lens_cpu, n,
-                                cfg.max_context_len)
+        x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len, extend_lens_cpu)
+        n, host = x.n, x.seq_lens_host
+        ext, ehost = self.input_pass.lens("extend_lens", extend_lens, extend_lens_cpu, n,
+                                          cfg.max_context_len)
         total = self._check_host(host, ehost)
         slots = None if out_slots is None else self._out_slots(out_slots, total)
-        wslots = None
+        window_slots = None
         if window_out_slots is not None:
-            if wt is None:
+            if x.window_table is None:
                 raise LayoutError("window_out_slots needs PoolConfig(sliding_window=...), got "
                                   "one from a pool without a window")
-            wslots = self._out_slots(window_out_slots, total, "window_out_slots")
-            if slots is not None and _overlap(slots, wslots):
+            window_slots = self._out_slots(window_out_slots, total, "window_out_slots")
+            if slots is not None and _overlap(slots, window_slots):
                 raise InputError("out_slots and window_out_slots must not overlap (two groups' "
                                  "slot mappings written by one update), got overlapping tensors")
         if self.validate:  # (the value lists are built only then)
             self._check_values(x, cfg.max_context_len, [("extend_lens", ext, 1, cfg.max_context_len)],
                                [("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
                                at_most=[("extend_lens", "seq_lens")], sum_at_most=("extend_lens", t_max))
-        width = self._width(host)
         # --- writes start here ---
-        self._run((bs, blk, table.shape, table.stride(0), num_real is None,
-                   None if slots is None else slots.shape[0], self._wkey(table, wt),
-                   None if wslots is None else wslots.shape[0]), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, ext, slots, width, wt, wslots))
+        self._run((bs, x.launch_key, None if slots is None else slots.shape[0],
+                   None if window_slots is None else window_slots.shape[0]), bs,
+                  ExtendValues(inputs=x, q_lens=ext, out_slots=slots, width=self._width(host),
+                               window_out_slots=window_slots))
         self._mark(bs)
         max_q = t_max
         if ehost is not None:
@@ -143,7 +157,7 @@ class ExtendPhase(PhaseBase[ExtendView]):
 
     def _out_slots(self, t: object, total: int | None, name: str = "out_slots") -> Tensor:
         """``out_slots``: a 1-D contiguous int device tensor long enough for every real token."""
-        slots = self._tensor(name, t, 1)
+        slots = self.input_pass.tensor(name, t, 1)
         need = self.max_tokens if total is None else total
         if slots.shape[0] < need:
             what = "sum(extend_lens_cpu)" if total is not None else (
@@ -152,23 +166,21 @@ class ExtendPhase(PhaseBase[ExtendView]):
                                 f"got {slots.shape[0]}")
         return slots
 
-    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _parts(self, ops: UpdatePath, bs: int, values: ExtendValues) -> tuple[Replay, ...]:
         """One paged part with its query part (padded rows: the first takes the slack up to
         ``T``, the others none) and the packed tokens' positions (and ``out_slots``)."""
-        _, seq_lens, rpi, table, blk, num_real, ext, slots, width, wt, wslots = vals
-        win = self._win(wt)
-        if win:
-            win["window_out_slots"] = wslots
-        return (self._paged_launch(ops, self._b, bs, seq_lens, rpi, table, blk, q_lens=ext,
+        x = values.inputs
+        window = self._window(x)
+        if window:
+            window["window_out_slots"] = values.window_out_slots
+        return (self._paged_launch(ops, self._b, bs, x, q_lens=values.q_lens,
                                    max_q=self.max_tokens, cu_seqlens_q=self._cu_q,
-                                   q_total=self.max_tokens,
-                                   positions=self._pos, out_slots=slots, num_real=num_real,
-                                   width=width, **win),)
+                                   q_total=self.max_tokens, positions=self._pos,
+                                   out_slots=values.out_slots, width=values.width, **window),)
 
-    def _capture_vals(self) -> tuple[Any, ...]:
-        none = self._arange[:0]
-        return (0, none, none, self._empty_pages(), None, None, none, None, 0,
-                self._capture_wt(), None)
+    def _capture_values(self) -> ExtendValues:
+        return ExtendValues(inputs=self._capture_inputs(), q_lens=self._arange[:0],
+                            out_slots=None, width=0, window_out_slots=None)
 
     def _view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
         key = (bs, max_q, max_k)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
 
@@ -15,10 +14,24 @@ from ..inputs import check_bs
 from ..specs import local_extend_rows, local_rows_per_request
 from ..views import LocalView
 from ._views import part_view
-from .base import PhaseBase, Shared
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
 
 if TYPE_CHECKING:
     from typing import Unpack
+
+
+class LocalValues(NamedTuple):
+    """One local update's values, as its part reads them (by these names).
+
+    Attributes:
+        inputs: the checked shared inputs (:class:`attnpool.phases.inputs_pass.Inputs`).
+        for_phase: the shape written: ``Phase.DECODE``, ``Phase.VERIFY`` or ``Phase.EXTEND``.
+        extend_lens: ``[n]`` int device new tokens per request (the prefill shape), else None.
+    """
+
+    inputs: Inputs
+    for_phase: Phase
+    extend_lens: Tensor | None
 
 
 class LocalPhase(PhaseBase[LocalView]):
@@ -40,8 +53,6 @@ class LocalPhase(PhaseBase[LocalView]):
     """
 
     phase = Phase.LOCAL
-    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "for_phase", "extend_lens")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -105,14 +116,13 @@ class LocalPhase(PhaseBase[LocalView]):
             return self._extend(bs, seq_lens, extend_lens, extend_lens_cpu, shared)
         if extend_lens is not None or extend_lens_cpu is not None:
             raise InputError(f"extend_lens go with for_phase=Phase.EXTEND, got {for_phase}")
-        q, extra, per = self._shape(for_phase)
-        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len - extra)
-        seq_lens, n, rpi, table, blk, _, _w, num_real, _ = x
+        _, extra, _ = self._shape(for_phase)
+        x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len - extra)
         if self.validate:  # (the value lists are built only then)
             self._check_values(x, cfg.max_context_len - extra)
         # --- writes start here ---
-        self._run((bs, extra, q, per, blk, table.shape, table.stride(0), num_real is None), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, for_phase, None))
+        self._run((bs, x.launch_key, for_phase), bs,
+                  LocalValues(inputs=x, for_phase=for_phase, extend_lens=None))
         self._mark(bs)
         self._state = for_phase
         return self._view(bs, for_phase)
@@ -130,9 +140,10 @@ class LocalPhase(PhaseBase[LocalView]):
         if extend_lens is None:
             raise InputError("for_phase=Phase.EXTEND needs extend_lens ([n] new tokens per "
                              "request)")
-        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len, extend_cpu)
-        seq_lens, n, rpi, table, blk, host, _w, _, _ = x
-        ext, ehost = self._lens("extend_lens", extend_lens, extend_cpu, n, cfg.max_context_len)
+        x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len, extend_cpu)
+        host = x.seq_lens_host
+        ext, ehost = self.input_pass.lens("extend_lens", extend_lens, extend_cpu, x.n,
+                                          cfg.max_context_len)
         if ehost is not None:
             if sum(ehost) > t_max:
                 raise CapacityError(f"extend_lens_cpu sum to {sum(ehost)} tokens, more than "
@@ -147,8 +158,8 @@ class LocalPhase(PhaseBase[LocalView]):
                                at_most=[("extend_lens", "seq_lens")],
                                sum_at_most=("extend_lens", t_max))
         # --- writes start here ---
-        self._run((bs, Phase.EXTEND, blk, table.shape, table.stride(0)), bs,
-                  (n, seq_lens, rpi, table, blk, None, Phase.EXTEND, ext))
+        self._run((bs, x.launch_key, Phase.EXTEND), bs,
+                  LocalValues(inputs=x, for_phase=Phase.EXTEND, extend_lens=ext))
         self._mark(bs)
         self._state = Phase.EXTEND
         max_q = min(self.chunk, t_max if ehost is None else max(ehost, default=1))
@@ -165,26 +176,26 @@ class LocalPhase(PhaseBase[LocalView]):
 
         return after
 
-    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _parts(self, ops: UpdatePath, bs: int, values: LocalValues) -> tuple[Replay, ...]:
         """One part of ``bs * rows_per_request`` virtual rows, ``cu_seqlens_q`` included."""
-        _, seq_lens, rpi, table, blk, num_real, for_phase, ext = vals
-        cfg = self.cfg
-        if for_phase is Phase.EXTEND:  # torch ops on both paths (see the class docstring)
+        x, cfg = values.inputs, self.cfg
+        if values.extend_lens is not None:  # the prefill shape: torch ops on both paths
             return (ops.local_extend_launch(
                 self._b, cu_seqlens_q=self._cu_q, rows=local_extend_rows(cfg, bs),
-                seq_lens=seq_lens, extend_lens=ext, req_pool_indices=rpi, req_to_token=table,
+                seq_lens=x.seq_lens, extend_lens=values.extend_lens,
+                req_pool_indices=x.req_pool_indices, req_to_token=x.req_to_token,
                 chunk=self.chunk, page_size=cfg.page_size, pad_len=self._pad,
-                pad_page=cfg.pad_page, block_size=blk),)
-        q, extra, per = self._shape(for_phase)
+                pad_page=cfg.pad_page, block_size=x.block_size),)
+        q, extra, per = self._shape(values.for_phase)
         return (ops.local_launch(
-            self._b, cu_seqlens_q=self._cu_q, bs=bs, seq_lens=seq_lens, req_pool_indices=rpi,
-            req_to_token=table, extra=extra, num_queries=q, rows_per_request=per,
-            chunk=self.chunk, page_size=cfg.page_size, pad_len=self._pad, pad_page=cfg.pad_page,
-            num_real=num_real, block_size=blk),)
+            self._b, cu_seqlens_q=self._cu_q, bs=bs, seq_lens=x.seq_lens,
+            req_pool_indices=x.req_pool_indices, req_to_token=x.req_to_token, extra=extra,
+            num_queries=q, rows_per_request=per, chunk=self.chunk, page_size=cfg.page_size,
+            pad_len=self._pad, pad_page=cfg.pad_page, num_real=x.num_real,
+            block_size=x.block_size),)
 
-    def _capture_vals(self) -> tuple[Any, ...]:
-        none = self._arange[:0]
-        return (0, none, none, self._empty_pages(), None, None, self._for, None)
+    def _capture_values(self) -> LocalValues:
+        return LocalValues(inputs=self._capture_inputs(), for_phase=self._for, extend_lens=None)
 
     def _view(self, bs: int, for_phase: Phase, max_q: int = 0) -> LocalView:
         key = (bs, for_phase, max_q)

@@ -5,8 +5,7 @@ docs/design.md, Verify.
 
 from __future__ import annotations
 
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -16,10 +15,24 @@ from ..config import Phase
 from ..errors import InputError
 from ..views import PagedView, VerifyView
 from ._views import part_view
-from .base import PhaseBase, Shared
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
 
 if TYPE_CHECKING:
     from typing import Unpack
+
+
+class VerifyValues(NamedTuple):
+    """One verify update's values, as its parts read them (by these names).
+
+    Attributes:
+        inputs: the checked shared inputs (:class:`attnpool.phases.inputs_pass.Inputs`).
+        tree_mask: ``[n, N, N]`` bool device mask (tree verify), else None.
+        width: page columns the real rows need (host bound; the reference path's gather).
+    """
+
+    inputs: Inputs
+    tree_mask: Tensor | None
+    width: int
 
 
 class VerifyPhase(PhaseBase[VerifyView]):
@@ -33,8 +46,6 @@ class VerifyPhase(PhaseBase[VerifyView]):
     """
 
     phase = Phase.VERIFY
-    NAMES = ("n", "seq_lens", "req_pool_indices", "req_to_token", "block_size", "num_real",
-             "tree_mask", "width", "window_table")
 
     def __init__(self, arena: Arena) -> None:
         super().__init__(arena)
@@ -68,11 +79,10 @@ class VerifyPhase(PhaseBase[VerifyView]):
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
         cfg, nd = self.cfg, self.cfg.num_draft_tokens
-        x = self._inputs(bs, seq_lens, shared, cfg.max_context_len - nd)
-        seq_lens, n, rpi, table, blk, host, wt, num_real, _ = x
+        x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len - nd)
         mask: Tensor | None = None
         if self.tree:
-            mask = self._tensor("tree_mask", tree_mask, 3, dtypes=(torch.bool,), rows=n)
+            mask = self.input_pass.tensor("tree_mask", tree_mask, 3, (torch.bool,), x.n)
             if mask.shape[1] != nd or mask.shape[2] != nd:
                 raise InputError(f"tree_mask must be [n, {nd}, {nd}], got {tuple(mask.shape)}")
         elif tree_mask is not None:
@@ -80,32 +90,31 @@ class VerifyPhase(PhaseBase[VerifyView]):
         if self.validate:  # (the value lists are built only then)
             self._check_values(x, cfg.max_context_len - nd, tree_mask=mask)
         add = 0 if self.tree else nd
-        width = self._width(host, add)
+        host = x.seq_lens_host
         # --- writes start here (every part's inputs were checked above) ---
-        self._run((bs, blk, table.shape, table.stride(0), num_real is None,
-                   None if mask is None else mask.stride(), self._wkey(table, wt)), bs,
-                  (n, seq_lens, rpi, table, blk, num_real, mask, width, wt))
+        self._run((bs, x.launch_key, None if mask is None else mask.stride()), bs,
+                  VerifyValues(inputs=x, tree_mask=mask, width=self._width(host, add)))
         self._mark(bs)
-        return self._view(bs, self._max_k(host, add, n, bs, cfg.max_context_len))
+        return self._view(bs, self._max_k(host, add, x.n, bs, cfg.max_context_len))
 
-    def _parts(self, ops: ModuleType, bs: int, vals: tuple[Any, ...]) -> tuple[Any, ...]:
+    def _parts(self, ops: UpdatePath, bs: int, values: VerifyValues) -> tuple[Replay, ...]:
         """The prefix part (chain: causal over ``seq_lens + N``), then the tree expand part."""
-        _, seq_lens, rpi, table, blk, num_real, mask, width, wt = vals
-        out = [self._paged_launch(ops, self._p, bs, seq_lens, rpi, table, blk,
+        x = values.inputs
+        out = [self._paged_launch(ops, self._p, bs, x,
                                   extra=0 if self.tree else self.cfg.num_draft_tokens,
-                                  num_real=num_real, width=width, **self._win(wt))]
-        if self._e is not None:
+                                  width=values.width, **self._window(x))]
+        if self._e is not None and values.tree_mask is not None:
             out.append(ops.tree_expand_launch(
-                self._e, bs=bs, tree_mask=mask, seq_lens=seq_lens, req_pool_indices=rpi,
-                req_to_token=table, pad_len=self._expand_pad,
-                pad_id=self.cfg.pad_page * self.cfg.page_size, num_real=num_real,
-                block_size=blk))
+                self._e, bs=bs, tree_mask=values.tree_mask, seq_lens=x.seq_lens,
+                req_pool_indices=x.req_pool_indices, req_to_token=x.req_to_token,
+                pad_len=self._expand_pad, pad_id=self.cfg.pad_page * self.cfg.page_size,
+                num_real=x.num_real, block_size=x.block_size))
         return tuple(out)
 
-    def _capture_vals(self) -> tuple[Any, ...]:
-        none, nd = self._arange[:0], self.cfg.num_draft_tokens
+    def _capture_values(self) -> VerifyValues:
+        nd = self.cfg.num_draft_tokens
         mask = torch.empty((0, nd, nd), dtype=torch.bool, device=self._dev) if self.tree else None
-        return (0, none, none, self._empty_pages(), None, None, mask, 0, self._capture_wt())
+        return VerifyValues(inputs=self._capture_inputs(), tree_mask=mask, width=0)
 
     @property
     def _expand_pad(self) -> int:

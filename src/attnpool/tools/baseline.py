@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..arena import plan_arena
-from ..config import PoolConfig
+from ..config import PoolConfig, ceil_div
 from ..errors import InputError
 from ..inputs import check_bs
 
@@ -139,7 +139,7 @@ class ClassicPaged:
             self.req_pool_indices[:bs].zero_()
         self.seq_lens[:n].copy_(seq_lens)
         self.req_pool_indices[:n].copy_(req_pool_indices)
-        seq, rpi = self.seq_lens[:bs], self.req_pool_indices[:bs]
+        seq, rows = self.seq_lens[:bs], self.req_pool_indices[:bs]
         # Backend replay.
         if self.add:
             seq = seq + self.add
@@ -150,11 +150,11 @@ class ClassicPaged:
         if n < bs:
             max_len = max(max_len, cfg.pad_seq_len)
         max_len += self.add
-        max_pages = -(-max_len // p)
+        max_pages = ceil_div(max_len, p)
         if p > 1:
-            pages = req_to_token[rpi[:, None], self.page_starts[:max_pages][None, :]] // p
+            pages = req_to_token[rows[:, None], self.page_starts[:max_pages][None, :]] // p
         else:  # every column starts a page: engines gather whole rows of a column slice
-            pages = req_to_token[rpi, :max_pages]
+            pages = req_to_token[rows, :max_pages]
         self.page_table[:bs, :max_pages].copy_(pages)
         return ClassicView(
             bs=bs,

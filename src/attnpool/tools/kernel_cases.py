@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
+from ..config import ceil_div
+
 if TYPE_CHECKING:
     from ..pool import BufferPool
 
@@ -72,12 +74,12 @@ def tiers() -> list[int]:
     warp count and whether its scan takes one chunk or loops over several (the widest block,
     ``MAX_BLOCK`` rows, in one pass; MAX_ROWS rows in many). Smaller blocks hold fewer values
     per thread than the widest."""
-    from ..update import triton_checks as ck
+    from ..update.tuning import scan_block, warps
 
     top: dict[tuple[int, bool], int] = {}
     rows = 16
     while rows <= MAX_ROWS:
-        top[(ck.warps(rows), rows > ck.scan_block(rows))] = rows
+        top[(warps(rows), rows > scan_block(rows))] = rows
         rows *= 2
     return sorted(top.values())
 
@@ -97,17 +99,19 @@ class _Batch:
     """The inputs of one update: ``rows`` real rows (``bs`` when capturable), ``dt`` for the
     caller's int tensors and ``tdt`` for its tables; ``block``: a block table."""
 
-    def __init__(self, pool: BufferPool, bs: int, *, cap: bool, block: bool, rpi: bool = True,
-                 dt: torch.dtype = I64, tdt: torch.dtype = I32, own_window: bool = False) -> None:
+    def __init__(self, pool: BufferPool, bs: int, *, cap: bool, block: bool,
+                 req_pool_indices: bool = True, dt: torch.dtype = I64, tdt: torch.dtype = I32,
+                 own_window: bool = False) -> None:
         cfg = pool.cfg
         self.cfg, self.bs, self.dt = cfg, bs, dt
         self.rows = bs if cap else max(1, bs - 1)
-        # a few table rows (not 1, which Triton would specialize on), or one per row without rpi
-        trows = 5 if rpi else bs
-        width = cfg.max_context_len if not block else -(-cfg.max_context_len // cfg.page_size)
+        # a few table rows (not 1, which Triton would specialize on), or one per row without
+        # req_pool_indices
+        trows = 5 if req_pool_indices else bs
+        width = cfg.max_context_len if not block else ceil_div(cfg.max_context_len, cfg.page_size)
         name = "block_table" if block else "req_to_token"
         self.common: dict[str, Any] = {"seq_lens": _t(self.rows, dt), name: _t((trows, width), tdt)}
-        if rpi:
+        if req_pool_indices:
             self.common["req_pool_indices"] = _t(self.rows, dt, 0)
         if cap:
             self.common["num_real"] = _t(1, dt, self.rows)
@@ -198,7 +202,7 @@ def _small(rec: Recorder) -> None:
         if layout is not Layout.BOTH or page == 1:
             continue  # (what follows changes argument types and values, not flags)
         if block:  # a block table's rows may stand for the batch order (no req_pool_indices)
-            _update(rec, pool, _Batch(pool, 3, cap=False, block=True, rpi=False),
+            _update(rec, pool, _Batch(pool, 3, cap=False, block=True, req_pool_indices=False),
                     f"{layout.name} P={page} {tree} {win}block_table without req_pool_indices")
         if win:
             _update(rec, pool, _Batch(pool, 3, cap=True, block=block, own_window=True),

@@ -9,11 +9,12 @@ says nothing about speed.
 
 Where the specializations come from: not a list kept by hand. :mod:`.kernel_cases` updates real
 pools (:class:`attnpool.BufferPool`, :class:`attnpool.KVCachePool`) over a matrix of configs with
-:data:`attnpool.update.triton_checks.RECORD` set to a :class:`Recorder`. Each launch the update
-wrappers assemble becomes its :class:`Spec` through Triton's own launch binder (the code that picks
-the compiled kernel at a launch: argument types, the values it specializes on, constexprs,
-``num_warps``), and is not run. Compiling happens in worker processes (:mod:`.kernel_compile`)
-started without ``TRITON_INTERPRET``, under which ``@triton.jit`` gives interpreter objects.
+a :class:`Recorder` registered as the launch recorder (:func:`attnpool.update.launch.recording`).
+Each launch the update wrappers assemble becomes its :class:`Spec` through Triton's own launch
+binder (the code that picks the compiled kernel at a launch: argument types, the values it
+specializes on, constexprs, ``num_warps``), and is not run. Compiling happens in worker
+processes (:mod:`.kernel_compile`) started without ``TRITON_INTERPRET``, under which
+``@triton.jit`` gives interpreter objects.
 """
 
 from __future__ import annotations
@@ -125,8 +126,8 @@ def _from_pool() -> bool:
 
 
 class Recorder:
-    """A :data:`attnpool.update.triton_checks.RECORD` hook: turns each assembled launch into its
-    :class:`Spec` for ``target``.
+    """A launch recorder (:class:`attnpool.update.launch.LaunchRecorder`): turns each assembled
+    launch into its :class:`Spec` for ``target``.
 
     Args:
         dry_run: skip the recorded launches (enumeration needs the arguments, not the bytes).
@@ -194,14 +195,12 @@ class Recorder:
 
     @contextmanager
     def active(self) -> Iterator[Recorder]:
-        """Install this recorder as the launch hook; the previous one is restored after."""
-        from ..update import triton_checks as ck
+        """Register this recorder as the launch recorder while the block runs
+        (:func:`attnpool.update.launch.recording`); the previous one comes back after."""
+        from ..update.launch import recording
 
-        prev, ck.RECORD = ck.RECORD, self
-        try:
+        with recording(self):
             yield self
-        finally:
-            ck.RECORD = prev
 
 
 def missing(launched: Iterable[Spec], enumerated: Iterable[Spec]) -> list[str]:

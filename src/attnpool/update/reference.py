@@ -19,30 +19,19 @@ count). Two arguments are hints one path uses and the other does not need:
 * ``keep`` (:func:`paged_update_`): the incremental page table. The reference path writes every
   live page anyway (the same bytes: kept pages hold the same ids).
 
-The parts themselves are in :mod:`.reference_parts`, over the torch building blocks of
-:mod:`.reference_ops` (re-exported here).
+The parts themselves are in :mod:`.reference_parts`, over the row layouts of
+:mod:`.row_layouts` and the writers of :mod:`.writes` (re-exported here).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, ParamSpec
 
 from ..errors import CapacityError
-from .reference_ops import (
-    PagedBuffers,
-    cumsum_,
-    draft_expand,
-    extend_tokens,
-    gather_pages,
-    lengths_,
-    local_rows,
-    paged_,
-    table_slots,
-    table_width,
-    tree_expand,
-)
+from .buffers import PagedBuffers, table_width
+from .launch import RecordPaths, record_paths
 from .reference_parts import (
     draft_tree_expand_part_,
     local_extend_part_,
@@ -50,6 +39,15 @@ from .reference_parts import (
     paged_part_,
     tree_expand_part_,
 )
+from .row_layouts import (
+    draft_expand,
+    extend_tokens,
+    gather_pages,
+    local_rows,
+    table_slots,
+    tree_expand,
+)
+from .writes import cumsum_, lengths_, paged_
 
 __all__ = [
     "Call", "PagedBuffers", "cumsum_", "draft_expand", "draft_tree_expand_launch",
@@ -59,62 +57,66 @@ __all__ = [
     "tree_expand_launch", "tree_expand_update_",
 ]
 
+P = ParamSpec("P")
+
 
 class Call:
     """One reference part update with its arguments bound, replayable with new inputs.
 
-    The same protocol as :class:`attnpool.update.triton_checks.Launch` (``take``, ``__call__``,
-    ``bound``), so a phase caches and replays either path's parts the same way. ``dyn`` are the
-    per-update inputs (tensors and host hints), by parameter name.
+    The same replay protocol as :class:`attnpool.update.launch.Launch` (``take``, ``__call__``,
+    ``bound``: :class:`attnpool.update.protocol.Replay`), so a phase caches and replays either
+    path's parts the same way. ``inputs`` are the per-update inputs (tensors and host hints), by
+    parameter name.
     """
 
-    __slots__ = ("b", "dyn", "fn", "kw", "map")
+    __slots__ = ("b", "fn", "inputs", "kw", "paths")
 
     def __init__(self, fn: Callable[..., None], b: PagedBuffers, kw: dict[str, Any],
-                 dyn: tuple[str, ...]) -> None:
+                 inputs: tuple[str, ...]) -> None:
         self.fn, self.b, self.kw = fn, b, kw
-        self.dyn = tuple(k for k in dyn if kw.get(k) is not None)
-        self.map: tuple[tuple[str, int], ...] = ()
+        self.inputs = tuple(k for k in inputs if kw.get(k) is not None)
+        self.paths = RecordPaths((), ())
 
-    def take(self, names: tuple[str, ...], **alias: str) -> Call:
-        """Read the inputs from value tuples laid out as ``names`` (``alias``: parameter -> the
-        name it has there); the binding call's tensors are released, as a launch's are."""
-        self.map = tuple((k, names.index(alias.get(k, k))) for k in self.dyn)
-        for k, _ in self.map:
+    def take(self, values: tuple[Any, ...], **alias: str) -> Call:
+        """Read the inputs from value records shaped like ``values`` (``alias``: parameter ->
+        the name it has there); the binding call's tensors are released, as a launch's are."""
+        self.paths = record_paths(values, [(k, k) for k in self.inputs], alias)
+        for k in self.inputs:
             self.kw[k] = None
         return self
 
-    def __call__(self, vals: tuple[object, ...] | None = None) -> None:
-        """Run the update, with the inputs of :meth:`take` read from ``vals`` (None: as built)."""
-        if vals is None:
-            self.fn(self.b, **self.kw)
-            return
+    def _kw(self, values: tuple[Any, ...]) -> dict[str, Any]:
         kw = self.kw.copy()
-        for k, i in self.map:
-            kw[k] = vals[i]
-        self.fn(self.b, **kw)
+        inputs = values[0]
+        for k, i in self.paths.from_inputs:
+            kw[k] = inputs[i]
+        for k, i in self.paths.from_record:
+            kw[k] = values[i]
+        return kw
 
-    def bound(self, vals: tuple[object, ...]) -> Callable[[], object]:
-        """The update with ``vals`` fixed: a no-argument callable."""
-        kw = self.kw.copy()
-        for k, i in self.map:
-            kw[k] = vals[i]
-        return partial(self.fn, self.b, **kw)
+    def __call__(self, values: tuple[Any, ...] | None = None) -> None:
+        """Run the update, with the inputs of :meth:`take` read from ``values`` (None: as built)."""
+        self.fn(self.b, **(self.kw if values is None else self._kw(values)))
+
+    def bound(self, values: tuple[Any, ...]) -> Callable[[], object]:
+        """The update with ``values`` fixed: a no-argument callable."""
+        return partial(self.fn, self.b, **self._kw(values))
 
 
-def _launcher(name: str, part: Callable[..., None], dyn: tuple[str, ...]
-              ) -> Callable[..., Call]:
+def _launcher(name: str, part: Callable[P, None], inputs: tuple[str, ...]
+              ) -> Callable[P, Call]:
     """The reference ``*_launch`` of ``part``: its arguments (keywords, exactly those of
     :mod:`.triton`'s launch of the same name, which ``inspect.signature`` shows: it follows
-    ``__wrapped__`` to the part) bound in a :class:`Call`. ``dyn``: the per-update inputs."""
+    ``__wrapped__`` to the part; the type checker sees ``part``'s signature) bound in a
+    :class:`Call`. ``inputs``: the per-update inputs."""
     def launch(b: PagedBuffers, **kw: Any) -> Call:
-        return Call(part, b, kw, dyn)
+        return Call(part, b, kw, inputs)
 
     launch.__name__ = launch.__qualname__ = name
     launch.__doc__ = (f"Bind one update of the part (:func:`{part.__name__}` says what it "
                       f"writes); the same arguments as :func:`attnpool.update.triton.{name}`.")
     launch.__wrapped__ = part  # type: ignore[attr-defined]
-    return launch
+    return launch  # type: ignore[return-value]
 
 
 #: the ``*_launch`` functions, one per kind of part (the fused module's names and arguments)
@@ -153,7 +155,8 @@ def local_update_(b: PagedBuffers, **kw: Any) -> None:
     local_launch(b, **kw)()
 
 
-def keep_flags(prev_ids: list[Any] | None, ids: list[Any], bs: int) -> list[int]:
+def keep_flags(prev_ids: Sequence[Hashable] | None, ids: Sequence[Hashable], bs: int
+               ) -> list[int]:
     """Host-side ``keep`` values, as :func:`attnpool.update.triton.keep_flags` takes them, all 0:
     the reference path keeps no page (every row writes all its live pages: the same bytes), so a
     caller that asks it skips the flags' host tensor and copy."""

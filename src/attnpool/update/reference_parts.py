@@ -8,22 +8,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..config import ceil_div
 from ..errors import InputError, LayoutError
-from .reference_ops import (
-    PagedBuffers,
-    cumsum_,
+from .buffers import PagedBuffers, table_width, window_width
+from .row_layouts import (
     draft_expand,
     extend_tokens,
     floor_div,
     gather_pages,
-    lengths_,
     local_extend_rows,
     local_rows,
-    paged_,
-    table_width,
     tree_expand,
-    window_width,
 )
+from .writes import cumsum_, lengths_, paged_
 
 
 def _no_num_real(num_real: Tensor | None) -> None:
@@ -99,9 +96,9 @@ def paged_part_(
                  max_q=max_q, block_size=block_size, b=b)
     p, pt = page_size, b.page_table
     if max_len is None:
-        cols = pt.shape[1] if pt is not None else -(-table_width(req_to_token, block_size) // p)
+        cols = pt.shape[1] if pt is not None else ceil_div(table_width(req_to_token, block_size), p)
         max_len = cols * p
-    cap = pt.shape[1] if pt is not None else -(-max_len // p)
+    cap = pt.shape[1] if pt is not None else ceil_div(max_len, p)
     w = cap if width is None else min(width, cap)
     n = seq_lens.shape[0]
     out = None if pt is None else pt[:n, :w]
@@ -119,7 +116,7 @@ def paged_part_(
         _tokens_(seq_lens, extra, q_lens, req_pool_indices, req_to_token, block_size,
                  token_offset, positions, out_slots)
     paged_(b, bs=bs, pages=pages, page_size=p, pad_page=pad_page,
-           pad_pages=-(-pad_seq_len // p), arange=_arange(b, max(w, bs) + 1, seq_lens))
+           pad_pages=ceil_div(pad_seq_len, p), arange=_arange(b, max(w, bs) + 1, seq_lens))
 
 
 INT32_MAX = 2**31 - 1
@@ -178,7 +175,7 @@ def _steps_(b: PagedBuffers, bs: int, seq_lens: Tensor, pages: Tensor, extra: in
             if n < bs:
                 step.cache_seqlens[n:bs].fill_(pad_len)
         paged_(step, bs=bs, pages=pages if d == steps - 1 else pages[:, :0], page_size=p,
-               pad_page=pad_page, pad_pages=-(-pad_len // p), arange=arange)
+               pad_page=pad_page, pad_pages=ceil_div(pad_len, p), arange=arange)
 
 
 def _queries_(b: PagedBuffers, bs: int, q_lens: Tensor, cu: Tensor, pad_q: int,
@@ -198,7 +195,8 @@ def _queries_(b: PagedBuffers, bs: int, q_lens: Tensor, cu: Tensor, pad_q: int,
     torch.add(pad if pad_q == 1 else pad * pad_q, cu[n : n + 1], out=cu[n + 1 : bs + 1])
 
 
-def _tokens_(seq_lens: Tensor, extra: int, q_lens: Tensor | None, rpi: Tensor, table: Tensor,
+def _tokens_(seq_lens: Tensor, extra: int, q_lens: Tensor | None, req_pool_indices: Tensor,
+             table: Tensor,
              block_size: int | None, token_offset: Tensor | None, positions: Tensor | None,
              out_slots: Tensor | None) -> None:
     """Packed query tokens' positions and KV slots (:func:`extend_tokens`), then their pads."""
@@ -207,7 +205,8 @@ def _tokens_(seq_lens: Tensor, extra: int, q_lens: Tensor | None, rpi: Tensor, t
     size = max(0 if positions is None else positions.shape[0],
                0 if out_slots is None else out_slots.shape[0])
     lens = seq_lens + extra if extra else seq_lens
-    pos, slots = extend_tokens(lens, q_lens, rpi, table, size, block_size, token_offset)
+    pos, slots = extend_tokens(lens, q_lens, req_pool_indices, table, size, block_size,
+                               token_offset)
     if positions is not None:
         positions.copy_(pos[: positions.shape[0]])
     if out_slots is not None:
@@ -298,7 +297,7 @@ def local_part_(
     if b.page_table is not None:
         width = b.page_table.shape[1]
     else:
-        width = -(-min(chunk, table_width(req_to_token, block_size)) // p)
+        width = ceil_div(min(chunk, table_width(req_to_token, block_size)), p)
     pages = gather_pages(req_to_token, req_pool_indices.repeat_interleave(per), p, width, off,
                          block_size=block_size)
     pages = torch.where(valid[:, None], pages, pad_page)
@@ -311,7 +310,7 @@ def local_part_(
     pad = torch.div(arange[: rows - real], per, rounding_mode="floor").add_(1).mul_(q)
     torch.add(pad, cu_seqlens_q[real : real + 1], out=cu_seqlens_q[real + 1 : rows + 1])
     lengths_(b.cache_seqlens, kv_lens, 0, rows, pad_len, width * p)
-    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=-(-pad_len // p),
+    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=ceil_div(pad_len, p),
            arange=arange)
 
 
@@ -339,13 +338,14 @@ def local_extend_part_(
     if b.page_table is not None:
         width = b.page_table.shape[1]
     else:
-        width = -(-min(chunk, table_width(req_to_token, block_size)) // p)
-    rpi = req_pool_indices[req] if req_pool_indices.shape[0] else req_pool_indices.new_zeros(rows)
-    pages = gather_pages(req_to_token, rpi, p, width, off, block_size=block_size)
+        width = ceil_div(min(chunk, table_width(req_to_token, block_size)), p)
+    row_requests = (req_pool_indices[req] if req_pool_indices.shape[0]
+                    else req_pool_indices.new_zeros(rows))
+    pages = gather_pages(req_to_token, row_requests, p, width, off, block_size=block_size)
     pages = torch.where(valid[:, None], pages, pad_page)
     # --- writes start here ---
     arange = _arange(b, max(width, rows) + 1, seq_lens)
     cumsum_(cu_seqlens_q, q_lens)
     lengths_(b.cache_seqlens, kv_lens, 0, rows, pad_len, width * p)
-    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=-(-pad_len // p),
+    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=ceil_div(pad_len, p),
            arange=arange)

@@ -16,8 +16,11 @@ from torch import Tensor
 from ..config import is_int
 from ..errors import CapacityError, InputError
 from ..inputs import check_tensor
-from . import triton_checks as ck
-from .reference import PagedBuffers
+from . import triton_checks as checks
+from .buffers import PagedBuffers
+from .kernel_loaders import draft_kernels
+from .launch import Launch, part_pointers, pointer_or, replayable
+from .tuning import MAXNREG, pow2, scan_block, warps
 
 __all__ = ["draft_tree_expand_launch", "draft_tree_expand_update_"]
 
@@ -41,7 +44,7 @@ def draft_tree_expand_launch(
     pad_id: int,
     num_real: Tensor | None = None,
     block_size: int | None = None,
-) -> ck.Launch:
+) -> Launch:
     """Check and assemble the draft tree expand rows of all ``S`` steps for ``bs`` requests.
 
     Same bytes in every read region as ``reference.draft_expand`` written step by step the way
@@ -60,45 +63,48 @@ def draft_tree_expand_launch(
             :func:`attnpool.update.triton.paged_launch`); the prefix page's slots are read from it.
     """
     dev = e.cache_seqlens.device
-    ck.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
-    loc = check_tensor("out_cache_loc", out_cache_loc, None, 3, ck.INT, device=dev,
+    checks.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
+    loc = check_tensor("out_cache_loc", out_cache_loc, None, 3, checks.INT, device=dev,
                        contiguous=False)
     if loc.shape[1] < 1 or loc.shape[2] < 1:
         raise InputError(f"out_cache_loc must be [n, S, K] with S, K >= 1, got shape "
                          f"{tuple(loc.shape)}")
     n, steps, topk = loc.shape
     if num_real is not None:
-        ck.need(n == bs, InputError, f"with num_real, out_cache_loc must have bs={bs} rows, got {n}")
-    ck.real_count(num_real, n, bs, dev)
-    ck.need(is_int(page_size) and page_size >= 1, InputError,
+        checks.need(n == bs, InputError, f"with num_real, out_cache_loc must have bs={bs} rows, got {n}")
+    checks.real_count(num_real, n, bs, dev)
+    checks.need(is_int(page_size) and page_size >= 1, InputError,
             f"page_size must be an int >= 1, got {page_size}")
     width = page_size - 1 + steps
-    ck.need(0 <= pad_len <= width, InputError, f"pad_len must be in [0, P-1+S={width}], got {pad_len}")
-    seq_lens = ck.vec("seq_lens", seq_lens, n, dev)
-    req_pool_indices = ck.vec("req_pool_indices", req_pool_indices, n, dev)
-    table = ck.table(req_to_token, dev)
-    tok_cols, tp, block_table = ck.block(table, block_size)
+    checks.need(0 <= pad_len <= width, InputError,
+                f"pad_len must be in [0, P-1+S={width}], got {pad_len}")
+    seq_lens = checks.vec("seq_lens", seq_lens, n, dev)
+    req_pool_indices = checks.vec("req_pool_indices", req_pool_indices, n, dev)
+    table = checks.table(req_to_token, dev)
+    tok_cols, tp, block_table = checks.block(table, block_size)
     rows = bs * topk
-    has_pt, has_fi = ck.layouts(e, rows, dev, width, steps)
+    has_pt, has_fi = checks.layouts(e, rows, dev, width, steps)
     pt, ip, idx, last = e.page_table, e.kv_indptr, e.kv_indices, e.kv_last_page_len
     dummy = e.cache_seqlens
-    from . import triton_draft_kernels as k
-
-    args = (
-        seq_lens, req_pool_indices, table, loc, num_real if num_real is not None else dummy,
-        e.cache_seqlens, e.cu_seqlens_k,
-        pt if pt is not None else dummy, ip if ip is not None else dummy,
-        idx if idx is not None else dummy, last if last is not None else dummy,
-        n, bs, topk, steps, width, pad_len, pad_id, page_size, *loc.stride(),
-        table.shape[0], tok_cols, table.stride(0), pt.stride(0) if pt is not None else 0,
-        e.cache_seqlens.stride(0), e.cu_seqlens_k.stride(0),
-        ip.stride(0) if ip is not None else 0, idx.stride(0) if idx is not None else 0,
-        last.stride(0) if last is not None else 0, idx.shape[1] if idx is not None else 0, tp,
-    )
-    kw = {"DEVICE_N": num_real is not None, "HAS_PT": has_pt, "HAS_FI": has_fi,
-          "BLOCK": ck.scan_block(rows), "BLOCK_W": ck.pow2(width, 2), "BLOCK_TABLE": block_table,
-          "num_warps": ck.warps(rows), "maxnreg": ck.MAXNREG}
-    dyn = ck.dyn(n=(11, n), seq_lens=(0, seq_lens), req_pool_indices=(1, req_pool_indices),
-                 req_to_token=(2, table), out_cache_loc=(3, loc), num_real=(4, num_real))
-    return ck.Launch(k.draft_expand_kernel, (rows,), args, kw, dyn)
-
+    args = {
+        "seq_ptr": seq_lens, "rpi_ptr": req_pool_indices, "tok_ptr": table, "loc_ptr": loc,
+        "nreal_ptr": pointer_or(num_real, dummy), **part_pointers(e, dummy),
+        "n": n, "bs": bs, "K": topk, "S": steps, "W": width, "pad_len": pad_len,
+        "pad_id": pad_id, "P": page_size,
+        "ls0": loc.stride(0), "ls1": loc.stride(1), "ls2": loc.stride(2),
+        "tok_rows": table.shape[0], "tok_cols": tok_cols, "tok_stride": table.stride(0),
+        "pt_stride": pt.stride(0) if pt is not None else 0,
+        "len_ss": e.cache_seqlens.stride(0), "cu_ss": e.cu_seqlens_k.stride(0),
+        "ip_ss": ip.stride(0) if ip is not None else 0,
+        "idx_ss": idx.stride(0) if idx is not None else 0,
+        "last_ss": last.stride(0) if last is not None else 0,
+        "indices_cap": idx.shape[1] if idx is not None else 0, "TP": tp,
+        "DEVICE_N": num_real is not None, "HAS_PT": has_pt, "HAS_FI": has_fi,
+        "BLOCK": scan_block(rows), "BLOCK_W": pow2(width, 2), "BLOCK_TABLE": block_table,
+    }
+    inputs = replayable(n=("n", n), seq_ptr=("seq_lens", seq_lens),
+                        rpi_ptr=("req_pool_indices", req_pool_indices),
+                        tok_ptr=("req_to_token", table), loc_ptr=("out_cache_loc", loc),
+                        nreal_ptr=("num_real", num_real))
+    return Launch(draft_kernels().draft_expand_kernel, (rows,), args,
+                  {"num_warps": warps(rows), "maxnreg": MAXNREG}, inputs)

@@ -1,11 +1,9 @@
-"""The reference path's torch building blocks: vectorised, any device, no loop over rows, no sync.
+"""Reading the caller's request table, and the row layouts of the reference path's parts.
 
-:mod:`.reference` composes these into the part updates a phase runs (the same functions, with
-the same signatures, as :mod:`.triton`'s fused ones). Each writer here writes the *whole read
-region* of its buffers for ``bs`` rows (padded rows included) and nothing the caller has not
-validated. Writes go in place into arena slices (``out=``, ``copy_``, ``fill_``); the few
-temporaries are ``[n, width]`` page blocks. Every gather from the caller's table clamps its rows
-and columns into the table (as the fused kernels do), so no value can make one fail half-way.
+Every function here returns temporaries and writes nothing into a pool (the writers are in
+:mod:`.writes`): vectorised torch, any device, no loop over rows, no host sync. Every gather from
+the caller's table clamps its rows and columns into the table (as the fused kernels do), so no
+value can make one fail half-way through an update.
 
 Request tables come in two kinds, read through one helper (:func:`table_slots`): a token-level
 ``req_to_token [rows, >= C]`` (the token slot of every position) and a page-level block table
@@ -16,42 +14,10 @@ bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-
-@dataclass(frozen=True, slots=True)
-class PagedBuffers:
-    """Full-size buffers of one paged part (see ``specs.paged_specs``); layout-less ones are None."""
-
-    cache_seqlens: Tensor
-    cu_seqlens_k: Tensor
-    page_table: Tensor | None
-    kv_indptr: Tensor | None
-    kv_indices: Tensor | None
-    kv_last_page_len: Tensor | None
-    #: the pool's constant ``0, 1, 2, ...`` (int32, longer than any row count or page width):
-    #: the reference path's column numbers without a temporary. The fused path never reads it;
-    #: None makes the reference path build a temporary instead.
-    arange: Tensor | None = None
-
-
-def table_width(table: Tensor, block_size: int | None = None) -> int:
-    """Token positions a request table covers: its columns, times ``block_size`` for a block
-    table (see the module docstring)."""
-    return table.shape[1] * (block_size or 1)
-
-
-def window_width(w: PagedBuffers) -> int:
-    """Page columns a window part holds: its page table's width, or for a CSR-only part its
-    ``kv_indices`` capacity per row (``rows * width + 1`` elements). Window lengths are clamped
-    to it on both paths, so no value can list more pages than the part has room for."""
-    if w.page_table is not None:
-        return int(w.page_table.shape[1])
-    assert w.kv_indices is not None and w.kv_last_page_len is not None  # (the CSR triple)
-    return (w.kv_indices.shape[0] - 1) // max(1, w.kv_last_page_len.shape[-1])
+from .buffers import table_width
 
 
 def table_slots(table: Tensor, rows: Tensor, cols: Tensor, block_size: int | None = None
@@ -77,16 +43,18 @@ def gather_pages(
     """Page ids ``[n, width]`` of pages ``0..width-1`` of each request (a temporary, or ``out``).
 
     Page ``p`` of request ``r`` is ``req_to_token[r, off + p*P] // P``. Columns past a row's live
-    pages hold whatever the table holds there; they are outside every read region and the writers
-    below never copy them into one. ``token_offset [n]`` shifts each row (decoder rows after their
-    encoder tokens); shifted columns are clamped into the table. Request rows are clamped into
-    the table too (as on the fused path): an out-of-range ``req_pool_indices`` value, which only a
-    sync could detect, gives wrong page ids, never an indexing error.
+    pages hold whatever the table holds there; they are outside every read region, and the
+    writers (:mod:`.writes`) never copy them into one. ``token_offset [n]`` shifts each row
+    (decoder rows after their encoder tokens); shifted columns are clamped into the table.
+    Request rows are clamped into the table too (as on the fused path): an out-of-range
+    ``req_pool_indices`` value, which only a sync could detect, gives wrong page ids, never an
+    indexing error.
 
     ``out`` (the part's ``page_table[:n, :width]``) takes the page ids directly, saving the copy
-    :func:`paged_` would make (it skips a ``pages`` that is its own table slice); with page size 1
-    only when the table has ``out``'s dtype (the gather is then the only op). Nothing here can
-    raise on values, so writing the table first is safe. ``block_size``: ``req_to_token`` is a
+    :func:`.writes.paged_` would make (it skips a ``pages`` that is its own table slice); with
+    page size 1 only when the table has ``out``'s dtype (the gather is then the only op).
+    Nothing here can raise on values, so writing the table first is safe. ``block_size``:
+    ``req_to_token`` is a
     page-level block table (module docstring).
     """
     rows = req_pool_indices.clamp(0, req_to_token.shape[0] - 1)
@@ -126,88 +94,6 @@ def floor_div(t: Tensor, d: int, out: Tensor | None = None) -> Tensor:
     if out is not None:
         return torch.div(t, d, rounding_mode="floor", out=out)
     return torch.div(t, d, rounding_mode="floor")
-
-
-def lengths_(dst: Tensor, src: Tensor, add: int, bs: int, pad: int, max_len: int = 2**31 - 1
-             ) -> None:
-    """``dst[:n] = clamp(src + add, 0, max_len)`` (int32); ``dst[n:bs] = pad`` (the padded length).
-
-    The clamp never changes an in-contract length. It bounds an out-of-contract device value
-    (which only a sync could detect) so the rest of the update, and every kernel reading the
-    view, stays inside the part's buffers: wrong metadata, never a stray index.
-    """
-    n = src.shape[0]
-    real = dst[:n]
-    if not add and src.dtype == dst.dtype:
-        torch.clamp(src, 0, max_len, out=real)  # one op for int32 inputs
-    else:
-        if add:
-            torch.add(src, add, out=real)
-        else:
-            real.copy_(src)
-        real.clamp_(0, max_len)  # (a value past int32 has wrapped by now; the clamp bounds it)
-    if n < bs:  # (an empty fill is still a dispatched op)
-        dst[n:bs].fill_(pad)
-
-
-def cumsum_(dst: Tensor, lens: Tensor) -> None:
-    """``dst[0] = 0``, ``dst[1:len+1] = cumsum(lens)`` in place (int32)."""
-    dst[:1].zero_()
-    torch.cumsum(lens, 0, dtype=dst.dtype, out=dst[1 : lens.shape[0] + 1])
-
-
-def paged_(
-    b: PagedBuffers,
-    *,
-    bs: int,
-    pages: Tensor,
-    page_size: int,
-    pad_page: int,
-    pad_pages: int,
-    arange: Tensor,
-) -> None:
-    """Write ``cu_seqlens_k`` and the page layouts of ``bs`` rows from ``cache_seqlens[:bs]``.
-
-    ``pages [n, W]`` are the real rows' page ids (``W`` covers every real row's live pages); rows
-    ``n..bs`` are padding. ``arange`` is the pool's constant ``0, 1, 2, ...`` (no temporary needed
-    for column numbers). Padded FlashInfer rows own no pages (``kv_indptr`` repeats) and have
-    ``kv_last_page_len = 0``, as has any row that owns no pages: FlashInfer's prefill plan takes a
-    row's length as ``max(pages - 1, 0) * P + kv_last_page_len`` on the host, so a 1 there makes its
-    Hopper kernels read a page the row does not own (an illegal address when that entry was never
-    written); padded page-table rows read ``pad_page`` in their first
-    ``pad_pages`` columns.
-    """
-    n, width = pages.shape
-    if arange.shape[0] < max(width, bs) + 1:
-        raise RuntimeError(f"arange constant too short: {arange.shape[0]} < {max(width, bs) + 1}")
-    lens = b.cache_seqlens[:bs]
-    cumsum_(b.cu_seqlens_k, lens)
-    if b.page_table is not None:
-        if pages.data_ptr() != b.page_table.data_ptr():  # (not gathered in place)
-            b.page_table[:n, :width].copy_(pages)
-        if n < bs:
-            b.page_table[n:bs, :pad_pages].fill_(pad_page)
-    if b.kv_indptr is not None and b.kv_indices is not None and b.kv_last_page_len is not None:
-        real = lens[:n]
-        npages = torch.div(real + (page_size - 1), page_size, rounding_mode="floor")
-        cumsum_(b.kv_indptr, npages)
-        if n < bs:
-            b.kv_indptr[n + 1 : bs + 1].copy_(b.kv_indptr[n : n + 1].expand(bs - n))
-        cols = arange[:width]
-        pos = b.kv_indptr[:n, None] + cols[None, :]
-        # Lanes past a row's live pages go to the scratch slot at the end of kv_indices, so the
-        # scatter needs no host-side compaction; so do lanes past the CSR's capacity, which only
-        # out-of-contract lengths reach (as the fused kernels mask them: wrong metadata, never
-        # an indexing error half-way through the update).
-        scratch = b.kv_indices.shape[0] - 1
-        pos = torch.where((cols[None, :] < npages[:, None]) & (pos < scratch), pos, scratch)
-        b.kv_indices.scatter_(0, pos.reshape(-1).long(), pages.reshape(-1).to(b.kv_indices.dtype))
-        # (len - 1) % P + 1, and 0 for a row that owns no pages (an empty row: a draft tree
-        # prefix shorter than a page)
-        torch.remainder((real - 1).clamp_(min=0), page_size, out=b.kv_last_page_len[:n])
-        b.kv_last_page_len[:n].add_(1).mul_(npages > 0)
-        if n < bs:
-            b.kv_last_page_len[n:bs].fill_(0)
 
 
 def tree_expand(
