@@ -83,6 +83,8 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
         self.cpu = device.type == "cpu"
+        #: ((data_ptr, shape) of the cache tensor, its (k_cache, v_cache) views)
+        self._cached: tuple[tuple[int, torch.Size], tuple[Tensor, Tensor]] | None = None
         need = Need(device=device.type, dtype=cfg.model_config.dtype, head_size=head_size,
                     page_size=cfg.cache_config.block_size, varying_queries=True,
                     kv_layout=KVLayout.HND if self.cpu else KVLayout.NHD,
@@ -93,7 +95,15 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
                               "attnpool's vLLM backend")
 
     def _views(self, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
-        return cpu_views(kv_cache) if self.cpu else cuda_views(kv_cache)
+        """``(k_cache, v_cache)`` of the layer's cache tensor, made once: vLLM allocates it
+        once and passes the same tensor every step (the store and the attention of every step
+        reuse the views instead of building four strided views per layer and step)."""
+        key = (kv_cache.data_ptr(), kv_cache.shape)
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        views = cpu_views(kv_cache) if self.cpu else cuda_views(kv_cache)
+        self._cached = (key, views)
+        return views
 
     def forward(self, layer: Any, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor,
                 attn_metadata: StepMetadata | None, output: Tensor,
