@@ -87,11 +87,11 @@ def test_window_pages_held_after_a_long_generation(benchmark: Any, record: Calla
     gen = PagedGenerator(model, max_bs=1, max_context_len=len(prompt) + new, page_size=page)
     benchmark.pedantic(lambda: gen.generate([prompt], max_new_tokens=new), rounds=1,
                        iterations=1)
-    st, walloc = gen.stats, gen.walloc
-    assert walloc is not None and st.new_tokens == new
+    st, window_alloc = gen.stats, gen.window_alloc
+    assert window_alloc is not None and st.new_tokens == new
     record("window-pages", f"W{window}-p{page}", "freeing", gen.pool.cfg,
            full_layer_pages=st.full_pages_peak, window_layer_pages=st.window_pages_peak,
-           window_span_pages=walloc.span, held_ratio=st.window_pages_peak / st.full_pages_peak)
+           window_span_pages=window_alloc.span, held_ratio=st.window_pages_peak / st.full_pages_peak)
     print(f"\nW={window} page={page}: after {new} tokens the full layer holds "
           f"{st.full_pages_peak} pages, the window layer {st.window_pages_peak} "
-          f"(span {walloc.span}); {st.tokens_per_s:.0f} tokens/s")
+          f"(span {window_alloc.span}); {st.tokens_per_s:.0f} tokens/s")

@@ -76,7 +76,7 @@ def check_tensor(
     lo, hi = outside
     # (a 1-D tensor is contiguous iff its stride is 1 or it has at most one element)
     if (type(t) is Tensor and t.dim() == ndim and t.dtype in dtypes and t.device == want
-            and (rows is None or t.size(0) == rows)
+            and (rows is None or t.shape[0] == rows)
             and (not contiguous or ndim != 1 or t.is_contiguous())
             and not lo <= t.data_ptr() < hi):
         return t
@@ -113,12 +113,30 @@ def check_table(name: str, t: object, device: torch.device, cols: int = 1, what:
     """A request table ``[>= 1, >= cols]`` of ints on ``device``, rows contiguous (kernels index
     it row-major), not inside ``outside`` (:func:`not_inside`). Needs no config: ``what`` names
     the bound ``cols`` comes from in the message, and ``cfg``, when given, adds the sizes it was
-    derived from. The accepted case is one expression of attribute reads."""
+    derived from."""
+    return check_table_layout(name, t, device, cols, what, cfg, outside)[0]
+
+
+def check_table_layout(name: str, t: object, device: torch.device, cols: int = 1,
+                       what: str = "", cfg: PoolConfig | None = None,
+                       outside: tuple[int, int] = NOWHERE
+                       ) -> tuple[Tensor, torch.Size, tuple[int, ...]]:
+    """:func:`check_table`, also returning the table's shape and strides as the check read them:
+    an update's launch key is made of them, and each read is a call into torch as costly as a
+    small check. The accepted case is one expression of attribute reads."""
     lo, hi = outside
     if (type(t) is Tensor and t.dim() == 2 and t.dtype in INT_DTYPES and t.device == device
-            and (shape := t.shape)[0] >= 1 and shape[1] >= cols and t.stride(1) == 1
-            and not lo <= t.data_ptr() < hi):
-        return t
+            and (shape := t.shape)[0] >= 1 and shape[1] >= cols
+            and (strides := t.stride())[1] == 1 and not lo <= t.data_ptr() < hi):
+        return t, shape, strides
+    t = _table(name, t, device, cols, what, cfg, outside)
+    return t, t.shape, t.stride()
+
+
+def _table(name: str, t: object, device: torch.device, cols: int, what: str,
+           cfg: PoolConfig | None, outside: tuple[int, int]) -> Tensor:
+    """The table checks one by one: each failure's message (or the table, for a device spelled
+    without its index)."""
     t = check_tensor(name, t, None, 2, device=device)
     if t.shape[0] < 1:
         raise InputError(f"{name} must have >= 1 row, got shape {tuple(t.shape)}")

@@ -155,17 +155,18 @@ def test_window_pages_are_freed_and_tokens_stay_generates(
     n = 3 if spec else 0
     gen = _poisoned(PagedGenerator(model, max_bs=3, max_context_len=80, page_size=page,
                                    draft_model=model if spec else None, num_draft_tokens=n))
-    assert gen.walloc is not None
+    assert gen.window_alloc is not None
     assert (gen.target.kv is None) == (which == "mistral")  # no full layer, no full cache
     assert gen.generate(ps, max_new_tokens=new) == ref
     st = gen.stats
     # between and during steps a request holds at most the window span (the prefill, which
     # holds whole prompts, is measured before it)
-    assert 0 < st.window_pages_peak <= 3 * gen.walloc.span
+    assert 0 < st.window_pages_peak <= 3 * gen.window_alloc.span
     longest = -(-(30 + new - 1 + n) // page)
     if which == "cohere2":
         assert st.full_pages_peak >= longest  # the full layer keeps every page
-    assert gen.walloc.free_pages == gen.walloc.unreserved_pages == gen.walloc.num_pages - 1
+    window_alloc = gen.window_alloc
+    assert window_alloc.free_pages == window_alloc.unreserved_pages == window_alloc.num_pages - 1
 
 
 def test_a_small_window_cache_makes_requests_wait_and_reuse_freed_pages() -> None:
@@ -175,14 +176,14 @@ def test_a_small_window_cache_makes_requests_wait_and_reuse_freed_pages() -> Non
     gen = PagedGenerator(model, max_bs=4, max_context_len=64, page_size=2, num_window_pages=14)
     _poisoned(gen)
     taken: list[int] = []
-    advance = gen.walloc.advance  # type: ignore[union-attr]
+    advance = gen.window_alloc.advance  # type: ignore[union-attr]
 
     def watch(a: WindowAllocation, first: int, end: int) -> list[tuple[int, int]]:
         new_pages = advance(a, first, end)
         taken.extend(page for _, page in new_pages)
         return new_pages
 
-    gen.walloc.advance = watch  # type: ignore[union-attr,method-assign]
+    gen.window_alloc.advance = watch  # type: ignore[union-attr,method-assign]
     assert gen.generate(ps, max_new_tokens=new) == hf_tiny.greedy(model, ps, new=new)
     assert len(taken) > 13 * 3  # 13 usable pages served many more page takes: freed, reused
     assert max(gen.stats.batch_sizes) < 4  # window pages, not max_bs, limited the batch
@@ -193,8 +194,8 @@ def test_held_pages_after_a_long_generation_are_bounded_by_the_window() -> None:
     new = 300
     gen = PagedGenerator(model, max_bs=1, max_context_len=320, page_size=4)
     gen.generate([[5, 6, 7]], max_new_tokens=new)
-    assert gen.walloc is not None
-    assert gen.stats.window_pages_peak == gen.walloc.span == -(-(16 - 1 + 1) // 4) + 1
+    assert gen.window_alloc is not None
+    assert gen.stats.window_pages_peak == gen.window_alloc.span == -(-(16 - 1 + 1) // 4) + 1
     assert gen.stats.full_pages_peak == 0  # no full layer: no full page was ever taken
 
 
@@ -205,4 +206,4 @@ def test_a_layer_called_against_its_configured_cache_is_refused() -> None:
     layer.sliding_window = W
     with pytest.raises(LayoutError, match="layer 3: called with sliding_window=6"):
         gen.generate([[1, 2, 3]], max_new_tokens=2)
-    assert gen.walloc is not None and gen.walloc.free_pages == gen.walloc.num_pages - 1
+    assert gen.window_alloc is not None and gen.window_alloc.free_pages == gen.window_alloc.num_pages - 1

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..config import Layout
+from ..config import Layout, ceil_div
 from ..errors import InputError, LayoutError
 from ..views import DecodeView, PagedView
 from .sdpa_gather import Gather, plan_gather
@@ -79,7 +79,7 @@ def row_slots(view: PagedView, layout: Layout, rows: int, lmax: int
     may hold anything, poison included) are replaced by the final ``where`` before any lookup.
     """
     p, dev = view.page_size, view.cache_seqlens.device
-    width = max(1, -(-lmax // p))
+    width = max(1, ceil_div(lmax, p))
     if layout is Layout.FLASH_ATTN:
         assert view.page_table is not None  # guaranteed by pick_layout
         lens = view.cache_seqlens[:rows]

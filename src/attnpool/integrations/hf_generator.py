@@ -105,16 +105,16 @@ class PagedGenerator:
         capture_sizes: Sequence[int] | None = None,
         num_window_pages: int | None = None,
     ) -> None:
-        sz = size(model, max_bs=max_bs, max_context_len=max_context_len, page_size=page_size,
+        sizing = size(model, max_bs=max_bs, max_context_len=max_context_len, page_size=page_size,
                   device=device, draft_model=draft_model, num_draft_tokens=num_draft_tokens,
                   cuda_graphs=cuda_graphs, num_pages=num_pages,
                   max_prefill_tokens=max_prefill_tokens, num_window_pages=num_window_pages)
-        spec, dspec, cfg = sz.spec, sz.draft, sz.pool
-        pages, wpages, max_tokens = sz.pages, sz.window_pages, sz.max_tokens
+        spec, dspec, cfg = sizing.spec, sizing.draft, sizing.pool
+        pages, wpages, max_tokens = sizing.pages, sizing.window_pages, sizing.max_tokens
         self.chunk, self.max_context_len, self.num_draft_tokens = \
-            sz.chunk, max_context_len, sz.num_draft_tokens
-        self.context, self.max_prefill_tokens = sz.context, sz.max_prefill_tokens
-        self.has_full, self.walloc = sz.has_full, sz.window_alloc
+            sizing.chunk, max_context_len, sizing.num_draft_tokens
+        self.context, self.max_prefill_tokens = sizing.context, sizing.max_prefill_tokens
+        self.has_full, self.window_alloc = sizing.has_full, sizing.window_alloc
         self.pool = BufferPool(cfg)
 
         def runner(m: Any, ms: ModelSpec) -> ModelRunner:
@@ -135,11 +135,11 @@ class PagedGenerator:
         self._page_offsets = torch.arange(page_size, dtype=torch.int32, device=spec.device)
         # The window layers' table: entries of pages behind the window keep stale ids (never
         # read); a request's new window pages are written as it takes them.
-        self.window_req_to_token = (None if self.walloc is None
+        self.window_req_to_token = (None if self.window_alloc is None
                                     else torch.zeros_like(self.req_to_token))  # ok: table, once
         self.tables = Tables(req_to_token=self.req_to_token,
                              window_req_to_token=self.window_req_to_token)
-        self.use_graphs, self.capture_sizes = sz.graphs, capture_sizes
+        self.use_graphs, self.capture_sizes = sizing.graphs, capture_sizes
         self._graphs: DecodeGraphs | None = None
         self.stats = GenerationStats()
 
@@ -214,8 +214,8 @@ class PagedGenerator:
                                                self.max_context_len, self.max_prefill_tokens)):
             need = self._tokens_needed(len(toks), max_new)
             self.alloc.check_fits(need if self.has_full else 0)
-            if self.walloc is not None:
-                self.walloc.check_fits(len(toks), need)
+            if self.window_alloc is not None:
+                self.window_alloc.check_fits(len(toks), need)
             out.append(Request(i, toks, len(toks), max_new, eos))
         return out
 
@@ -236,9 +236,9 @@ class PagedGenerator:
             alloc = self.alloc.admit(need if self.has_full else 0)
             if alloc is None:
                 break
-            if self.walloc is not None:
-                r.walloc = self.walloc.admit(alloc.row, r.prompt_len, need)
-                if r.walloc is None:
+            if self.window_alloc is not None:
+                r.window_allocation = self.window_alloc.admit(alloc.row, r.prompt_len, need)
+                if r.window_allocation is None:
                     self.alloc.release(alloc)
                     break
             waiting.popleft()
@@ -257,14 +257,15 @@ class PagedGenerator:
         """Move each request's window pages: free those no query from ``first[i]`` on can see,
         take those for positions ``< end[i]``, and write the new ones into the window table
         (one device write for all)."""
-        wa, table = self.walloc, self.window_req_to_token
-        if wa is None or table is None:
+        window_alloc, table = self.window_alloc, self.window_req_to_token
+        if window_alloc is None or table is None:
             return
-        new = [(r.walloc.row, j, page) for r, f, e in zip(reqs, first, end, strict=True)
-               if r.walloc is not None for j, page in wa.advance(r.walloc, f, e)]
+        new = [(held.row, j, page) for r, f, e in zip(reqs, first, end, strict=True)
+               if (held := r.window_allocation) is not None
+               for j, page in window_alloc.advance(held, f, e)]
         if new:
             idx = torch.tensor(new, dtype=torch.int64).to(self.device)
-            p = wa.page_size
+            p = window_alloc.page_size
             table[idx[:, :1], idx[:, 1:2] * p + self._page_offsets] = \
                 (idx[:, 2:] * p + self._page_offsets).to(table.dtype)
 
@@ -273,15 +274,15 @@ class PagedGenerator:
         st.full_pages_peak = max(st.full_pages_peak, sum(
             len(r.alloc.pages) for r in running if r.alloc is not None))
         st.window_pages_peak = max(st.window_pages_peak, sum(
-            r.walloc.held for r in running if r.walloc is not None))
+            r.window_allocation.held for r in running if r.window_allocation is not None))
 
     def _release(self, r: Request) -> None:
         if r.alloc is not None:
             self.alloc.release(r.alloc)
             r.alloc = None
-        if r.walloc is not None and self.walloc is not None:
-            self.walloc.release(r.walloc)
-            r.walloc = None
+        if r.window_allocation is not None and self.window_alloc is not None:
+            self.window_alloc.release(r.window_allocation)
+            r.window_allocation = None
 
     def _retire(self, reqs: list[Request]) -> list[Request]:
         """Release finished requests' pages and rows; return the others."""
@@ -303,16 +304,17 @@ class PagedGenerator:
 
     def window_slots(self, r: Request, start: int, count: int) -> list[int]:
         """Window-cache token slots of the same positions (empty without window layers)."""
-        if self.walloc is None:
+        if self.window_alloc is None:
             return []
-        assert r.walloc is not None  # only live requests run
-        return [self.walloc.slot(r.walloc, pos) for pos in range(start, start + count)]
+        held = r.window_allocation
+        assert held is not None  # only live requests run
+        return [self.window_alloc.slot(held, pos) for pos in range(start, start + count)]
 
     def step_pages(self, running: Sequence[Request]) -> None:
         """Before a step: each request's window pages cover what the step reads and writes
         (from its first query ``kv_len`` to the positions it may write, its ``lookahead``)."""
-        if self.walloc is not None:
-            ahead = self.walloc.lookahead
+        if self.window_alloc is not None:
+            ahead = self.window_alloc.lookahead
             self._window_pages(running, [r.kv_len for r in running], [
                 min(r.kv_len + ahead, self._tokens_needed(r.prompt_len, r.max_new))
                 for r in running])
@@ -346,12 +348,12 @@ class PagedGenerator:
             last.append(acc - 1)
         blk = self.host_block([seq, ext, rows, last])
         ids = self.host_block([[t for ts in tokens for t in ts]])[0]
-        kv, wkv = runner.kv, runner.window_kv
+        kv, window_kv = runner.kv, runner.window_kv
         view = self.pool.extend.update_(
             len(reqs), seq_lens=blk[0], extend_lens=blk[1], req_pool_indices=blk[2],
             seq_lens_cpu=seq, extend_lens_cpu=ext, **self.tables,
             out_slots=None if kv is None else kv.slot_mapping[:total],
-            window_out_slots=None if wkv is None else wkv.slot_mapping[:total])
+            window_out_slots=None if window_kv is None else window_kv.slot_mapping[:total])
         local = self.local(runner, len(reqs), seq_lens=blk[0], extend_lens=blk[1],
                            req_pool_indices=blk[2], for_phase=Phase.EXTEND, seq_lens_cpu=seq,
                            extend_lens_cpu=ext)
@@ -375,11 +377,12 @@ class PagedGenerator:
                 st.draft_forwards += 1
                 for r, d in zip(live, props, strict=True):
                     r.draft_len, r.proposal = len(r.tokens), d
-        if self.walloc is not None:  # the prompt's early pages are behind every future window
+        if self.window_alloc is not None:  # the prompt's early pages are behind every future window
             self._window_pages(joined, [r.kv_len for r in joined], [0] * len(joined))
             for r in joined:
-                if r.walloc is not None:
-                    self.walloc.settle(r.walloc, self._tokens_needed(r.prompt_len, r.max_new))
+                if r.window_allocation is not None:
+                    self.window_alloc.settle(r.window_allocation,
+                                             self._tokens_needed(r.prompt_len, r.max_new))
 
     # ---- decode --------------------------------------------------------------------------------
     def _decode(self, running: list[Request]) -> None:

@@ -93,14 +93,14 @@ class ModelRunner:
         s = self.spec
         run = bind(self.backend, view, num_q, s.num_heads, s.num_kv_heads, s.dtype,
                    prefix_free and not s.variants, local)
-        kv, wkv = self.kv, self.window_kv
+        kv, window_kv = self.kv, self.window_kv
         full = None if kv is None else kv.step_store(num_q)
-        if wkv is None:
+        if window_kv is None:
             assert full is not None and kv is not None
             return StepContext(view, kv, run, self.caches, full, s.sliding_window,
                                local_layers=s.chunked_layers)
-        store = SplitStore(full, wkv.step_store(num_q), self.route)
-        return StepContext(view, wkv if kv is None else kv, run, self.caches, store,
+        store = SplitStore(full, window_kv.step_store(num_q), self.route)
+        return StepContext(view, window_kv if kv is None else kv, run, self.caches, store,
                            s.sliding_window, frozenset(s.window_layers), s.chunked_layers)
 
     def forward(self, ctx: StepContext, ids: Tensor, positions: Tensor,

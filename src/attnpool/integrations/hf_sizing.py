@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..config import PoolConfig, is_int
+from ..config import PoolConfig, ceil_div, is_int
 from ..errors import CapacityError, InputError, LayoutError
 from ..kv.window_paging import WindowPageAllocator
 from .hf_model import ModelSpec, graph_blocker, model_spec
@@ -181,21 +181,21 @@ def size(model: Any, *, max_bs: int, max_context_len: int, page_size: int,
             f"max_prefill_tokens {prefill}")
     has_full = any(s.full_layers for s in specs)
     window = spec.sliding_window or (dspec.sliding_window if dspec is not None else None)
-    full_default = max_bs * -(-context // max(1, page_size)) + 1
+    full_default = max_bs * ceil_div(context, max(1, page_size)) + 1
     pages = check_int("num_pages", num_pages if num_pages is not None else
                       full_default if has_full else 2, 2)
-    walloc, wpages = None, 2
+    window_alloc, wpages = None, 2
     if any(s.window_layers for s in specs):
         assert window is not None  # window layers exist only with a window
         probe = WindowPageAllocator(2, page_size, window, n + 2 if n else 1)
         steady = max_bs * (probe.span + 1) + probe.pages_for(prefill) + 1
         wpages = check_int("num_window_pages", num_window_pages if num_window_pages is not None
                            else min(full_default, steady), 2)
-        walloc = WindowPageAllocator(wpages, page_size, window, probe.lookahead)
+        window_alloc = WindowPageAllocator(wpages, page_size, window, probe.lookahead)
     cfg = PoolConfig(max_bs=max_bs, max_context_len=context, page_size=page_size,
                      device=spec.device, num_draft_tokens=n + 1 if n else 0,
                      spec_steps=max(n - 1, 0), max_extend_tokens=prefill,
                      num_pages=max(pages, wpages), sliding_window=window,
                      attention_chunk_size=chunk)
     return Sizing(spec, dspec, n, chunk, graphs, context, prefill,
-                  max(prefill, max_bs * (n + 1)), has_full, pages, wpages, walloc, cfg)
+                  max(prefill, max_bs * (n + 1)), has_full, pages, wpages, window_alloc, cfg)

@@ -35,7 +35,7 @@ class Request:
     max_new: int
     eos: int | None
     alloc: Allocation | None = None
-    walloc: WindowAllocation | None = None
+    window_allocation: WindowAllocation | None = None
     kv_len: int = 0
     draft_len: int = 0
     proposal: int = -1

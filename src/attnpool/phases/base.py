@@ -51,7 +51,9 @@ class PhaseBase(Generic[ViewT]):
     A phase's update hands its parts one *value record* (a NamedTuple per phase, ``Values`` in
     its module): the checked shared :class:`Inputs` as its first field, then the phase's own
     values. Its field names are the part functions' parameter names, so each part reads its
-    inputs from it by name (:meth:`_run`); :attr:`ALIASES` covers the few that differ.
+    inputs from it by name (:meth:`_run`); :attr:`ALIASES` covers the few that differ. An
+    update builds its record positionally, in field order: a keyword call of a NamedTuple costs
+    about twice as much, and the record is built on every update.
     """
 
     phase: Phase

@@ -137,7 +137,7 @@ class DecodePhase(PhaseBase[DecodeView]):
         if keep is not None and flags is not None:
             keep.copy_(flags, non_blocking=True)
         self._run((bs, x.launch_key, keep is None), bs,
-                  DecodeValues(inputs=x, keep=keep, width=self._width(x.seq_lens_host)))
+                  DecodeValues(x, keep, self._width(x.seq_lens_host)))
         return self._done(bs, n, x.seq_lens_host, ids)
 
     def _parts(self, ops: UpdatePath, bs: int, values: DecodeValues) -> tuple[Replay, ...]:

@@ -130,16 +130,15 @@ class DraftPhase(PhaseBase[DraftView]):
                                  f"req_to_token, got one with topk={cfg.topk}")
         else:
             loc = self.input_pass.tensor("out_cache_loc", out_cache_loc, 3, rows=x.n)
-            if loc.shape[1] != steps or loc.shape[2] != cfg.topk:
+            if (shape := loc.shape)[1] != steps or shape[2] != cfg.topk:
                 raise InputError(f"out_cache_loc must be [n, {steps}, {cfg.topk}], "
-                                 f"got {tuple(loc.shape)}")
+                                 f"got {tuple(shape)}")
         if self.validate:  # (the value lists are built only then)
             self._check_values(x, cfg.max_context_len - steps)
         host = x.seq_lens_host
         # --- writes start here (every part's inputs were checked above) ---
         self._run((bs, x.launch_key, None if loc is None else loc.stride()), bs,
-                  DraftValues(inputs=x, out_cache_loc=loc,
-                              width=self._width(host, 0 if self.tree else steps)))
+                  DraftValues(x, loc, self._width(host, 0 if self.tree else steps)))
         self._mark(bs)
         return self._view(bs, host, x.n)
 

@@ -94,7 +94,7 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
                                at_most=[("accept_lens", "seq_lens")])
         # --- writes start here ---
         self._run((bs, x.launch_key), bs,
-                  DraftExtendValues(inputs=x, q_lens=acc, width=self._width(host), pad_q=1))
+                  DraftExtendValues(x, acc, self._width(host), 1))
         self._mark(bs)
         return self._view(bs, self._max_k(host, 0, x.n, bs, cfg.max_context_len))
 

@@ -102,8 +102,7 @@ class EncoderPhase(PhaseBase[EncoderView]):
         # --- writes start here (both parts' inputs were checked above) ---
         # (the cross part caps its width at its own capacity, ceil(max_encoder_len / P))
         self._run((bs, x.launch_key), bs,
-                  EncoderValues(inputs=x, encoder_lens=enc, width=self._width(host),
-                                encoder_width=self._width(enc_host)))
+                  EncoderValues(x, enc, self._width(host), self._width(enc_host)))
         # One write of the overlay: the encoder now owns it, decoder rows included (decode's own
         # view of those buffers is not valid until decode writes them again).
         self._mark(bs)

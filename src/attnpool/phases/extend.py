@@ -131,8 +131,7 @@ class ExtendPhase(PhaseBase[ExtendView]):
         # --- writes start here ---
         self._run((bs, x.launch_key, None if slots is None else slots.shape[0],
                    None if window_slots is None else window_slots.shape[0]), bs,
-                  ExtendValues(inputs=x, q_lens=ext, out_slots=slots, width=self._width(host),
-                               window_out_slots=window_slots))
+                  ExtendValues(x, ext, slots, self._width(host), window_slots))
         self._mark(bs)
         max_q = t_max
         if ehost is not None:

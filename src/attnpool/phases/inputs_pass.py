@@ -22,7 +22,7 @@ from ..inputs import (
     check_block_table,
     check_bs,
     check_req_to_token,
-    check_table,
+    check_table_layout,
     check_tensor,
     host_lens,
 )
@@ -143,8 +143,8 @@ class InputPass:
         elif not (type(bs) is int and n <= bs <= self._max_bs and bs >= 1):
             check_bs(self.cfg, bs, n)  # (raises, naming what is wrong)
         req_pool_indices = shared.get("req_pool_indices")
-        rows, table, block_size = self.request_table(n, req_pool_indices, shared.get("req_to_token"),
-                                                     shared.get("block_table"))
+        rows, table, block_size, shape, strides = self.request_table(
+            n, req_pool_indices, shared.get("req_to_token"), shared.get("block_table"))
         window_table = None
         if self.window or "window_req_to_token" in shared or "window_block_table" in shared:
             window_table = self.window_table(table, block_size,
@@ -155,9 +155,9 @@ class InputPass:
                 raise CapacityError(f"window_block_table without req_pool_indices needs a row "
                                     f"per input row (row i of the batch is table row i): >= {n} "
                                     f"rows, got {window_table.shape[0]}")
-        key = (block_size, table.shape, table.stride(0), num_real is None,
+        key = (block_size, shape, strides, num_real is None,
                None if window_table is None or window_table is table
-               else (window_table.shape, window_table.stride(0)))
+               else (window_table.shape, window_table.stride()))
         return Inputs(n, seq_lens, rows, table, block_size, num_real, window_table,
                       None if cpu is None else host_lens("seq_lens_cpu", cpu, n, 1, hi), cpu, key)
 
@@ -183,8 +183,10 @@ class InputPass:
         self.arena.recorded = True
 
     def request_table(self, n: int, req_pool_indices: object, req_to_token: object,
-                      block_table: object) -> tuple[Tensor, Tensor, int | None]:
-        """Check the request table: ``(rows, table, block_size)`` for ``n`` input rows.
+                      block_table: object
+                      ) -> tuple[Tensor, Tensor, int | None, torch.Size, tuple[int, ...]]:
+        """Check the request table: ``(rows, table, block_size, shape, strides)`` for ``n``
+        input rows (the table's shape and strides as its check read them, for the launch key).
 
         Exactly one table: ``req_to_token`` (token slots, SGLang's layout; ``block_size``
         None) or ``block_table`` (page ids, vLLM's and transformers' layout; ``block_size =
@@ -203,25 +205,28 @@ class InputPass:
             if req_pool_indices is None:
                 raise InputError("req_pool_indices is required with req_to_token (only a "
                                  "block_table's rows may default to the batch order), got None")
-            return (check_tensor("req_pool_indices", req_pool_indices, None, 1, INT_DTYPES, n,
-                                 self.device, True, span),
-                    check_table("req_to_token", req_to_token, self.device, cfg.max_context_len,
-                                "max_context_len", cfg, span), None)
+            rows = check_tensor("req_pool_indices", req_pool_indices, None, 1, INT_DTYPES, n,
+                                self.device, True, span)
+            table, shape, strides = check_table_layout("req_to_token", req_to_token, self.device,
+                                                       cfg.max_context_len, "max_context_len",
+                                                       cfg, span)
+            return rows, table, None, shape, strides
         if req_to_token is not None:
             raise InputError("pass exactly one request table, req_to_token (token slots) or "
                              "block_table (page ids), got both")
-        table = check_block_table(block_table, cfg, self.device, outside=span)
+        table, shape, strides = check_table_layout("block_table", block_table, self.device,
+                                                   cfg.max_pages, "max_pages", cfg, span)
         if req_pool_indices is not None:
             return (check_tensor("req_pool_indices", req_pool_indices, None, 1, INT_DTYPES, n,
-                                 self.device, True, span), table, cfg.page_size)
-        if table.shape[0] < n:
+                                 self.device, True, span), table, cfg.page_size, shape, strides)
+        if shape[0] < n:
             raise CapacityError(f"block_table without req_pool_indices needs a row per input row "
                                 f"(row i of the batch is table row i): >= {n} rows, got "
-                                f"{table.shape[0]}")
+                                f"{shape[0]}")
         in_order = self._in_order.get(n)
         if in_order is None:
             in_order = self._in_order[n] = self._arange[:n]
-        return in_order, table, cfg.page_size
+        return in_order, table, cfg.page_size, shape, strides
 
     def window_table(self, table: Tensor, block_size: int | None, window_req_to_token: object,
                      window_block_table: object) -> Tensor | None:

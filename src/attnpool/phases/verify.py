@@ -83,8 +83,8 @@ class VerifyPhase(PhaseBase[VerifyView]):
         mask: Tensor | None = None
         if self.tree:
             mask = self.input_pass.tensor("tree_mask", tree_mask, 3, (torch.bool,), x.n)
-            if mask.shape[1] != nd or mask.shape[2] != nd:
-                raise InputError(f"tree_mask must be [n, {nd}, {nd}], got {tuple(mask.shape)}")
+            if (shape := mask.shape)[1] != nd or shape[2] != nd:
+                raise InputError(f"tree_mask must be [n, {nd}, {nd}], got {tuple(shape)}")
         elif tree_mask is not None:
             raise InputError(f"tree_mask is only for topk > 1, got one with topk={cfg.topk}")
         if self.validate:  # (the value lists are built only then)
@@ -93,7 +93,7 @@ class VerifyPhase(PhaseBase[VerifyView]):
         host = x.seq_lens_host
         # --- writes start here (every part's inputs were checked above) ---
         self._run((bs, x.launch_key, None if mask is None else mask.stride()), bs,
-                  VerifyValues(inputs=x, tree_mask=mask, width=self._width(host, add)))
+                  VerifyValues(x, mask, self._width(host, add)))
         self._mark(bs)
         return self._view(bs, self._max_k(host, add, x.n, bs, cfg.max_context_len))
 

@@ -193,8 +193,8 @@ def make_inputs(case: UpdateCase, device: torch.device, seed: int = 0) -> Update
     log_uni = torch.exp(u * torch.log(torch.tensor(float(hi)))).long()
     lens = torch.where(kind == 0, (u * min(hi, 512)).long() + 1,
                        torch.where(kind == 3, hi - (u * 64).long(), log_uni)).clamp_(1, hi)
-    rpi = torch.randperm(slots, generator=g)[: case.n]
-    return UpdateInputs(lens.to(device), rpi.to(device),
+    req_pool_indices = torch.randperm(slots, generator=g)[: case.n]
+    return UpdateInputs(lens.to(device), req_pool_indices.to(device),
                         table.to(torch.int32).contiguous().to(device), lens.clone())
 
 

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from ..config import ceil_div
 from ..integrations.tiny import random_prompts, tiny_llama
 from .bench import device_of, machine_info
 from .words import plural, span
@@ -258,7 +259,7 @@ def run_hf_continuous(model: Any, wl: Workload) -> Run:
 
     gc = GenerationConfig(max_new_tokens=wl.new_tokens, do_sample=False, eos_token_id=wl.eos,
                           pad_token_id=0 if wl.eos is None else wl.eos)
-    pages = wl.max_bs * -(-wl.context // wl.page_size) + 8
+    pages = wl.max_bs * ceil_div(wl.context, wl.page_size) + 8
     hi = max(map(len, wl.prompts))
     # transformers 5.24 names the page size page_size; earlier 5.x releases (5.17 among them)
     # take block_size or neither: pass it under the name the config takes, and say when none

@@ -185,16 +185,16 @@ def _run(device: str, steps: int, seed: int) -> int:
             kv.grow(r, r.length + (nd if verify else 1))
         bs = next(b for b in CAPTURE_SIZES if b >= len(live))
         table.copy_(kv.req_to_token)
-        rpi = torch.tensor([r.slot for r in live], dtype=torch.int64, device=dev)
+        req_pool_indices = torch.tensor([r.slot for r in live], dtype=torch.int64, device=dev)
         lens = committed if verify else [r.length for r in live]
         seq_lens = torch.tensor(lens, dtype=torch.int64, device=dev)
         t0 = time.perf_counter()
         view: object
         if verify:
-            view = pool.verify.update_(bs, seq_lens=seq_lens, req_pool_indices=rpi,
+            view = pool.verify.update_(bs, seq_lens=seq_lens, req_pool_indices=req_pool_indices,
                                        req_to_token=table, seq_lens_cpu=lens)
         else:
-            view = pool.decode.update_(bs, seq_lens=seq_lens, req_pool_indices=rpi,
+            view = pool.decode.update_(bs, seq_lens=seq_lens, req_pool_indices=req_pool_indices,
                                        req_to_token=table, seq_lens_cpu=lens)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)

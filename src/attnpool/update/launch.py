@@ -118,7 +118,8 @@ class Launch:
     in the phase's value record.
     """
 
-    __slots__ = ("args", "fn", "from_inputs", "from_record", "inputs", "options")
+    __slots__ = ("args", "fn", "from_inputs", "from_record", "inputs", "live", "options",
+                 "replayed")
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], args: Mapping[str, object],
                  options: dict[str, Any], inputs: Mapping[str, str]) -> None:
@@ -137,6 +138,10 @@ class Launch:
         #: (argument position, field) of each replayed input: see :func:`record_paths`
         self.from_inputs: tuple[tuple[Any, int], ...] = ()
         self.from_record: tuple[tuple[Any, int], ...] = ()
+        #: the argument list a replay fills in place (see :meth:`__call__`), and the positions
+        #: it fills
+        self.live = list(self.args)
+        self.replayed: tuple[int, ...] = ()
         self.fn: Callable[..., object] = (
             _skip if record_launch(kernel, grid, self.args, options) else kernel[grid])
 
@@ -148,25 +153,34 @@ class Launch:
             values, [(pos, name) for name, ps in self.inputs.items() for pos in ps], alias)
         # Every replay supplies these: drop the binding call's tensors, so a cached launch never
         # keeps a caller's (possibly large, since replaced) table alive.
+        self.replayed = tuple(p for p, _ in self.from_inputs + self.from_record)
         a = list(self.args)
-        for p, _ in self.from_inputs + self.from_record:
+        for p in self.replayed:
             a[p] = None
         self.args = tuple(a)
+        self.live = a
         return self
 
     def __call__(self, values: tuple[Any, ...] | None = None) -> None:
-        """Launch, with the inputs of :meth:`take` read from ``values`` (None: as built). The
-        hot path of every fused update: one copy of the arguments, one store per input."""
+        """Launch, with the inputs of :meth:`take` read from ``values`` (None: as built).
+
+        The hot path of every fused update: the inputs are stored into one argument list kept
+        for the purpose (a fresh copy of ~75 arguments per launch costs more than the stores),
+        and cleared again after the launch, so a cached launch keeps no caller's tensor alive."""
         if values is None:
             self.fn(*self.args, **self.options)
             return
-        a = list(self.args)
+        a = self.live
         inputs = values[0]
         for p, i in self.from_inputs:
             a[p] = inputs[i]
         for p, i in self.from_record:
             a[p] = values[i]
-        self.fn(*a, **self.options)
+        try:
+            self.fn(*a, **self.options)
+        finally:
+            for p in self.replayed:
+                a[p] = None
 
     def bound(self, values: tuple[Any, ...]) -> Callable[[], object]:
         """The launch with ``values`` fixed: a no-argument callable (a bound update's replay)."""
