@@ -105,11 +105,12 @@ def get_mla_metadata(cache_seqlens: Tensor, num_parts: int, *,
     lens = cache_seqlens.to(torch.int64)
     last_block = (lens - 1).clamp(min=0) // BLOCK_N  # index of each request's last block
     nb = last_block + 1
-    cost = torch.zeros(b + 1, dtype=torch.int64, device=dev)  # CS[j]: cost before request j
+    # CS[j]: the cost before request j (a prefix sum of the host reference; element 0 is 0)
+    cost = torch.zeros(b + 1, dtype=torch.int64, device=dev)  # ok: scratch of the scheduler
     torch.cumsum(nb + FIXED_OVERHEAD_BLOCKS, 0, out=cost[1:])
     payload = -(-cost[b] // num_parts) + FIXED_OVERHEAD_BLOCKS
     end_block_full = torch.where(lens == 0, 0, nb)  # a finished request's end block
-    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    zero = torch.zeros((), dtype=torch.int64, device=dev)  # ok: one scalar, the loop's start
     req, blk, split = zero, zero, zero
     rows, cut_reqs = [], []
     for _ in range(num_parts):

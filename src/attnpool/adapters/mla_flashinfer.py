@@ -116,7 +116,8 @@ class MLAGraphWrappers:
         got = self._by_key.get(key)
         if got is None:
             indptr, indices, _ = _csr(view)
-            kv_len = torch.zeros(view.bs, dtype=torch.int32, device=indptr.device)
+            # once per wrapper (its graph-mode kv_len_arr buffer), refilled at every plan
+            kv_len = torch.zeros(view.bs, dtype=torch.int32, device=indptr.device)  # ok: once
             w = _cls(self._cls)(self.workspace, use_cuda_graph=True,
                                 qo_indptr=view.cu_seqlens_q[: view.bs + 1],
                                 kv_indptr=indptr[: view.bs + 1], kv_indices=indices,

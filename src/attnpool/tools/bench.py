@@ -124,7 +124,7 @@ class InitImpl:
 
 
 INIT_IMPLS: tuple[InitImpl, ...] = (
-    InitImpl("per-buffer zeros", True, "one torch.zeros per buffer, as engines allocate "
+    InitImpl("per-buffer zeros", True, "one torch.zeros per buffer, as engines allocate "  # ok: a label
              "(the baseline)", lambda c: per_buffer_allocator(c, Fill.ZEROS),
              lambda c: plan_arena(c).separate_nbytes),
     InitImpl("per-buffer empty", False, "one torch.empty per buffer (no fill: not safe to read "
