@@ -72,7 +72,7 @@ def install(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, Any], No
     (the flash-attn adapter's module loader is reset around each change)."""
     from attnpool.adapters import flash_attn as fa
 
-    for name in [*(n for n, _ in fa.FA3_MODULES), "flash_attn"]:
+    for name in [*(n for n, _ in fa.FA3_MODULES), "flash_attn", fa.FlashAttnVersion.FA4.value]:
         monkeypatch.setitem(sys.modules, name, None)  # importing it raises ImportError
     fa.clear_kernel_cache()
 

@@ -3,6 +3,8 @@ refused and why)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import dataclasses
 
 import pytest
@@ -51,7 +53,7 @@ def test_cpu_selects_sdpa_and_refuses_kernels_with_reasons() -> None:
 def test_fa2_rules_match_the_adapter() -> None:
     fa2 = capabilities(Backend.FA2)
     assert fa2.missing(_need(page_size=FA2_PAGE_MULTIPLE)) in ([], [
-        "needs the module 'flash_attn', which does not import here"])
+        "needs the module 'flash_attn.flash_attn_interface', which does not import here"])
     why = fa2.missing(_need(page_size=16, head_size_v=64, sinks=True, varying_queries=True,
                             kv_dtype=torch.float8_e4m3fn))
     text = " | ".join(why)
@@ -86,3 +88,15 @@ def test_auto_skips_what_cannot_serve_and_names_every_reason() -> None:
 def test_head_size_v_defaults_to_head_size() -> None:
     assert _need(head_size=96).head_size_v == 96
     assert _need(head_size=192, head_size_v=128).head_size_v == 128
+
+
+def test_fa4_rules_match_the_adapter() -> None:
+    """FA4's record: Hopper head sizes in [8, 256] in multiples of 8, K/V sizes may differ, no
+    fp8 here; a missing ``flash_attn`` parent package reads as not importable (no raise)."""
+    fa4 = capabilities(Backend.FA4)
+    assert fa4.takes_heads(192, 128) and fa4.takes_heads(8, 256)
+    assert not fa4.takes_heads(12, 12) and not fa4.takes_heads(264, 264)
+    why = " | ".join(fa4.missing(_need(head_size=12, kv_dtype=torch.float8_e4m3fn)))
+    assert "D=12, Dv=12" in why and "float8_e4m3fn" in why
+    assert fa4.importable() is (importlib.util.find_spec("flash_attn") is not None
+                                and importlib.util.find_spec("flash_attn.cute") is not None)

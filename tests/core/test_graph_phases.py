@@ -37,12 +37,13 @@ from attnpool.graphs import GraphRunner
 
 from tests.helpers.batches import make_batch, make_table
 from tests.helpers.fakes_fa3 import FA2, FA3
+from tests.helpers.fakes_fa4 import FA4
 
 H, H_KV = 4, 2
 #: head dim per backend: FlashInfer's prefill kernels and the flash-attn builds want 64 or 128
-HEAD_DIM = {"sdpa": 16, "fa3": 64, "fa2": 64, "flashinfer": 64}
+HEAD_DIM = {"sdpa": 16, "fa3": 64, "fa2": 64, "fa4": 64, "flashinfer": 64}
 #: page size per backend: FA2's paged path needs a multiple of 256
-PAGE = {"sdpa": 16, "fa3": 16, "fa2": 256, "flashinfer": 16}
+PAGE = {"sdpa": 16, "fa3": 16, "fa2": 256, "fa4": 16, "flashinfer": 16}
 #: replays per CUDA case (fewer under compute-sanitizer, which slows every launch down)
 CUDA_STEPS = int(os.environ.get("ATTNPOOL_GRAPH_STEPS", "1000"))
 ND = 4  # draft tokens of the verify, draft-extend and local-verify cases
@@ -72,7 +73,7 @@ CASES = [
 #: what each kernel cannot take. FA2: token-slot expand parts (page size 1), rows with varying
 #: query counts. FlashInfer: chain draft steps (one shared page table, no CSR; see phases/draft.py)
 CANNOT = {"fa2": {"verify-tree", "draft-tree", "draft-extend", "local-verify"},
-          "flashinfer": {"draft-chain"}, "fa3": set()}
+          "flashinfer": {"draft-chain"}, "fa3": set(), "fa4": set()}
 
 
 def queries_per_request(case: Case, cfg: PoolConfig) -> int:
@@ -214,11 +215,11 @@ def replay_stream(case: Case, dev: torch.device, steps: int, impl: Impl = Impl.A
         return sdpa.attention(part, q, k, v).out
 
     attn, prepare = sdpa_attn, None
-    if backend in ("fa3", "fa2"):
+    if backend in ("fa3", "fa2", "fa4"):
         from attnpool.adapters import flash_attn as fa
 
         version = fa.FlashAttnVersion[backend.upper()]
-        kernel = fa.load_fa3() if backend == "fa3" else fa.load_fa2()
+        kernel = {"fa3": fa.load_fa3, "fa2": fa.load_fa2, "fa4": fa.load_fa4}[backend]()
         print(f"{backend} module: {kernel.name}")
 
         def attn(part: Any, q: Tensor) -> Tensor:
@@ -303,10 +304,13 @@ def _have_fa3() -> bool:
 
 def kernel_params(have: Callable[[str], bool]) -> list[Any]:
     """(case, backend) pairs each backend can run, skipped where its library is missing."""
-    avail = {"fa3": _have_fa3() if have is _have else True, "fa2": have("flash_attn"),
+    # flash-attn 2's package holds flash_attn_interface; flash-attn-4 alone makes flash_attn a
+    # namespace package with only flash_attn.cute in it
+    avail = {"fa3": _have_fa3() if have is _have else True,
+             "fa2": have("flash_attn.flash_attn_interface"), "fa4": have("flash_attn.cute"),
              "flashinfer": have("flashinfer")}
     out = []
-    for backend in ("fa3", "fa2", "flashinfer"):
+    for backend in ("fa3", "fa2", "fa4", "flashinfer"):
         for c in CASES:
             if c.name in CANNOT[backend]:
                 continue
@@ -332,6 +336,7 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "flash_attn_interface", FA3().module("flash_attn_interface"))
     monkeypatch.setitem(sys.modules, "flash_attn", FA2().module())
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", FA4().module())
     fi_mod = types.ModuleType("flashinfer")
     fi_mod.BatchDecodeWithPagedKVCacheWrapper = (  # type: ignore[attr-defined]
         fakes_flashinfer.BatchDecodeWithPagedKVCacheWrapper)

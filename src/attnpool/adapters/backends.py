@@ -26,7 +26,13 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError, LayoutError
-from .flash_attn import FA2_PAGE_MULTIPLE, FA3_HEAD_DIMS
+from .flash_attn import (
+    FA2_PAGE_MULTIPLE,
+    FA3_HEAD_DIMS,
+    FA4_HEAD_MULTIPLE,
+    FA4_MAX_HEAD,
+    FA4_MIN_HEAD,
+)
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -40,6 +46,7 @@ class Backend(enum.Enum):
     SDPA = "sdpa"
     FA3 = "fa3"
     FA2 = "fa2"
+    FA4 = "fa4"
     FLASHINFER = "flashinfer"
 
 
@@ -57,6 +64,8 @@ class KVLayout(enum.Enum):
 #: ``lo_k < D <= hi_k`` and ``lo_v < Dv <= hi_v``
 HeadRanges = tuple[tuple[tuple[int, int], tuple[int, int]], ...]
 _ANY_HEADS: HeadRanges = (((0, 1 << 16), (0, 1 << 16)),)
+#: FA4 takes any ``(D, Dv)`` pair in its range (multiples of 8: ``Capabilities.head_multiple``)
+FA4_HEADS: HeadRanges = (((FA4_MIN_HEAD - 1, FA4_MAX_HEAD), (FA4_MIN_HEAD - 1, FA4_MAX_HEAD)),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +89,7 @@ class Capabilities:
             host sync inside).
         module: the module that must import for it to run (None: torch alone).
         note: what only the kernel can check at call time.
+        head_multiple: head sizes it takes are multiples of this (1: any).
     """
 
     backend: Backend
@@ -97,9 +107,12 @@ class Capabilities:
     cuda_graphs: bool
     module: str | None
     note: str = ""
+    head_multiple: int = 1
 
     def takes_heads(self, head_size: int, head_size_v: int) -> bool:
         """Whether a ``(D, Dv)`` pair has a kernel."""
+        if head_size % self.head_multiple or head_size_v % self.head_multiple:
+            return False
         if head_size == head_size_v:
             return 1 <= head_size <= self.max_head_size
         return any(a < head_size <= b and c < head_size_v <= e
@@ -107,7 +120,12 @@ class Capabilities:
 
     def importable(self) -> bool:
         """Whether its module imports here (found without importing it)."""
-        return self.module is None or importlib.util.find_spec(self.module) is not None
+        if self.module is None:
+            return True
+        try:  # a dotted name imports its parent package, which may be missing
+            return importlib.util.find_spec(self.module) is not None
+        except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
+            return False
 
     def missing(self, need: Need) -> list[str]:
         """Every reason this backend cannot serve ``need`` (empty: it can)."""
@@ -188,7 +206,12 @@ CAPABILITIES: dict[Backend, Capabilities] = {
         "needs a Hopper GPU; sinks need a build with s_aux / sinks (vLLM's, sgl-kernel's)"),
     Backend.FA2: Capabilities(
         Backend.FA2, frozenset({"cuda"}), _HALF, frozenset(), (), 256, FA2_PAGE_MULTIPLE,
-        frozenset({KVLayout.NHD}), False, True, True, False, True, "flash_attn"),
+        frozenset({KVLayout.NHD}), False, True, True, False, True, "flash_attn.flash_attn_interface"),
+    Backend.FA4: Capabilities(
+        Backend.FA4, frozenset({"cuda"}), _HALF, frozenset(), FA4_HEADS, FA4_MAX_HEAD, 1,
+        frozenset({KVLayout.NHD}), True, True, True, True, True, "flash_attn.cute",
+        "each kernel variant JIT-compiles on its first call (warm up before graph capture); "
+        "needs an SM 8.x-12.x GPU; fp8 only on Blackwell", FA4_HEAD_MULTIPLE),
     Backend.FLASHINFER: Capabilities(
         Backend.FLASHINFER, frozenset({"cuda"}), _HALF, _FP8, _ANY_HEADS, 256, 1,
         frozenset({KVLayout.NHD, KVLayout.HND}), True, True, True, True, True, "flashinfer",
@@ -197,7 +220,8 @@ CAPABILITIES: dict[Backend, Capabilities] = {
 }
 
 #: The order ``Backend.AUTO`` tries: the fastest kernel that covers the need first.
-AUTO_ORDER: tuple[Backend, ...] = (Backend.FA3, Backend.FA2, Backend.FLASHINFER, Backend.SDPA)
+AUTO_ORDER: tuple[Backend, ...] = (Backend.FA3, Backend.FA4, Backend.FA2, Backend.FLASHINFER,
+                                   Backend.SDPA)
 
 
 def capabilities(backend: Backend) -> Capabilities:

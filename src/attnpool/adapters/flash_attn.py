@@ -1,6 +1,6 @@
 """flash-attn adapter: paged-kernel arguments from a view, FA3 scheduler metadata, the kernel call.
 
-Two kernel generations share the argument names and differ in what they take:
+Three kernel generations share the argument names and differ in what they take:
 
 * **FA3** (Hopper): packed queries with ``cu_seqlens_q`` / ``max_seqlen_q``, ``page_table``,
   ``cache_seqlens``, any page size, and an optional precomputed ``scheduler_metadata``. Every
@@ -12,6 +12,9 @@ Two kernel generations share the argument names and differ in what they take:
   ``block_table``, ``cache_seqlens``; its paged path requires a page size that is a multiple of
   256 (its C++ entry point checks ``page_block_size % 256 == 0``), so other pages are refused here
   with :class:`attnpool.LayoutError` instead of failing inside the extension.
+* **FA4** (``flash_attn.cute``, package ``flash-attn-4``, Hopper and Blackwell): packed queries,
+  ``page_table``, ``seqused_k``, any page size, windows, softcap and ``learnable_sink``; its
+  kernels JIT-compile on first use per variant. Arguments: :mod:`attnpool.adapters.flash_attn_cute`.
 
 Graph safety: every metadata tensor in the built arguments *is* the view's tensor (a slice of the
 pool's arena), never a copy, so a graph captured on them reads what the next ``update_`` writes.
@@ -61,7 +64,13 @@ from .flash_attn_load import Kernel as Kernel
 from .flash_attn_load import clear_kernel_cache as clear_kernel_cache
 from .flash_attn_load import load_fa2 as load_fa2
 from .flash_attn_load import load_fa3 as load_fa3
+from .flash_attn_load import load_fa4 as load_fa4
 from .flash_attn_load import pick_kernel
+from .flash_attn_cute import FA4_HEAD_MULTIPLE as FA4_HEAD_MULTIPLE
+from .flash_attn_cute import FA4_MAX_HEAD as FA4_MAX_HEAD
+from .flash_attn_cute import FA4_MIN_HEAD as FA4_MIN_HEAD
+from .flash_attn_cute import check_fa4_head_dims as check_fa4_head_dims
+from .flash_attn_cute import fa4_kwargs as fa4_kwargs
 from .flash_attn_sched import _paged, window_kwargs
 from .flash_attn_sched import kernel_seqlen_k as kernel_seqlen_k
 from .flash_attn_sched import scheduler_metadata_ as scheduler_metadata_
@@ -283,14 +292,24 @@ def run(
             :func:`~attnpool.adapters.fp8.fa3_fp8_kwargs`). FA3 computes in fp8 and returns
             bfloat16; ``out`` is cast back to ``q``'s dtype (one extra op for a float16 ``q``,
             none for bfloat16).
-        softcap: logit softcapping (0: off), FA2 and FA3 alike.
+        softcap: logit softcapping (0: off), every generation alike.
         sinks: per-query-head sink logits ``[H]``, handed to the kernel's own argument: vLLM's
-            FA3 build takes ``s_aux`` (bfloat16: cast once at load), sgl-kernel's ``sinks``.
+            FA3 build takes ``s_aux`` (bfloat16: cast once at load), sgl-kernel's ``sinks``,
+            FA4 ``learnable_sink`` (float32, bfloat16 or float16).
             A build without one, and FA2, raise :class:`LayoutError` naming what is missing;
             so does ``s_aux`` with K and V of different head sizes (vLLM's build needs them
             equal).
     """
     k = pick_kernel(version, fn, kernel)
+    if version is FlashAttnVersion.FA4:
+        if scheduler_metadata is not None:
+            raise InputError("scheduler_metadata is an FA3 argument, got one with FA4")
+        kw = fa4_kwargs(view, q, k_cache, v_cache, softmax_scale=softmax_scale, softcap=softcap,
+                        sinks=sinks)
+        check_scales(k_cache.dtype, k_cache.shape[2], k_cache.device,
+                     (("k_scale", k_scale), ("v_scale", v_scale), ("q_scale", q_scale)), False)
+        out, lse = k.fn(**kw)[:2]
+        return Attn(out, lse.transpose(0, 1))
     if version is FlashAttnVersion.FA3:
         build = fa3_varlen_kwargs if k.style is CallStyle.VARLEN else fa3_kwargs
         kw = build(view, q, k_cache, v_cache, softmax_scale=softmax_scale,

@@ -1,4 +1,5 @@
-"""Which flash-attn entry point runs: FA3 from whichever module engines ship it in, or FA2.
+"""Which flash-attn entry point runs: FA3 from whichever module engines ship it in, FA4
+(``flash_attn.cute``, the ``flash-attn-4`` package) or FA2.
 
 Split from :mod:`attnpool.adapters.flash_attn` (which re-exports every name here): loading is
 separate from building a call's arguments. Modules are imported lazily, on the first call of
@@ -20,10 +21,13 @@ Kernel = Callable[..., Any]
 
 
 class FlashAttnVersion(enum.Enum):
-    """Which kernel generation: FA2 (``flash_attn``) or FA3 (see :data:`FA3_MODULES`)."""
+    """Which kernel generation: FA2 (``flash_attn``), FA3 (see :data:`FA3_MODULES`) or FA4
+    (``flash_attn.cute``: FlashAttention written in CuTe DSL, JIT-compiled on first use, Hopper
+    and Blackwell)."""
 
     FA2 = "flash_attn"
     FA3 = "fa3"
+    FA4 = "flash_attn.cute"
 
 
 class CallStyle(enum.Enum):
@@ -35,6 +39,14 @@ class CallStyle(enum.Enum):
     #: ``flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k=,
     #: block_table=, fa_version=3, ...)`` (vLLM's bundled flash-attention)
     VARLEN = "flash_attn_varlen_func"
+    #: ``flash_attn.cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=, seqused_k=, page_table=,
+    #: window_size=(left, right), softcap=, learnable_sink=, return_lse=)`` (flash-attn-4)
+    CUTE = "cute:flash_attn_varlen_func"
+
+    @property
+    def entry(self) -> str:
+        """The name of the module's attention function for this style."""
+        return self.value.rsplit(":", 1)[-1]
 
 
 #: FA3 entry points, tried in this order by :func:`load_fa3`: flash-attention's Hopper build
@@ -77,11 +89,12 @@ def _load(candidates: tuple[tuple[str, CallStyle], ...], version: FlashAttnVersi
         except ImportError as e:  # also: a module whose CUDA extension does not load
             errors.append(f"{name}: {e}")
             continue
-        fn = getattr(mod, style.value, None)
+        fn = getattr(mod, style.entry, None)
         if fn is None:
-            errors.append(f"{name}: has no {style.value}")
+            errors.append(f"{name}: has no {style.entry}")
             continue
-        return FlashKernel(name, version, style, fn, getattr(mod, "get_scheduler_metadata", None))
+        plan = getattr(mod, "get_scheduler_metadata", None) if version is FlashAttnVersion.FA3 else None
+        return FlashKernel(name, version, style, fn, plan)
     raise ImportError(f"no {version.name} module is importable; tried " + "; ".join(errors))
 
 
@@ -107,6 +120,13 @@ def load_fa2() -> FlashKernel:
     return _load(((FlashAttnVersion.FA2.value, CallStyle.KVCACHE),), FlashAttnVersion.FA2)
 
 
+def load_fa4() -> FlashKernel:
+    """FA4's ``flash_attn.cute.flash_attn_varlen_func`` (ImportError when flash-attn-4 or its
+    CuTe DSL runtime is missing). Importing it compiles nothing: each kernel variant is
+    JIT-compiled on its first call (seconds) and cached for the process."""
+    return _load(((FlashAttnVersion.FA4.value, CallStyle.CUTE),), FlashAttnVersion.FA4)
+
+
 def clear_kernel_cache() -> None:
     """Forget loaded kernels (after installing one, or when tests swap modules)."""
     _load.cache_clear()
@@ -114,13 +134,16 @@ def clear_kernel_cache() -> None:
 
 def pick_kernel(version: FlashAttnVersion, fn: Kernel | None, kernel: FlashKernel | None
                 ) -> FlashKernel:
-    """``kernel`` (checked to be of ``version``), else a bare ``flash_attn_with_kvcache``-style
-    ``fn``, else the loaded module of ``version``."""
+    """``kernel`` (checked to be of ``version``), else a bare ``fn`` (``flash_attn_with_kvcache``
+    style, or FA4's ``flash_attn_varlen_func`` for FA4), else the loaded module of ``version``."""
     if kernel is not None:
         if kernel.version is not version:
             raise InputError(f"kernel {kernel.name} is {kernel.version.name}, version is "
                              f"{version.name}")
         return kernel
     if fn is not None:
-        return FlashKernel("fn", version, CallStyle.KVCACHE, fn, None)
-    return load_fa3() if version is FlashAttnVersion.FA3 else load_fa2()
+        style = CallStyle.CUTE if version is FlashAttnVersion.FA4 else CallStyle.KVCACHE
+        return FlashKernel("fn", version, style, fn, None)
+    loaders = {FlashAttnVersion.FA3: load_fa3, FlashAttnVersion.FA4: load_fa4,
+               FlashAttnVersion.FA2: load_fa2}
+    return loaders[version]()

@@ -52,7 +52,7 @@ ATTN_NAME = "attnpool"
 #: The backends this integration drives (its :class:`Run` calls them per layer), in
 #: :data:`attnpool.adapters.backends.AUTO_ORDER`. FlashInfer's wrappers need a plan per
 #: step and part, which the generator does not make: it is not among them.
-DRIVEN = (Backend.FA3, Backend.FA2, Backend.SDPA)
+DRIVEN = (Backend.FA3, Backend.FA4, Backend.FA2, Backend.SDPA)
 
 
 def resolve_backend(backend: Backend, device: torch.device, dtype: torch.dtype,
@@ -125,7 +125,7 @@ class Run:
             return sdpa.run_plan(pl, q, k, v, softmax_scale=scale, softcap=softcap, sinks=sinks)
         from ..adapters import flash_attn as fa  # lazy: CUDA-only kernels
 
-        ver = fa.FlashAttnVersion.FA3 if backend is Backend.FA3 else fa.FlashAttnVersion.FA2
+        ver = fa.FlashAttnVersion[backend.name]
         return fa.attention(view, q, k, v, version=ver, softmax_scale=scale, softcap=softcap,
                             sinks=sinks).out
 
@@ -145,7 +145,7 @@ def bind(backend: Backend, view: object, num_q: int, num_heads: int, num_kv_head
     ``prefix_free``: the view is a prefill with nothing cached (see
     :func:`attnpool.adapters.sdpa.plan`); a model with softcapping or sinks must not pass it
     (those need the plan's mask)."""
-    if backend not in (Backend.SDPA, Backend.FA3, Backend.FA2):
+    if backend not in DRIVEN:
         raise InputError(f"resolve the backend first, got {backend}")
     return Run(backend, view, num_q, num_heads, num_kv_heads, dtype, prefix_free, local)
 

@@ -47,6 +47,8 @@ def kernel_name(backend: Backend, layout: Layout) -> str:
     where = f"reading the pool's {layout.name} layout"
     if backend is Backend.FA3:
         return f"flash-attn 3 (flash_attn_interface) {where}"
+    if backend is Backend.FA4:
+        return f"flash-attn 4 (flash_attn.cute) {where}"
     if backend is Backend.FA2:
         return f"flash-attn 2 (flash_attn) {where}; prefill and draft extend through PyTorch SDPA"
     return f"PyTorch SDPA (attnpool.adapters.sdpa) {where}"
