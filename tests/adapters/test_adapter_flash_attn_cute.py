@@ -172,7 +172,7 @@ def test_fa4_takes_different_k_and_v_head_sizes(install: Callable[[str, Any], No
 
 
 def test_load_fa4_says_what_is_missing(install: Callable[[str, Any], None]) -> None:
-    with pytest.raises(ImportError, match="no FA4 module is importable; tried flash_attn.cute"):
+    with pytest.raises(ImportError, match=r"no FA4 module is importable; tried flash_attn\.cute"):
         fa.load_fa4()
 
 

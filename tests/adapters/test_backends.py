@@ -3,9 +3,8 @@ refused and why)."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import dataclasses
+import importlib.util
 
 import pytest
 import torch

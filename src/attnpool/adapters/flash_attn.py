@@ -56,6 +56,11 @@ from torch import Tensor
 from ..errors import InputError, LayoutError
 from ..kv.quant import check_scales, is_fp8
 from ..views import DraftExtendView, LocalView, PagedView
+from .flash_attn_cute import FA4_HEAD_MULTIPLE as FA4_HEAD_MULTIPLE
+from .flash_attn_cute import FA4_MAX_HEAD as FA4_MAX_HEAD
+from .flash_attn_cute import FA4_MIN_HEAD as FA4_MIN_HEAD
+from .flash_attn_cute import check_fa4_head_dims as check_fa4_head_dims
+from .flash_attn_cute import fa4_kwargs as fa4_kwargs
 from .flash_attn_load import FA3_MODULES as FA3_MODULES
 from .flash_attn_load import CallStyle as CallStyle
 from .flash_attn_load import FlashAttnVersion as FlashAttnVersion
@@ -66,11 +71,6 @@ from .flash_attn_load import load_fa2 as load_fa2
 from .flash_attn_load import load_fa3 as load_fa3
 from .flash_attn_load import load_fa4 as load_fa4
 from .flash_attn_load import pick_kernel
-from .flash_attn_cute import FA4_HEAD_MULTIPLE as FA4_HEAD_MULTIPLE
-from .flash_attn_cute import FA4_MAX_HEAD as FA4_MAX_HEAD
-from .flash_attn_cute import FA4_MIN_HEAD as FA4_MIN_HEAD
-from .flash_attn_cute import check_fa4_head_dims as check_fa4_head_dims
-from .flash_attn_cute import fa4_kwargs as fa4_kwargs
 from .flash_attn_sched import _paged, window_kwargs
 from .flash_attn_sched import kernel_seqlen_k as kernel_seqlen_k
 from .flash_attn_sched import scheduler_metadata_ as scheduler_metadata_
