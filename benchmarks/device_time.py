@@ -323,10 +323,11 @@ def _fa_kernel(given: Any, loader: str) -> Any:
 
 @dataclass(frozen=True)
 class Case:
-    """One attention case's tensors: the pool, its refilled decode view, queries, cache and the
-    FlashInfer workspace."""
+    """One attention case's tensors: the pool, its capture and refilled decode views, queries,
+    cache and the FlashInfer workspace."""
 
     pool: Any
+    cap: Any  # the capture view (taken before the update, as an engine does)
     view: Any
     q: torch.Tensor
     k: torch.Tensor
@@ -361,7 +362,7 @@ def _attention_case(r: Run, until: float, backends: Backends, info: dict[str, An
                 raise Skip(f"flashinfer does not import: {e}") from None
         gw = fi.GraphWrappers(c.ws, decode_cls=cls[0] if cls else None,
                               prefill_cls=cls[1] if cls else None)
-        gw.wrapper(c.pool.decode.view(bs))
+        gw.wrapper(c.cap)  # built on the capture view, then planned on the refilled one
         gw.plan(c.view, num_qo_heads=H, num_kv_heads=H_KV, head_dim=D, q_dtype=c.q.dtype)
         return (lambda: gw.run(c.view, c.q, c.k, c.v),
                 "GraphWrappers.run (decode wrapper, no tensor cores; planned once, outside "
@@ -427,6 +428,7 @@ def run_attention(r: Run, until: float, backends: Backends) -> None:
                 ids = torch.randperm(bs * ppr, generator=g).add_(1).view(bs, ppr)
                 table = ids.to(torch.int32).to(dev)
                 lens_cpu = torch.full((bs,), ctx, dtype=torch.int64)
+                cap = pool.decode.view(bs)
                 view = pool.decode.update_(bs, seq_lens=lens_cpu.to(dev), block_table=table,
                                            seq_lens_cpu=lens_cpu)
                 q = torch.randn(bs, H, D, generator=g).to(bf16).to(dev)
@@ -435,7 +437,8 @@ def run_attention(r: Run, until: float, backends: Backends) -> None:
                 traceback.print_exc()
                 continue
 
-            _attention_case(r, until, backends, info, Case(pool, view, q, k, v, ws))
+            info["max_seqlen_k"] = view.max_seqlen_k  # the view's host bound: the context
+            _attention_case(r, until, backends, info, Case(pool, cap, view, q, k, v, ws))
         del pool
         gc.collect()
 
