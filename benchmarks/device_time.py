@@ -485,6 +485,9 @@ def main(argv: Sequence[str] | None = None, backends: Backends | None = None) ->
     ap.add_argument("--json", default=None, help="write every row to this file")
     ap.add_argument("--budget-s", type=float, default=90.0,
                     help="time budget of the measurements; what is left is skipped (default 90)")
+    ap.add_argument("--sections", default="decode,attention,verify",
+                    help="which sections run, in this order: decode (updates), attention, "
+                         "verify (updates); the budget is shared by their weights")
     args = ap.parse_args(argv)
     if args.smoke and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
@@ -500,11 +503,17 @@ def main(argv: Sequence[str] | None = None, backends: Backends | None = None) ->
           f"host unit (x.fill_(1)): {r.unit_us:.2f} µs; {sizes.warmup} warm-up + "
           f"{sizes.iters} timed calls per path; budget {args.budget_s:.0f} s", flush=True)
     # Sections by share of the budget: decode updates, attention, then chain verify updates.
-    sections: list[tuple[str, float, Callable[[float], None]]] = [
-        ("decode updates", 0.45, lambda u: run_updates(r, "decode", u, smoke_fused)),
-        ("attention", 0.85, lambda u: run_attention(r, u, backends or Backends())),
-        ("verify updates", 1.0, lambda u: run_updates(r, "verify", u, smoke_fused)),
-    ]
+    every: dict[str, tuple[str, float, Callable[[float], None]]] = {
+        "decode": ("decode updates", 0.45, lambda u: run_updates(r, "decode", u, smoke_fused)),
+        "attention": ("attention", 0.40, lambda u: run_attention(r, u, backends or Backends())),
+        "verify": ("verify updates", 0.15, lambda u: run_updates(r, "verify", u, smoke_fused)),
+    }
+    chosen = [every[k.strip()] for k in args.sections.split(",") if k.strip()]
+    total = sum(w for _, w, _ in chosen) or 1.0
+    sections, acc = [], 0.0
+    for name, weight, fn in chosen:  # cumulative shares of the budget, in the order given
+        acc += weight / total
+        sections.append((name, acc, fn))
     for name, until, fn in sections:
         t0 = time.perf_counter()
         try:
