@@ -103,7 +103,8 @@ def test_fa4_kwargs_alias_the_pool() -> None:
     pool, view, q, k, v = _case("decode", "cpu", 64)
     kw = fa.fa4_kwargs(view, q, k, v)
     assert set(kw) == {"q", "k", "v", "cu_seqlens_q", "seqused_k", "page_table", "max_seqlen_q",
-                       "softmax_scale", "causal", "return_lse"}
+                       "softmax_scale", "causal", "return_lse", "num_splits"}
+    assert kw["num_splits"] == 0  # FA4's split heuristic (its own default, 1, never splits)
     assert kw["q"] is q and kw["k"] is k and kw["v"] is v
     for name, buf in (("seqused_k", "cache_seqlens"), ("page_table", "page_table")):
         assert kw[name].data_ptr() == pool.arena.buffer(Phase.DECODE, buf).data_ptr(), name
@@ -155,6 +156,8 @@ def test_fa4_refusals_come_before_the_call(install: Callable[[str, Any], None]) 
         fa.run(view, q, k, v, version=fa.FlashAttnVersion.FA4, scheduler_metadata=torch.zeros(4))
     with pytest.raises(LayoutError, match=r"head sizes in \[8, 256\].*D=12"):
         fa.run(view, q[..., :12], k[..., :12], v[..., :12], version=fa.FlashAttnVersion.FA4)
+    with pytest.raises(InputError, match="num_splits must be an int >= 0"):
+        fa.fa4_kwargs(view, q, k, v, num_splits=-1)
     with pytest.raises(InputError, match="sinks must have shape"):
         fa.run(view, q, k, v, version=fa.FlashAttnVersion.FA4, sinks=torch.zeros(3))
     assert not fake.calls
@@ -205,3 +208,17 @@ def test_fa4_kernel_page_sizes(page: int) -> None:
     _, view, q, k, v = _case("verify-chain", "cuda", 128, page=page, c=512)
     got = fa.attention(view, q, k, v, version=fa.FlashAttnVersion.FA4, kernel=kernel)
     _close(got, sdpa.attention(view, q.float(), k.float(), v.float()), _real_rows(view))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("part", ["decode", "verify-chain", "window"])
+def test_fa4_kernel_without_split(part: str) -> None:
+    """FA4's own default (one split) gives the same rows as its split heuristic."""
+    kernel = _fa4_or_skip()
+    _, view, q, k, v = _case(part, "cuda", 128, c=2048)
+    pv = getattr(view, "prefix", view)
+    split = kernel.fn(**fa.fa4_kwargs(pv, q, k, v))
+    whole = kernel.fn(**fa.fa4_kwargs(pv, q, k, v, num_splits=1))
+    rows = _real_rows(view)
+    torch.testing.assert_close(split[0][:rows].float(), whole[0][:rows].float(), atol=2e-2,
+                               rtol=2e-2)

@@ -18,6 +18,7 @@ the graph's whole query buffer), then per step update, prepare and replay.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import random
@@ -270,8 +271,11 @@ def replay_stream(case: Case, dev: torch.device, steps: int, impl: Impl = Impl.A
                                        msg=f"{case.name} {step}")
         del kw, x, out, view, xs, want
         if dev.type == "cuda":  # (the allocator counts on the host: no sync needed)
+            if step < 2:  # what a first call left in reference cycles is not live memory
+                gc.collect()
             mems.append(torch.cuda.memory_allocated())
     if dev.type == "cuda":
+        gc.collect()  # the same at the end: only tensors still referenced are counted
         torch.cuda.synchronize()
         assert not check_memory or torch.cuda.memory_allocated() == mems[1], \
             f"replays must not grow memory: {mems}"
