@@ -29,12 +29,13 @@ Facts from its ``interface.py`` (4.0.0b36) that shape the arguments here:
 * ``window_size=(left, 0)`` with ``causal`` is FA4's "local" mask (left bound inclusive, as FA3);
   ``softcap`` 0 is off; ``learnable_sink [H]`` (float32, bfloat16 or float16) is the sink logit of
   each query head.
-* ``num_splits`` (split-KV, each split's partial merged by a combine kernel) defaults to 1 in FA4,
-  one CTA per (row, head group) over the whole KV: a decode batch of a few long rows then runs
-  on a few SMs (measured on an H100: 1.6 ms at one 128K row, against 0.19 ms for FlashInfer's
-  split decode). This adapter passes ``num_splits=0`` by default, FA4's heuristic, which sizes
-  the splits from the page-table bound (``pages × P``, static for a capture view, so every
-  replay runs the split count its graph was captured with).
+* ``num_splits`` (split-KV, partials merged by a combine kernel) is FA4's own default here, 1:
+  one CTA per (row, head group) over the whole KV. On Hopper 4.0.0b36 has no split-KV at all
+  (its SM 9.0 path asserts ``not is_split_kv``, seen on an H100), so a decode batch of a few long
+  rows runs on a few SMs there (measured: 1.6 ms for one 128K row against 0.19 ms for
+  FlashInfer's split decode); ``num_splits != 1`` on an SM 9.x device is refused before the
+  call. Elsewhere ``num_splits=0`` asks for FA4's heuristic, sized from the page-table bound
+  (``pages × P``, static for a capture view, so every replay runs its captured split count).
 * It returns ``(out [total_q, H, Dv], lse [H, total_q])``; ``lse`` is transposed to the adapters'
   ``[total_q, H]`` (a view, no copy). Output rows past ``cu_seqlens_q[bs]`` are left as allocated.
 """
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..errors import InputError, LayoutError
@@ -80,7 +82,7 @@ def fa4_kwargs(
     softmax_scale: float | None = None,
     softcap: float = 0.0,
     sinks: Tensor | None = None,
-    num_splits: int = 0,
+    num_splits: int = 1,
 ) -> dict[str, Any]:
     """Keyword arguments of FA4's ``flash_attn_varlen_func`` for one paged part.
 
@@ -93,7 +95,7 @@ def fa4_kwargs(
         sinks: per-query-head sink logits ``[H]`` (float32, bfloat16 or float16), passed as
             ``learnable_sink``; the caller casts them once at load (a per-call cast would give a
             captured graph a temporary's address).
-        num_splits: FA4's split-KV count; 0 (default): its heuristic, 1: no split.
+        num_splits: FA4's split-KV count (default 1: no split; 0: its heuristic), not on Hopper.
 
     Raises:
         LayoutError: no page table, an fp8 cache, head sizes FA4 has no kernel for.
@@ -111,6 +113,9 @@ def fa4_kwargs(
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InputError(f"num_splits must be an int >= 0 (0: FA4's heuristic), got "
                          f"{num_splits!r}")
+    if num_splits != 1 and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9:
+        raise LayoutError(f"flash-attn 4 has no split-KV on Hopper (SM 9.x); got "
+                          f"num_splits={num_splits}, use 1")
     kw: dict[str, Any] = {
         "q": q,
         "k": cache_as_pages(k_cache, view.page_size),
