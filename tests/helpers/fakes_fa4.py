@@ -10,7 +10,7 @@ cu_seqlens_q.shape[0] - 1``; ``k`` / ``v`` are ``(num_pages, page_size, h_kv, d 
 for q, k and v, fp16 / bf16 (fp8 only on Blackwell); ``learnable_sink`` ``(num_head,)`` in fp16 /
 bf16 / fp32; on Hopper ``8 <= d, dv <= 256`` and multiples of ``16 // element_size``; ``num_head %
 h_kv == 0``; ``max_seqlen_q`` a host int when given. ``window_size=(left, 0)`` with ``causal`` is
-its local mask, ``softcap`` 0 is off. Computed in float32 by the SDPA adapter (whose correctness
+its local mask, ``softcap`` 0 is off; on Hopper (the default arch 90) only ``num_splits=1``. Computed in float32 by the SDPA adapter (whose correctness
 ``test_adapter_sdpa.py`` checks against dense attention); returns ``(out, lse [num_head,
 total_q])``, output rows past ``cu_seqlens_q[-1]`` NaN (left as allocated by the kernel).
 """
@@ -87,6 +87,9 @@ class FA4:
         assert 8 <= d <= 256 and 8 <= dv <= 256 and d % align == 0 and dv % align == 0, \
             f"(head_dim, head_dim_v)=({d}, {dv}) is not supported on SM90"
         assert max_seqlen_q is None or isinstance(max_seqlen_q, int), "max_seqlen_q: a host int"
+        # Hopper has no split-KV (seen on an H100: the SM 9.0 path asserts it); the heuristic
+        # (num_splits < 1) may pick a split there too
+        assert self.arch // 10 != 9 or num_splits == 1, "SplitKV not supported on SM 9.0"
         assert isinstance(window_size, tuple) and len(window_size) == 2
         left, right = window_size
         assert right in (None, 0), "only left windows here (the adapter passes right = 0)"
