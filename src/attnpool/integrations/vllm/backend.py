@@ -43,7 +43,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
 from ...adapters.backends import Backend, KVLayout, Need, select
 from ...errors import LayoutError
+from ...views import DecodeView
 from .cache import cpu_views, cuda_views, slot_index_, store_
+from .decode_cpu import attend
 from .step import EngineSizes, StepFiller, StepMetadata, group_window
 
 #: under vLLM's logger hierarchy, so that vLLM's own log handler prints it
@@ -115,11 +117,22 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
         if attn_metadata is None:  # vLLM's warm-up (no metadata, an empty cache)
             return output
         t = attn_metadata.num_actual_tokens
-        k_cache, v_cache = self._views(kv_cache)
         sinks = self.sinks
         if sinks is not None and sinks.dtype != torch.float32:
             # once, after the weights are loaded (the adapter takes float32 sinks)
             sinks = self.sinks = sinks.float()
+        view = attn_metadata.view
+        if self.cpu and isinstance(view, DecodeView):
+            # decode on a CPU: straight from the cache blocks (keys stay transposed)
+            part = view.window if self.sliding_window is not None else view
+            if part is None:
+                raise LayoutError("a sliding-window layer needs the pool's window part")
+            q = query[:t].view(t, self.num_heads, self.head_size)
+            out = attend(attn_metadata.block_plan(part, self.num_kv_heads), q, kv_cache, self.scale,
+                         self.softcap, sinks)
+            output[:t].copy_(out.view(output[:t].shape))
+            return output
+        k_cache, v_cache = self._views(kv_cache)
         out = attn_metadata.run(query[:t], k_cache, v_cache, self.scale,
                                 window=self.sliding_window is not None, softcap=self.softcap,
                                 sinks=sinks)

@@ -27,7 +27,7 @@ no host copy is passed (no sync): views keep static bounds, which the kernels bo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -36,9 +36,10 @@ from ...adapters.backends import Backend
 from ...config import Layout, PoolConfig
 from ...errors import CapacityError, LayoutError
 from ...pool import BufferPool
-from ...views import DecodeView, ExtendView
+from ...views import DecodeView, ExtendView, PagedView
 from ..hf_attention import Run, bind
 from .cache import slot_index_
+from .decode_cpu import BlockPlan, plan_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +89,8 @@ class StepMetadata:
             cache block and offset (padded tokens: block 0, vLLM's null block).
         num_actual_tokens: the step's real query tokens (rows of ``query`` past it are
             vLLM's padding).
+        block_plans: the CPU decode path's per-part plans (:mod:`.decode_cpu`), made by the
+            first layer that reads a part and reused by the step's other layers.
     """
 
     view: DecodeView | ExtendView
@@ -95,6 +98,16 @@ class StepMetadata:
     blocks: Tensor
     offsets: Tensor
     num_actual_tokens: int
+    block_plans: dict[tuple[int, int], BlockPlan] = field(default_factory=dict)
+
+    def block_plan(self, part: PagedView, num_kv_heads: int) -> BlockPlan:
+        """The :class:`~.decode_cpu.BlockPlan` of ``part`` (this step's decode view or its
+        window part), computed once per step."""
+        key = (id(part), num_kv_heads)  # the view holds its parts for the step: ids stay unique
+        plan = self.block_plans.get(key)
+        if plan is None:
+            plan = self.block_plans[key] = plan_blocks(part, part.bs, num_kv_heads)
+        return plan
 
 
 class StepFiller:
