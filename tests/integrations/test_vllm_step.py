@@ -180,6 +180,41 @@ def test_refill_allocates_nothing_on_the_fused_path() -> None:
     assert c.launches == 1
 
 
+def test_device_refill_is_graph_safe() -> None:
+    """What ``build_for_cudagraph_capture`` and each replay's ``build`` rely on, on the path a
+    CUDA device takes (no host lengths): a uniform decode batch of one size refills the same
+    decode view's tensors in place (the addresses a captured graph baked in), reads no device
+    value on the host (no ``item`` / ``tolist``: ``_local_scalar_dense``) and allocates nothing
+    once warm (fused path)."""
+    pytest.importorskip("triton")
+    f = _filler(Impl.TRITON)
+    f.host = False  # the CUDA path: vLLM's lengths stay on the device, nothing read back
+    table = torch.arange(1, 25, dtype=torch.int32).view(3, 8)
+
+    qsl, slots = torch.arange(4, dtype=torch.int32), torch.tensor([3, 20, 40])
+
+    def step(lens: torch.Tensor) -> object:
+        return f.fill(num_reqs=3, num_actual_tokens=3, max_query_len=1, query_start_loc=qsl,
+                      seq_lens=lens, block_table=table, slot_mapping=slots)
+
+    captured = step(torch.tensor([5, 17, 33], dtype=torch.int32)).view  # type: ignore[attr-defined]
+    ptrs = [t.data_ptr() for t in (captured.cache_seqlens, captured.page_table,
+                                   captured.cu_seqlens_q)]
+    lens = torch.tensor([9, 2, 40], dtype=torch.int32)
+    c = count(lambda: step(lens))
+    again = step(lens).view  # type: ignore[attr-defined]
+    assert [t.data_ptr() for t in (again.cache_seqlens, again.page_table,
+                                   again.cu_seqlens_q)] == ptrs
+    assert again.cache_seqlens[:3].tolist() == [9, 2, 40]
+    assert again.max_seqlen_k == captured.max_seqlen_k == 128  # a static bound, not the batch's
+    assert not [op for op in c.ops if "_local_scalar_dense" in op or "item" in op], c.ops
+    views = {"aten.slice.Tensor", "aten.alias.default", "aten.view.default",
+             "aten.select.int", "aten.as_strided.default"}
+    made = {op for op in c.ops if op not in views and not op.split(".")[1].endswith("_")
+            and "out" not in op.split(".")[2]}
+    assert not made, c.ops
+
+
 def test_refusals() -> None:
     with pytest.raises(LayoutError, match=r"one sliding window per KV-cache group, got \[32, 64\]"):
         group_window({32, None, 64})
