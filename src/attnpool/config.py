@@ -15,7 +15,7 @@ from typing import TypeGuard
 
 import torch
 
-from .errors import InputError, LayoutError, PoolError
+from .errors import CapacityError, InputError, LayoutError, PoolError
 
 
 class Phase(enum.Enum):
@@ -192,14 +192,15 @@ def resolve_impl(impl: Impl, device: torch.device) -> Impl:
 
 #: KV tokens per block of FlashMLA's dense decode kernel: the page size it needs
 FLASHMLA_PAGE_SIZE = 64
+#: most rows a pool with FlashMLA metadata serves: the fused scheduler is one program holding
+#: every row's prefix sum in registers, which spill past this (engines batch far fewer)
+FLASHMLA_MAX_BS = 4096
 
 
 def num_sm_parts(num_sms: int, num_q_tokens_per_head_k: int, num_heads_k: int = 1, *,
                  fp8: bool = False) -> int:
-    """FlashMLA's persistent parts: ``max(sms // h_k // ceil(q_tokens_per_head_k / 64), 1)``
-    with ``q_tokens_per_head_k = s_q * h_q / h_k``; ``sms`` is ``num_sms`` (bf16 / fp16 cache)
-    or half of it (an fp8 cache, whose tiles take 128 query tokens). It sizes the pool's
-    ``tile_scheduler_metadata`` buffers, hence here, below the buffer table."""
+    """FlashMLA's persistent parts, ``max(sms // h_k // ceil(s_q * h_q / h_k / 64), 1)`` (an fp8
+    cache: half the SMs, 128-token tiles); here because it sizes pool buffers."""
     for name, v in (("num_sms", num_sms), ("num_q_tokens_per_head_k", num_q_tokens_per_head_k),
                     ("num_heads_k", num_heads_k)):
         if not is_int(v) or v < 1:
@@ -211,15 +212,12 @@ def num_sm_parts(num_sms: int, num_q_tokens_per_head_k: int, num_heads_k: int = 
 
 @dataclass(frozen=True, slots=True)
 class FlashMLAConfig:
-    """FlashMLA's scheduler metadata as pool buffers (``PoolConfig(flashmla=...)``): decode, and
-    verify when it exists, then keep ``tile_scheduler_metadata [num_sm_parts, 8]`` and
-    ``num_splits [max_bs + 1]`` (int32), written by every update from the part's
-    ``cache_seqlens`` (docs/design.md, FlashMLA metadata). The facts below size the schedule
-    exactly as the kernel call will, so they are the kernel's, not tunables.
+    """FlashMLA's scheduler metadata as pool buffers of decode and verify (docs/design.md,
+    FlashMLA metadata). The fields are the kernel call's facts (they size its schedule).
 
     Args:
         num_sms: streaming multiprocessors of the device the kernel runs on (132 on an H100).
-        num_heads_q: query heads per KV head group the kernel sees (after tensor parallelism).
+        num_heads_q: query heads the kernel sees (this rank's, after tensor parallelism).
         num_heads_k: KV heads (1 for MLA's latent cache); must divide ``num_heads_q``.
         fp8: an fp8 KV cache (FlashMLA's fp8 kernel: half the SMs, 128-token query tiles).
     """
@@ -234,11 +232,12 @@ class FlashMLAConfig:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise PoolError(f"FlashMLAConfig: {name} must be an int >= 1, got {v!r}")
-        if self.num_heads_q % self.num_heads_k:
-            raise PoolError(f"FlashMLAConfig: num_heads_q must be a multiple of num_heads_k="
-                            f"{self.num_heads_k}, got {self.num_heads_q}")
-        if type(self.fp8) is not bool:
-            raise PoolError(f"FlashMLAConfig: fp8 must be a bool, got {self.fp8!r}")
+        for ok, what, got in ((self.num_heads_q % self.num_heads_k == 0,
+                               f"num_heads_q must be a multiple of num_heads_k={self.num_heads_k}",
+                               self.num_heads_q), (type(self.fp8) is bool, "fp8 must be a bool",
+                                                   self.fp8)):
+            if not ok:
+                raise PoolError(f"FlashMLAConfig: {what}, got {got!r}")
 
     def num_sm_parts(self, s_q: int) -> int:
         """Parts of a call with ``s_q`` query rows per request (1 decode, ``N`` verify)."""
@@ -279,9 +278,8 @@ class PoolConfig:
             long the context (docs/design.md, Sliding windows). Tree-shaped speculation
             (``topk > 1``) refuses a window: its drafts sit at different depths of one row, so
             no single window start serves them.
-        flashmla: keep FlashMLA's scheduler metadata for decode and verify
-            (:class:`FlashMLAConfig`), or None. Needs ``page_size`` 64 (FlashMLA's KV block)
-            and ``Layout.FLASH_ATTN`` (its kernel reads the page table), and no encoder phase.
+        flashmla: FlashMLA's scheduler metadata for decode and verify (:class:`FlashMLAConfig`),
+            or None; needs ``page_size`` 64, ``Layout.FLASH_ATTN`` and no encoder phase.
     """
 
     max_bs: int = 160
@@ -389,11 +387,9 @@ class PoolConfig:
         if self.max_encoder_len:
             raise LayoutError("PoolConfig: flashmla serves decoder-only models; needs "
                               f"max_encoder_len=0, got {self.max_encoder_len}")
-        # the schedule's block counts are int32 on the fused path
-        if self.max_bs * (self.max_pages + 6) >= 2**31:
-            raise PoolError("PoolConfig: max_bs * (max_pages + 6) must be < 2**31 with flashmla "
-                            f"(int32 block counts), got max_bs={self.max_bs}, max_pages="
-                            f"{self.max_pages}")
+        if self.max_bs > FLASHMLA_MAX_BS:  # (and so int32 block counts: 4096 * 2**25 < 2**31)
+            raise CapacityError(f"PoolConfig: flashmla needs max_bs <= {FLASHMLA_MAX_BS} (one "
+                                f"program schedules every row), got max_bs={self.max_bs}")
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property

@@ -14,6 +14,7 @@ import torch
 import attnpool
 from attnpool import (
     BufferPool,
+    CapacityError,
     FlashMLAConfig,
     Impl,
     Layout,
@@ -185,6 +186,8 @@ def test_config_refusals() -> None:
     with pytest.raises(LayoutError, match="max_encoder_len=0"):
         PoolConfig(max_bs=4, max_context_len=1024, page_size=64, device="cpu",
                    max_encoder_len=64, flashmla=mla)
+    with pytest.raises(CapacityError, match=r"max_bs <= 4096 .*got max_bs=4097"):
+        PoolConfig(max_bs=4097, max_context_len=1024, page_size=64, device="cpu", flashmla=mla)
     with pytest.raises(PoolError, match="FlashMLAConfig"):
         PoolConfig(max_bs=4, max_context_len=1024, page_size=64, device="cpu",
                    flashmla=(132, 128))  # type: ignore[arg-type]

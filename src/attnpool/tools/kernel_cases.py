@@ -285,7 +285,7 @@ def _flashmla(rec: Recorder) -> None:
     _update(rec, pool, _Batch(pool, 3, cap=True, block=True), "flashmla bound", bound=True,
             only=("decode", "verify"))
     del pool
-    for rows in (2048, 4096, 8192):
+    for rows in (2048, 4096):  # (FLASHMLA_MAX_BS)
         pool = _pool(max_bs=rows, max_context_len=1024, **mla)
         _update(rec, pool, _Batch(pool, rows, cap=True, block=True), f"flashmla {rows} rows",
                 only=("decode",))

@@ -18,15 +18,16 @@ from .buffers import PagedBuffers
 from .flashmla_sched import METADATA_SIZE
 from .kernel_loaders import flashmla_kernels
 from .launch import Launch, pointer_or, replayable
-from .tuning import MAXNREG, pow2
+from .tuning import maxnreg, pow2
 
 __all__ = ["flashmla_launch"]
 
 
 def _warps(block: int) -> int:
-    """4 warps up to 2048 rows, more past them so the prefix-sum vector stays in registers
-    (at most 32 values per thread)."""
-    return 4 if block <= 2048 else 8 if block <= 4096 else 16
+    """4 warps up to 2048 rows, 8 up to 4096 (``config.FLASHMLA_MAX_BS``): the vectors of
+    every row stay in registers (sm_90: 111 and 171 registers, no spill; 8192 rows on 16
+    warps spilled, hence the bound)."""
+    return 4 if block <= 2048 else 8
 
 
 def flashmla_launch(
@@ -65,4 +66,4 @@ def flashmla_launch(
             "DEVICE_N": num_real is not None, "BLOCK": block}
     inputs = replayable(n=("n", n), nreal_ptr=("num_real", num_real))
     return Launch(flashmla_kernels().flashmla_sched_kernel, (1,), args,
-                  {"num_warps": _warps(block), "maxnreg": MAXNREG}, inputs)
+                  {"num_warps": _warps(block), "maxnreg": maxnreg(_warps(block))}, inputs)
