@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "arena": ("ArenaPlan", "plan_arena"),
     "check": ("ReadRegionError", "check_view"),
-    "config": ("Impl", "Layout", "Phase", "PoolConfig"),
+    "config": ("FlashMLAConfig", "Impl", "Layout", "Phase", "PoolConfig"),
     "errors": ("CapacityError", "InputError", "LayoutError", "MissingPhaseError", "PoolError",
                "StaleViewError"),
     "kv": ("KVCacheConfig", "KVCachePool", "KVKind", "KVLayout"),
@@ -30,14 +30,14 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "phases": ("BoundUpdate",),
     "pool": ("BufferPool",),
     "views": ("DecodeView", "DraftExtendView", "DraftStepView", "DraftView", "EncoderView",
-              "ExtendView", "LocalView", "PagedView", "VerifyView"),
+              "ExtendView", "FlashMLAMetadata", "LocalView", "PagedView", "VerifyView"),
 }
 _MODULE_OF = {name: mod for mod, names in _EXPORTS.items() for name in names}
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from .arena import ArenaPlan, plan_arena
     from .check import ReadRegionError, check_view
-    from .config import Impl, Layout, Phase, PoolConfig
+    from .config import FlashMLAConfig, Impl, Layout, Phase, PoolConfig
     from .errors import (
         CapacityError,
         InputError,
@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         DraftView,
         EncoderView,
         ExtendView,
+        FlashMLAMetadata,
         LocalView,
         PagedView,
         VerifyView,
@@ -94,6 +95,8 @@ __all__ = [
     "DraftView",
     "EncoderView",
     "ExtendView",
+    "FlashMLAConfig",
+    "FlashMLAMetadata",
     "Impl",
     "InputError",
     "KVCacheConfig",

@@ -9,6 +9,7 @@ the device, so it is a debugging and testing tool, not something to call per ste
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 from torch import Tensor
@@ -49,6 +50,32 @@ def _check_cumsum(where: str, cu: list[int], steps: list[int] | None, bound: int
             _fail(where, f"row {i} spans {d}, expected in [0, {bound}]")
 
 
+def _check_flashmla(v: PagedView, name: str) -> None:
+    """FlashMLA's metadata of a part: no sentinel; ``num_splits`` starts at 0 and never
+    decreases; each part is idle (``begin_req = -1``) or spans requests ``begin <= end < bs``
+    with block bounds inside their lengths' 64-token blocks, its begin split below the total."""
+    f = v.flashmla
+    if f is None:
+        return
+    md = [_host(r) for r in f.tile_scheduler_metadata.detach().cpu()]
+    ns = _host(f.num_splits[: v.bs + 1])
+    top = v.bs + len(md)  # every row's first split, plus at most one more per part
+    if ns[0] != 0 or ns[-1] > top or any(b < a for a, b in itertools.pairwise(ns)):
+        _fail(f"{name}.flashmla.num_splits", f"{ns[:16]}... must start at 0, not decrease and "
+              f"end <= {top}")
+    blocks = [ceil_div(max(x, 1), 64) for x in _host(v.cache_seqlens[: v.bs])]
+    for p, (br, bb, er, eb, sp, *_) in enumerate(md):
+        where = f"{name}.flashmla.tile_scheduler_metadata[{p}]"
+        if any(x == int(sentinel(torch.int32)) for x in md[p]):
+            _fail(where, f"{md[p]} holds the poison sentinel (never written)")
+        if br == -1:
+            continue
+        if not (0 <= br <= er < v.bs and 0 <= bb <= blocks[br] and 0 <= eb <= blocks[er]
+                and 0 <= sp < max(ns[-1], 1)):
+            _fail(where, f"{[br, bb, er, eb, sp]}: expected an idle part (-1) or requests "
+                  f"0 <= begin <= end < {v.bs} with blocks inside their lengths")
+
+
 def check_paged(v: PagedView, name: str = "view", num_pages: int | None = None) -> None:
     """Check one :class:`PagedView`'s read region (see the module docstring)."""
     bs, page = v.bs, v.page_size
@@ -80,6 +107,7 @@ def check_paged(v: PagedView, name: str = "view", num_pages: int | None = None) 
         if indptr[bs] > v.kv_indices.shape[0] - 1:
             _fail(f"{name}.kv_indptr", f"total {indptr[bs]} > capacity {v.kv_indices.shape[0] - 1}")
         _check_pages(f"{name}.kv_indices", _host(v.kv_indices[: indptr[bs]]), num_pages)
+    _check_flashmla(v, name)
 
 
 def _check_positions(v: ExtendView) -> None:

@@ -15,7 +15,7 @@ from typing import TypeGuard
 
 import torch
 
-from .errors import LayoutError, PoolError
+from .errors import CapacityError, InputError, LayoutError, PoolError
 
 
 class Phase(enum.Enum):
@@ -190,6 +190,61 @@ def resolve_impl(impl: Impl, device: torch.device) -> Impl:
     return impl
 
 
+#: KV tokens per block of FlashMLA's dense decode kernel: the page size it needs
+FLASHMLA_PAGE_SIZE = 64
+#: most rows a pool with FlashMLA metadata serves: the fused scheduler is one program holding
+#: every row's prefix sum in registers, which spill past this (engines batch far fewer)
+FLASHMLA_MAX_BS = 4096
+
+
+def num_sm_parts(num_sms: int, num_q_tokens_per_head_k: int, num_heads_k: int = 1, *,
+                 fp8: bool = False) -> int:
+    """FlashMLA's persistent parts, ``max(sms // h_k // ceil(s_q * h_q / h_k / 64), 1)`` (an fp8
+    cache: half the SMs, 128-token tiles); here because it sizes pool buffers."""
+    for name, v in (("num_sms", num_sms), ("num_q_tokens_per_head_k", num_q_tokens_per_head_k),
+                    ("num_heads_k", num_heads_k)):
+        if not is_int(v) or v < 1:
+            raise InputError(f"{name} must be an int >= 1, got {v!r}")
+    sms = num_sms // 2 if fp8 else num_sms
+    tiles = ceil_div(num_q_tokens_per_head_k, 2 * FLASHMLA_PAGE_SIZE if fp8 else FLASHMLA_PAGE_SIZE)
+    return max(sms // num_heads_k // tiles, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class FlashMLAConfig:
+    """FlashMLA's scheduler metadata as pool buffers of decode and verify (docs/design.md,
+    FlashMLA metadata). The fields are the kernel call's facts (they size its schedule).
+
+    Args:
+        num_sms: streaming multiprocessors of the device the kernel runs on (132 on an H100).
+        num_heads_q: query heads the kernel sees (this rank's, after tensor parallelism).
+        num_heads_k: KV heads (1 for MLA's latent cache); must divide ``num_heads_q``.
+        fp8: an fp8 KV cache (FlashMLA's fp8 kernel: half the SMs, 128-token query tiles).
+    """
+
+    num_sms: int
+    num_heads_q: int
+    num_heads_k: int = 1
+    fp8: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_sms", "num_heads_q", "num_heads_k"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise PoolError(f"FlashMLAConfig: {name} must be an int >= 1, got {v!r}")
+        for ok, what, got in ((self.num_heads_q % self.num_heads_k == 0,
+                               f"num_heads_q must be a multiple of num_heads_k={self.num_heads_k}",
+                               self.num_heads_q), (type(self.fp8) is bool, "fp8 must be a bool",
+                                                   self.fp8)):
+            if not ok:
+                raise PoolError(f"FlashMLAConfig: {what}, got {got!r}")
+
+    def num_sm_parts(self, s_q: int) -> int:
+        """Parts of a call with ``s_q`` query rows per request (1 decode, ``N`` verify)."""
+        return num_sm_parts(self.num_sms, s_q * self.num_heads_q // self.num_heads_k,
+                            self.num_heads_k, fp8=self.fp8)
+
+
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     """Everything that sizes a pool. Frozen: a pool's shapes never change after construction.
@@ -223,6 +278,8 @@ class PoolConfig:
             long the context (docs/design.md, Sliding windows). Tree-shaped speculation
             (``topk > 1``) refuses a window: its drafts sit at different depths of one row, so
             no single window start serves them.
+        flashmla: FlashMLA's scheduler metadata for decode and verify (:class:`FlashMLAConfig`),
+            or None; needs ``page_size`` 64, ``Layout.FLASH_ATTN`` and no encoder phase.
     """
 
     max_bs: int = 160
@@ -242,6 +299,7 @@ class PoolConfig:
     fa3_scheduler_metadata: bool = False
     max_extend_tokens: int = 0
     sliding_window: int | None = None
+    flashmla: FlashMLAConfig | None = None
     _device: torch.device = field(init=False, repr=False, compare=False)
     _phases: tuple[Phase, ...] = field(init=False, repr=False, compare=False)
 
@@ -308,9 +366,30 @@ class PoolConfig:
         # between rows of different lengths, so they need the FLASH_ATTN layout.
         need(self.spec_steps == 0 or self.topk > 1 or bool(self.layout & Layout.FLASH_ATTN),
              "spec_steps > 0 with topk == 1 needs Layout.FLASH_ATTN in layout", self.layout)
+        if self.flashmla is not None:
+            self._check_flashmla(self.flashmla)
         object.__setattr__(self, "_device", resolve_device(self.device))
         object.__setattr__(self, "_phases",
                            tuple(p for p in Phase if PHASE_FACTS[p].enabled(self)))
+
+    def _check_flashmla(self, f: object) -> None:
+        """FlashMLA's kernel reads 64-token pages through the page table; its metadata sizes
+        the schedule of one batch of one shape (the encoder's decoder rows are not one)."""
+        if not isinstance(f, FlashMLAConfig):
+            raise PoolError(f"PoolConfig: flashmla must be an attnpool.FlashMLAConfig or None, "
+                            f"got {type(f).__name__}")
+        if self.page_size != FLASHMLA_PAGE_SIZE:
+            raise LayoutError(f"PoolConfig: flashmla needs page_size={FLASHMLA_PAGE_SIZE} "
+                              f"(FlashMLA's KV block), got page_size={self.page_size}")
+        if not self.layout & Layout.FLASH_ATTN:
+            raise LayoutError("PoolConfig: flashmla needs Layout.FLASH_ATTN in layout (FlashMLA "
+                              f"reads the page table), got {self.layout}")
+        if self.max_encoder_len:
+            raise LayoutError("PoolConfig: flashmla serves decoder-only models; needs "
+                              f"max_encoder_len=0, got {self.max_encoder_len}")
+        if self.max_bs > FLASHMLA_MAX_BS:  # (and so int32 block counts: 4096 * 2**25 < 2**31)
+            raise CapacityError(f"PoolConfig: flashmla needs max_bs <= {FLASHMLA_MAX_BS} (one "
+                                f"program schedules every row), got max_bs={self.max_bs}")
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property

@@ -33,6 +33,8 @@ class Pad(enum.Enum):
     ``max(pages - 1, 0) * P + kv_last_page_len`` as the row's length).
     ``CONST``: written once at construction and never by an update; lives outside the overlay so
     no other phase can overwrite it.
+    ``IDLE``: FlashMLA's ``tile_scheduler_metadata``: padded rows get no work, so every part past
+    the real rows' work is idle, ``begin_req = -1`` (the kernel skips it).
     """
 
     SEQ_LEN = "pad_seq_len"
@@ -43,6 +45,7 @@ class Pad(enum.Enum):
     SLOT = "-1"
     ZERO = "0"
     CONST = "const"
+    IDLE = "-1 (idle part)"
 
 
 class Region(enum.Enum):
@@ -240,6 +243,29 @@ SHARED_SPECS: tuple[BufferSpec, ...] = (
                needed=lambda c: c.fa3_scheduler_metadata and c.sliding_window is not None),
 )
 
+def _flashmla(c: PoolConfig) -> bool:
+    return c.flashmla is not None
+
+
+def _sched_rows(c: PoolConfig, s_q: int) -> int:
+    return c.flashmla.num_sm_parts(s_q) if c.flashmla is not None else 0
+
+
+def flashmla_specs(phase: Phase, s_q: Callable[[PoolConfig], int]) -> tuple[BufferSpec, ...]:
+    """FlashMLA's scheduler metadata of ``phase``'s main part, ``s_q`` query rows per request
+    (docs/design.md, FlashMLA metadata): ``num_sm_parts`` depends on ``s_q``, so decode and
+    verify keep one pair each. Written by the phase's update, from its ``cache_seqlens``."""
+    return (
+        BufferSpec("tile_scheduler_metadata", phase, I32,
+                   lambda c: (_sched_rows(c, s_q(c)), 8), Pad.IDLE,
+                   "FlashMLA: per part [begin_req, begin_block, end_req, end_block, "
+                   "begin_split, 0, 0, 0]", Layout.FLASH_ATTN, needed=_flashmla),
+        BufferSpec("num_splits", phase, I32, lambda c: (c.max_bs + 1,), Pad.INDPTR,
+                   "FlashMLA: [0, cumsum(splits per row)]; padded rows none",
+                   Layout.FLASH_ATTN, needed=_flashmla),
+    )
+
+
 DECODE_SPECS = (
     *paged_specs(Phase.DECODE, _max_bs, _max_pages),
     # Host flags copied in by an incremental update (``request_ids``) and read by the fused
@@ -247,6 +273,7 @@ DECODE_SPECS = (
     BufferSpec("keep", Phase.DECODE, torch.int8, lambda c: (c.max_bs,), Pad.PAYLOAD,
                "incremental page table: 1 where the row's request is unchanged"),
     *window_specs(Phase.DECODE),
+    *flashmla_specs(Phase.DECODE, lambda c: 1),
 )
 
 VERIFY_SPECS = paged_specs(
@@ -254,7 +281,7 @@ VERIFY_SPECS = paged_specs(
 ) + paged_specs(
     Phase.VERIFY, lambda c: c.max_bs * c.num_draft_tokens, lambda c: c.num_draft_tokens,
     prefix="expand_", needed=_tree, what="tree expand (token slots): ",
-) + window_specs(Phase.VERIFY)
+) + window_specs(Phase.VERIFY) + flashmla_specs(Phase.VERIFY, lambda c: c.num_draft_tokens)
 
 DRAFT_SPECS = (
     # topk == 1: one page table covering seq_len + S serves every step; per step only lengths.

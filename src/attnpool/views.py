@@ -48,6 +48,34 @@ class _Stamped:
 
 
 @dataclass(frozen=True, slots=True)
+class FlashMLAMetadata(_Stamped):
+    """FlashMLA's scheduler metadata of one part, in the pool (``PoolConfig(flashmla=...)``):
+    what FlashMLA's ``get_mla_metadata`` returns, passed to its decode kernel as
+    ``tile_scheduler_metadata`` and ``num_splits``. Written by every update of the phase from
+    the part's ``cache_seqlens`` (docs/design.md, FlashMLA metadata), so a captured graph reads
+    the current step's schedule.
+
+    The schedule covers the ``n`` real rows only: padded rows get no work (idle parts hold
+    ``begin_req = -1``, ``num_splits`` repeats its last value past row ``n``).
+
+    Attributes:
+        tile_scheduler_metadata: ``[num_sm_parts, 8] int32``, per part ``[begin_req,
+            begin_block, end_req, end_block, begin_split, 0, 0, 0]`` (requests inclusive,
+            64-token blocks ``[begin, end)`` in the first and last request; ``begin_req = -1``:
+            no work).
+        num_splits: ``[bs+1] int32``, ``[0, cumsum(splits per row)]``.
+        num_sm_parts: host int, the rows of ``tile_scheduler_metadata``.
+        s_q: host int, query rows per request the schedule was sized for (1 decode, ``N``
+            verify): the kernel call must use the same.
+    """
+
+    tile_scheduler_metadata: Tensor
+    num_splits: Tensor
+    num_sm_parts: int
+    s_q: int
+
+
+@dataclass(frozen=True, slots=True)
 class PagedView(_Stamped):
     """One batch of paged-attention metadata: the shape every phase part shares.
 
@@ -80,6 +108,8 @@ class PagedView(_Stamped):
             rows from each row's window start, ``window_left = W - 1``; None without a window
             and on the parts themselves. Keyword-only; :class:`VerifyView` and
             :class:`DraftStepView` carry one too.
+        flashmla: FlashMLA's scheduler metadata of this part (``PoolConfig(flashmla=...)``: the
+            decode view and the verify view's ``prefix``), else None. Keyword-only.
     """
 
     bs: int
@@ -96,6 +126,7 @@ class PagedView(_Stamped):
     causal: bool
     window_left: int = field(default=-1, kw_only=True)
     window: PagedView | None = field(default=None, kw_only=True)
+    flashmla: FlashMLAMetadata | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +160,11 @@ class VerifyView(_Stamped):
     prefix: PagedView
     expand: PagedView | None
     window: PagedView | None = field(default=None, kw_only=True)  # (as PagedView.window)
+
+    @property
+    def flashmla(self) -> FlashMLAMetadata | None:
+        """FlashMLA's metadata of the ``prefix`` part (``N`` query rows per request), or None."""
+        return self.prefix.flashmla
 
 
 @dataclass(frozen=True, slots=True)

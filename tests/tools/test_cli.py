@@ -40,6 +40,20 @@ def test_plan_extend_tokens_sizes_the_extend_phase() -> None:
     assert all(b["phase"] != "extend" for b in plain["buffers"])
 
 
+def test_plan_flashmla_metadata() -> None:
+    js = _run("plan", "--max-bs", "8", "--context", "1024", "--page-size", "64",
+              "--draft-tokens", "3", "--flashmla-sms", "132", "--flashmla-heads", "128", "--json")
+    assert js.returncode == 0, js.stderr
+    bufs = {(b["phase"], b["name"]): b for b in json.loads(js.stdout)["buffers"]}
+    assert bufs[("decode", "tile_scheduler_metadata")]["shape"] == [66, 8]
+    assert bufs[("verify", "tile_scheduler_metadata")]["shape"] == [22, 8]
+    assert bufs[("decode", "num_splits")]["shape"] == [9]
+    _one_line_error(_run("plan", "--page-size", "16", "--flashmla-sms", "132",
+                         "--flashmla-heads", "128"), "page_size=64", "got page_size=16")
+    _one_line_error(_run("plan", "--page-size", "64", "--flashmla-sms", "132"),
+                    "--flashmla-heads")
+
+
 def test_plan_bad_config_is_a_clean_error() -> None:
     out = _run("plan", "--page-size", "3")
     assert out.returncode == 2

@@ -57,14 +57,22 @@ def test_no_specialization_spills(compiled: list[K.Result]) -> None:
 @pytest.mark.triton
 def test_registers_do_not_grow_with_the_batch(compiled: list[K.Result]) -> None:
     """The largest parts (16384 rows) use one scan step of ``MAX_BLOCK`` rows, like a part of
-    ``MAX_BLOCK`` rows: the block is capped and the warp count is one for every size."""
+    ``MAX_BLOCK`` rows: the block is capped and the warp count is one for every size. FlashMLA's
+    scheduler is one program over every row instead, so its rows are capped by the config
+    (``FLASHMLA_MAX_BS``) and its warps (with a ``maxnreg`` that fits them) grow to hold them."""
+    from attnpool.config import FLASHMLA_MAX_BS
     from attnpool.update import tuning as ck
 
+    sched = [r for r in compiled if r.spec.name == "flashmla_sched_kernel"]
+    compiled = [r for r in compiled if r.spec.name != "flashmla_sched_kernel"]
     blocks = {v for r in compiled for n, k, v in r.spec.params if n == "BLOCK" and k == "constexpr"}
     assert max(blocks) == ck.MAX_BLOCK == ck.scan_block(16384)
     assert {ck.warps(rows) for rows in (1, ck.MAX_BLOCK, 16384)} == {4}
     update = [r for r in compiled if r.spec.name != "_store_kernel"]
     assert update and {r.spec.maxnreg for r in update} == {ck.MAXNREG}
+    rows = {v for r in sched for n, k, v in r.spec.params if n == "BLOCK"}
+    assert sched and max(rows) == FLASHMLA_MAX_BS
+    assert all(r.spec.maxnreg == ck.maxnreg(r.spec.num_warps) for r in sched)
 
 
 @pytest.mark.triton
@@ -87,18 +95,19 @@ def test_enumeration_reaches_every_kernel_and_warp_count() -> None:
     from attnpool.kv import store_kernels
     from attnpool.tools.kernel_cases import tiers
     from attnpool.update import kernel_loaders as ck
-    from attnpool.update import triton_draft_kernels
+    from attnpool.update import triton_draft_kernels, triton_flashmla_kernels
     from attnpool.update.tuning import warps as tier_warps
 
     specs = K.enumerate_specs(TARGET)
     kernels = (ck.paged_kernels().paged_kernel, ck.kernels().tree_expand_kernel,
                ck.kernels().local_kernel, triton_draft_kernels.draft_expand_kernel,
-               store_kernels._store_kernel)
+               triton_flashmla_kernels.flashmla_sched_kernel, store_kernels._store_kernel)
     names = {f"{k.fn.__module__}:{k.fn.__qualname__}" for k in kernels}
     assert {s.kernel for s in specs} == names
     warps = {tier_warps(r) for r in tiers()}
     for name in ("paged_kernel", "local_kernel", "draft_expand_kernel"):
         assert {s.num_warps for s in specs if s.name == name} == warps, name
+    assert {s.num_warps for s in specs if s.name == "flashmla_sched_kernel"} == {4, 8}
     # page sizes 1 (a constant to Triton), 16 (divisible by 16) and 4 (neither) all reach the
     # paged kernel; the store's constexpr page size is 1, 16 and 12
     kinds = {(k, v) for s in specs if s.name == "paged_kernel" for n, k, v in s.params if n == "P"}

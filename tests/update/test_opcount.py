@@ -268,3 +268,40 @@ _VIEWS = ("aten.alias.", "aten.slice.", "aten.view.", "aten.unsqueeze.", "aten.e
 
 def _compute(c: Counts) -> dict[str, int]:
     return {k: v for k, v in c.ops.items() if not k.startswith(_VIEWS)}
+
+
+# ---- FlashMLA's scheduler part ------------------------------------------------------------------
+def _flashmla_args(bs: int, n: int, parts: int, device_n: bool) -> tuple[PagedBuffers, dict[str, Any]]:
+    b = _bufs(bs, 4, fi=False)
+    b.cache_seqlens.copy_(torch.arange(bs, dtype=I32) * 97 + 1)
+    args: dict[str, Any] = dict(bs=bs, n=bs if device_n else n,
+                                tile_scheduler_metadata=torch.zeros((parts, 8), dtype=I32),
+                                num_splits=torch.zeros(bs + 1, dtype=I32), num_parts=parts)
+    if device_n:
+        args["num_real"] = torch.tensor([n])
+    return b, args
+
+
+@pytest.mark.parametrize("device_n", [False, True])
+def test_fused_flashmla_is_one_launch_and_no_aten_op(device_n: bool) -> None:
+    b, args = _flashmla_args(8, 5, 12, device_n)
+    tt.flashmla_launch(b, **args)()
+    c = count(lambda: tt.flashmla_launch(b, **args)())
+    assert c.launches == 1 and c.kernels == ["flashmla_sched_kernel"]
+    assert c.num_ops == 0, c.ops
+
+
+def test_reference_flashmla_ops_grow_with_parts_not_rows() -> None:
+    """The torch port is a loop over the parts (a few ops each): fixed in the batch size, linear
+    in ``num_sm_parts``, the launches the fused kernel saves."""
+    def ops(bs: int, parts: int) -> int:
+        b, args = _flashmla_args(bs, bs - 1, parts, False)
+        c = count(lambda: ref.flashmla_launch(b, **args)())
+        assert c.launches == 0
+        return c.num_ops
+
+    by_rows = [ops(bs, 8) for bs in (4, 16, 160)]
+    assert by_rows == [by_rows[0]] * 3
+    per_part = ops(16, 16) - ops(16, 8)
+    assert per_part > 0 and ops(16, 24) - ops(16, 16) == per_part
+    print(f"reference flashmla: {by_rows[0]} aten ops at 8 parts, {per_part // 8} more per part")

@@ -18,7 +18,7 @@ from ..inputs import check_bs
 from ..update.buffers import PagedBuffers
 from ..update.launch_cache import LaunchCache
 from ..update.paths import Replay, UpdatePath, update_path
-from ..views import PagedView
+from ..views import FlashMLAMetadata, PagedView
 from ._validate import Values, validate
 from ._views import window_view
 from .bound import BoundUpdate
@@ -92,6 +92,10 @@ class PhaseBase(Generic[ViewT]):
         #: docs/design.md, Sliding windows), else None; written by the main part's launch
         self._window_buffers = (self._paged("window_") if self.cfg.sliding_window is not None
                                 and PHASE_FACTS[self.phase].window_queries is not None else None)
+        #: FlashMLA's scheduler metadata of the main part (``PoolConfig(flashmla=...)``: decode
+        #: and verify), ``(tile_scheduler_metadata, num_splits)``, else None
+        md = arena.maybe(self.phase, "tile_scheduler_metadata")
+        self._sched = None if md is None else (md, arena.buffer(self.phase, "num_splits"))
         #: the input pass every update starts with
         self.input_pass = InputPass(arena, self.phase.value, self._window_buffers is not None,
                                     self.fused, str(self.impl))
@@ -154,6 +158,23 @@ class PhaseBase(Generic[ViewT]):
         return ops.paged_launch(b, bs=bs, seq_lens=x.seq_lens,
                                 req_pool_indices=x.req_pool_indices, req_to_token=x.req_to_token,
                                 **args)
+
+    def _flashmla_launch(self, ops: UpdatePath, b: PagedBuffers, bs: int, x: Inputs
+                         ) -> tuple[Replay, ...]:
+        """The FlashMLA scheduler part over part ``b``'s ``cache_seqlens`` (so it runs after
+        ``b``'s own part, in stream order): one launch, or none without the metadata."""
+        if self._sched is None:
+            return ()
+        md, ns = self._sched
+        return (ops.flashmla_launch(b, bs=bs, n=x.n, tile_scheduler_metadata=md, num_splits=ns,
+                                    num_parts=md.shape[0], num_real=x.num_real),)
+
+    def _flashmla_view(self, bs: int, s_q: int) -> FlashMLAMetadata | None:
+        """The metadata's view for ``bs`` rows (``s_q`` query rows per request), else None."""
+        if self._sched is None:
+            return None
+        md, ns = self._sched
+        return FlashMLAMetadata(md, ns[: bs + 1], md.shape[0], s_q, stamp=self._stamp)
 
     def _window(self, x: Inputs) -> dict[str, Any]:
         """The window keywords of the part that carries the window part (none without one)."""

@@ -141,10 +141,12 @@ class DecodePhase(PhaseBase[DecodeView]):
         return self._done(bs, n, x.seq_lens_host, ids)
 
     def _parts(self, ops: UpdatePath, bs: int, values: DecodeValues) -> tuple[Replay, ...]:
-        """One paged part (``keep``: the incremental page table, see the class docstring)."""
+        """One paged part (``keep``: the incremental page table, see the class docstring), then
+        FlashMLA's schedule of its lengths when the pool keeps it."""
         x = values.inputs
         return (self._paged_launch(ops, self._b, bs, x, keep=values.keep, width=values.width,
-                                   **self._window(x)),)
+                                   **self._window(x)),
+                *self._flashmla_launch(ops, self._b, bs, x))
 
     def _capture_values(self) -> DecodeValues:
         return DecodeValues(inputs=self._capture_inputs(), keep=None, width=0)
@@ -173,4 +175,5 @@ class DecodePhase(PhaseBase[DecodeView]):
         return part_view(self._b, bs, self._arange, max_q=1, max_k=max_seqlen_k,
                          page_size=self.cfg.page_size, causal=True, cls=DecodeView,
                          stamp=self._stamp, window=self._window_view(
-                             bs, self._arange, 1, max_seqlen_k, cls=DecodeView))
+                             bs, self._arange, 1, max_seqlen_k, cls=DecodeView),
+                         flashmla=self._flashmla_view(bs, 1))

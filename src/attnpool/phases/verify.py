@@ -98,11 +98,13 @@ class VerifyPhase(PhaseBase[VerifyView]):
         return self._view(bs, self._max_k(host, add, x.n, bs, cfg.max_context_len))
 
     def _parts(self, ops: UpdatePath, bs: int, values: VerifyValues) -> tuple[Replay, ...]:
-        """The prefix part (chain: causal over ``seq_lens + N``), then the tree expand part."""
+        """The prefix part (chain: causal over ``seq_lens + N``), FlashMLA's schedule of its
+        lengths when the pool keeps it, then the tree expand part."""
         x = values.inputs
         out = [self._paged_launch(ops, self._p, bs, x,
                                   extra=0 if self.tree else self.cfg.num_draft_tokens,
-                                  width=values.width, **self._window(x))]
+                                  width=values.width, **self._window(x)),
+               *self._flashmla_launch(ops, self._p, bs, x)]
         if self._e is not None and values.tree_mask is not None:
             out.append(ops.tree_expand_launch(
                 self._e, bs=bs, tree_mask=values.tree_mask, seq_lens=x.seq_lens,
@@ -128,7 +130,8 @@ class VerifyPhase(PhaseBase[VerifyView]):
     def _make_view(self, bs: int, max_k: int) -> VerifyView:
         cfg, nd = self.cfg, self.cfg.num_draft_tokens
         prefix: PagedView = part_view(self._p, bs, self._cu_q, max_q=nd, max_k=max_k,
-                           page_size=cfg.page_size, causal=not self.tree, stamp=self._stamp)
+                           page_size=cfg.page_size, causal=not self.tree, stamp=self._stamp,
+                           flashmla=self._flashmla_view(bs, nd))
         expand: PagedView | None = None
         if self._e is not None:
             expand = part_view(self._e, bs * nd, self._arange, max_q=1, max_k=nd, page_size=1,

@@ -91,6 +91,11 @@ def _config_args(p: argparse.ArgumentParser) -> None:
                         "window part (none when omitted)")
     p.add_argument("--layout", choices=_LAYOUTS, default="flash_attn",
                    help="page-table layouts to keep")
+    p.add_argument("--flashmla-sms", type=_int_in(1), default=None, metavar="SMS",
+                   help="keep FlashMLA's scheduler metadata for a device of SMS multiprocessors "
+                        "(needs --flashmla-heads and --page-size 64)")
+    p.add_argument("--flashmla-heads", type=_int_in(1), default=None, metavar="H",
+                   help="query heads FlashMLA's kernel sees (on one latent KV head)")
 
 
 def _plan(a: argparse.Namespace) -> int:
@@ -99,15 +104,20 @@ def _plan(a: argparse.Namespace) -> int:
                          f"(cu_seqlens_k is int32), got {a.max_bs} * {a.context} = "
                          f"{a.max_bs * a.context}")
     from ..arena import plan_arena
-    from ..config import Layout, PoolConfig
+    from ..config import FlashMLAConfig, Layout, PoolConfig
 
+    if (a.flashmla_sms is None) != (a.flashmla_heads is None):
+        raise UsageError("--flashmla-sms and --flashmla-heads go together, got only "
+                         + ("--flashmla-sms" if a.flashmla_heads is None else "--flashmla-heads"))
+    mla = (None if a.flashmla_sms is None
+           else FlashMLAConfig(num_sms=a.flashmla_sms, num_heads_q=a.flashmla_heads))
     layout = {"flash_attn": Layout.FLASH_ATTN, "flashinfer": Layout.FLASHINFER,
               "both": Layout.BOTH}[a.layout]
     cfg = PoolConfig(
         max_bs=a.max_bs, max_context_len=a.context, page_size=a.page_size, device="cpu",
         num_draft_tokens=a.draft_tokens, topk=a.topk, spec_steps=a.spec_steps,
         max_encoder_len=a.encoder_len, attention_chunk_size=a.chunk, layout=layout,
-        max_extend_tokens=a.extend_tokens, sliding_window=a.sliding_window,
+        max_extend_tokens=a.extend_tokens, sliding_window=a.sliding_window, flashmla=mla,
     )
     plan = plan_arena(cfg)  # arithmetic only: nothing is allocated
     if plan.nbytes > MAX_PLAN_BYTES:

@@ -13,6 +13,8 @@ varies what an engine can vary, and the wrappers decide the rest (constexprs, bl
 * sizes: a small batch, and for the heaviest flags of each part the largest block of each warp
   count the wrappers pick (:func:`tiers`, up to :data:`MAX_ROWS` rows), with page tables wide
   enough for the widest page loop and a large draft tree (:data:`MAX_TREE_TOKENS` tokens);
+* FlashMLA's scheduler part (``PoolConfig(flashmla=...)``): decode and verify, eager and
+  capturable, int32 and int64 caller tensors, and a batch per warp count;
 * the KV store: every cache dtype (float16, bfloat16, float32, fp8 e4m3 / e5m2 from each model
   dtype, per-tensor and per-head scales), MHA (one and many heads, K and V of different head
   sizes) and MLA (with and without the rope part), NHD and HND, page sizes 1, 16 and 12, the
@@ -267,6 +269,29 @@ def _large(rec: Recorder) -> None:
                 only=("verify", "draft"))
 
 
+def _flashmla(rec: Recorder) -> None:
+    """FlashMLA's scheduler part (decode and verify, page size 64): eager and capturable, caller
+    tensors int32 and int64, bound; then one batch per warp count its wrapper picks (the
+    prefix-sum vector holds every row)."""
+    from ..config import FlashMLAConfig
+
+    mla = {"page_size": 64, "num_draft_tokens": 3,
+           "flashmla": FlashMLAConfig(num_sms=132, num_heads_q=128)}
+    pool = _pool(max_bs=4, max_context_len=1024, **mla)
+    for dt, cap in itertools.product((I32, I64), (False, True)):
+        label = f"flashmla {str(dt).removeprefix('torch.')}{' num_real' if cap else ''}"
+        _update(rec, pool, _Batch(pool, 3, cap=cap, block=True, dt=dt, tdt=dt), label,
+                only=("decode", "verify"))
+    _update(rec, pool, _Batch(pool, 3, cap=True, block=True), "flashmla bound", bound=True,
+            only=("decode", "verify"))
+    del pool
+    for rows in (2048, 4096):  # (FLASHMLA_MAX_BS)
+        pool = _pool(max_bs=rows, max_context_len=1024, **mla)
+        _update(rec, pool, _Batch(pool, rows, cap=True, block=True), f"flashmla {rows} rows",
+                only=("decode",))
+        del pool
+
+
 def _kv(rec: Recorder) -> None:
     """Every store the KV pool launches: each cache dtype from each source dtype it accepts, for
     each kind and page size (NHD, the pool's int64 slots, one scale); then, for a float16 and an
@@ -330,4 +355,5 @@ def run_matrix(rec: Recorder) -> None:
         _small(rec)
         _widths(rec)
         _large(rec)
+        _flashmla(rec)
         _kv(rec)

@@ -21,10 +21,15 @@ def paged_kernels() -> ModuleType:
     return triton_paged_kernels
 
 
-
-
 def draft_kernels() -> ModuleType:
     """The draft tree expand kernel's module (imported on first use, like :func:`kernels`)."""
     from . import triton_draft_kernels
 
     return triton_draft_kernels
+
+
+def flashmla_kernels() -> ModuleType:
+    """The FlashMLA scheduler kernel's module (imported on first use, like :func:`kernels`)."""
+    from . import triton_flashmla_kernels
+
+    return triton_flashmla_kernels

@@ -138,6 +138,18 @@ class UpdatePath(Protocol):
         block_size: int | None = None,
     ) -> Replay: ...
 
+    def flashmla_launch(
+        self,
+        b: PagedBuffers,
+        *,
+        bs: int,
+        n: int,
+        tile_scheduler_metadata: Tensor,
+        num_splits: Tensor,
+        num_parts: int,
+        num_real: Tensor | None = None,
+    ) -> Replay: ...
+
     def keep_flags(self, prev_ids: Sequence[Hashable] | None, ids: Sequence[Hashable], bs: int
                    ) -> list[int]: ...
 

@@ -4,7 +4,8 @@ This module and :mod:`.triton` expose the same functions with the same signature
 of part: :func:`paged_update_` (decode, verify chain, draft chain steps, a draft tree's prefix
 pass, draft extend and extend with their query parts, encoder cross and decoder rows),
 :func:`tree_expand_update_` (verify tree), :func:`draft_tree_expand_update_` (every step of a
-draft tree round) and :func:`local_update_` (chunked local attention), each with a ``*_launch``
+draft tree round), :func:`local_update_` (chunked local attention) and ``flashmla_launch``
+(FlashMLA's scheduler metadata, :mod:`.flashmla_sched`), each with a ``*_launch``
 twin that binds every argument once and is replayed per update with new inputs (see
 :class:`Call`). A phase picks the module once (``pool.impl``) and has no other branch: both write
 the same bytes in every read region (docs/design.md, The contract).
@@ -31,6 +32,7 @@ from typing import Any, ParamSpec
 
 from ..errors import CapacityError
 from .buffers import PagedBuffers, table_width
+from .flashmla_sched import flashmla_part_
 from .launch import RecordPaths, record_paths
 from .reference_parts import (
     draft_tree_expand_part_,
@@ -50,11 +52,29 @@ from .row_layouts import (
 from .writes import cumsum_, lengths_, paged_
 
 __all__ = [
-    "Call", "PagedBuffers", "cumsum_", "draft_expand", "draft_tree_expand_launch",
-    "draft_tree_expand_update_", "extend_tokens", "gather_pages", "keep_flags", "lengths_",
-    "local_extend_launch", "local_launch", "local_rows", "local_update_", "paged_",
-    "paged_launch", "paged_update_", "table_slots", "table_width", "tree_expand",
-    "tree_expand_launch", "tree_expand_update_",
+    "Call",
+    "PagedBuffers",
+    "cumsum_",
+    "draft_expand",
+    "draft_tree_expand_launch",
+    "draft_tree_expand_update_",
+    "extend_tokens",
+    "flashmla_launch",
+    "gather_pages",
+    "keep_flags",
+    "lengths_",
+    "local_extend_launch",
+    "local_launch",
+    "local_rows",
+    "local_update_",
+    "paged_",
+    "paged_launch",
+    "paged_update_",
+    "table_slots",
+    "table_width",
+    "tree_expand",
+    "tree_expand_launch",
+    "tree_expand_update_",
 ]
 
 P = ParamSpec("P")
@@ -133,6 +153,9 @@ local_launch = _launcher("local_launch", local_part_, (
 #: kernel serves it; both update paths run these ops (its own launch name: see LocalPhase)
 local_extend_launch = _launcher("local_extend_launch", local_extend_part_, (
     "seq_lens", "extend_lens", "req_pool_indices", "req_to_token"))
+
+#: FlashMLA's scheduler metadata of a part's lengths (the exact torch port: a few ops per part)
+flashmla_launch = _launcher("flashmla_launch", flashmla_part_, ("n", "num_real"))
 
 
 def paged_update_(b: PagedBuffers, **kw: Any) -> None:

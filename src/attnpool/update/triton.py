@@ -24,7 +24,8 @@ and decoder rows (``token_offset``) are :func:`paged_update_`; all chain draft s
 one :func:`paged_update_` with ``steps``; a draft tree round is :func:`paged_update_` with
 ``full_pages`` (prefix) plus :func:`draft_tree_expand_update_` (every step's expand rows); a verify
 tree is :func:`paged_update_` plus :func:`tree_expand_update_`; chunked local attention is
-:func:`local_update_`.
+:func:`local_update_`. FlashMLA's scheduler metadata (``PoolConfig(flashmla=...)``, decode and
+verify) is :func:`flashmla_launch` after the part whose lengths it schedules.
 
 Every address a kernel touches is bounded without a host read (row indices clamped into
 ``req_to_token``, columns into its width and the page table's, CSR positions into ``kv_indices``):
@@ -59,12 +60,13 @@ from .kernel_loaders import kernels
 from .launch import Launch, part_pointers, pointer_or, replayable
 from .reference import local_extend_launch as local_extend_launch
 from .triton_draft import draft_tree_expand_launch, draft_tree_expand_update_
+from .triton_flashmla import flashmla_launch
 from .triton_paged import paged_launch
 from .tuning import MAX_BLOCK_P, MAXNREG, pow2, scan_block, warps
 
 __all__ = [
     "draft_tree_expand_launch",
-    "draft_tree_expand_update_", "keep_flags", "local_extend_launch", "local_launch",
+    "draft_tree_expand_update_", "flashmla_launch", "keep_flags", "local_extend_launch", "local_launch",
     "local_update_", "paged_launch", "paged_update_", "tree_expand_launch", "tree_expand_update_",
 ]
 # ``local_extend_launch`` is the reference part's (torch ops): the prefill shape of local
