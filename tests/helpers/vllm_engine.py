@@ -93,8 +93,8 @@ def attnpool_backend(on: bool) -> Iterator[None]:
 
     from attnpool.integrations import vllm as ap_vllm
 
-    key = registry.AttentionBackendEnum.CPU_ATTN
-    saved = registry._ATTN_OVERRIDES.pop(key, None)
+    keys = (registry.AttentionBackendEnum.CPU_ATTN, registry.AttentionBackendEnum.CPU_MLA)
+    saved = {key: registry._ATTN_OVERRIDES.pop(key, None) for key in keys}
     old = os.environ.get(ap_vllm.SWITCH)
     try:
         os.environ[ap_vllm.SWITCH] = "1" if on else "0"
@@ -102,9 +102,10 @@ def attnpool_backend(on: bool) -> Iterator[None]:
         selector._cached_get_attn_backend.cache_clear()
         yield
     finally:
-        registry._ATTN_OVERRIDES.pop(key, None)
-        if saved is not None:
-            registry._ATTN_OVERRIDES[key] = saved
+        for key in keys:
+            registry._ATTN_OVERRIDES.pop(key, None)
+            if saved[key] is not None:
+                registry._ATTN_OVERRIDES[key] = saved[key]
         if old is None:
             os.environ.pop(ap_vllm.SWITCH, None)
         else:
