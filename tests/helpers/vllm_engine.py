@@ -55,6 +55,33 @@ def _configs() -> dict[str, Any]:
     }
 
 
+#: DeepSeek (multi-head latent attention): vLLM's CPU MLA backend compiles only the 576-wide
+#: latent row (kv_lora_rank 512 + rope 64); the per-head sizes stay tiny (4 heads, nope 32,
+#: v 32). ``first_k_dense_replace`` = the layer count makes every layer dense; the ``_moe``
+#: variant routes its second layer's MLP over 4 experts (top 2, one shared expert; V3's
+#: ``noaux_tc`` routing, whose correction bias vLLM loads only under that name).
+_MLA: dict[str, Any] = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+                        "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                        "qk_nope_head_dim": 32, "v_head_dim": 32,
+                        "max_position_embeddings": 1024, "initializer_range": 0.3,
+                        "first_k_dense_replace": 2, "tie_word_embeddings": False}
+_MOE: dict[str, Any] = {"first_k_dense_replace": 1, "n_routed_experts": 4,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                        "n_shared_experts": 1, "n_group": 1, "topk_group": 1}
+
+
+def _mla_configs() -> dict[str, Any]:
+    import transformers as tf
+
+    return {
+        "deepseek_v2": tf.DeepseekV2Config(**_MLA, q_lora_rank=None),
+        "deepseek_v3": tf.DeepseekV3Config(**_MLA, q_lora_rank=64),
+        "deepseek_v3_moe": tf.DeepseekV3Config(**(_MLA | _MOE), q_lora_rank=64,
+                                               topk_method="noaux_tc"),
+    }
+
+
 def save_tiny(name: str, root: Path) -> Path:
     """Model ``name`` (a key of the configs above) saved under ``root`` (once)."""
     import torch
@@ -63,7 +90,7 @@ def save_tiny(name: str, root: Path) -> Path:
     path = root / name
     if (path / "config.json").exists():
         return path
-    cfg = _configs()[name]
+    cfg = (_mla_configs() if name.startswith("deepseek") else _configs())[name]
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg).to(torch.float32)
     if name == "gpt_oss":  # sinks start at zero: random ones make the variant show

@@ -101,17 +101,22 @@ class LatentFiller:
         self.pool = BufferPool(pool_config(sizes))
         self.host = sizes.device.type == "cpu"
 
-    def decode(self, seq_lens: Tensor, block_table: Tensor) -> LatentDecode:
-        """Refill the decode view from the step's ``n = len(seq_lens)`` decode rows
-        (``seq_lens [n]``, ``block_table [n, >= max_pages]``: vLLM's, read directly)."""
+    def refill(self, seq_lens: Tensor, block_table: Tensor) -> DecodeView:
+        """The decode view refilled from the step's ``n = len(seq_lens)`` decode rows
+        (``seq_lens [n]``, ``block_table [n, >= max_pages]``: vLLM's, read directly; on a CPU
+        the lengths are host tensors, passed as the view's host lengths too)."""
         n = seq_lens.shape[0]
         if n > self.sizes.max_num_seqs:
             raise CapacityError(f"a step of {n} decode rows is past the pool's "
                                 f"max_num_seqs={self.sizes.max_num_seqs}")
-        view = self.pool.decode.update_(n, seq_lens=seq_lens, block_table=block_table[:n],
+        return self.pool.decode.update_(n, seq_lens=seq_lens, block_table=block_table[:n],
                                         seq_lens_cpu=seq_lens if self.host else None)
-        return LatentDecode(view, mla.plan(view, num_q=n, shape=self.shape, dtype=self.dtype),
-                            self.shape)
+
+    def decode(self, seq_lens: Tensor, block_table: Tensor) -> LatentDecode:
+        """:meth:`refill`, then the step's plan over the refilled view (once for all layers)."""
+        view = self.refill(seq_lens, block_table)
+        return LatentDecode(view, mla.plan(view, num_q=view.bs, shape=self.shape,
+                                           dtype=self.dtype), self.shape)
 
 
 class SlotStaging:
