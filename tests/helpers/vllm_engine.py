@@ -140,6 +140,31 @@ def attnpool_backend(on: bool) -> Iterator[None]:
         selector._cached_get_attn_backend.cache_clear()
 
 
+@contextlib.contextmanager
+def mla_scheduling_kept() -> Iterator[None]:
+    """vLLM's CPU platform keeps the engine's chunked prefill, prefix caching and
+    ``max_num_batched_tokens`` for MLA models too, in this process (it turns the first two off
+    and raises the third for every MLA model on a CPU without AMX; both backends run under
+    them)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.__dict__["check_and_update_config"]
+
+    def keeping(cls: Any, vllm_config: Any) -> None:
+        sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        kept = (sched.enable_chunked_prefill, cache.enable_prefix_caching,
+                sched.max_num_batched_tokens)
+        check.__func__(cls, vllm_config)
+        (sched.enable_chunked_prefill, cache.enable_prefix_caching,
+         sched.max_num_batched_tokens) = kept
+
+    CpuPlatform.check_and_update_config = classmethod(keeping)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = check
+
+
 def engine_args(**kw: Any) -> dict[str, Any]:
     """The engine arguments every comparison shares (float32: vLLM's bfloat16 and compiled
     paths drift even natively), updated with ``kw``."""

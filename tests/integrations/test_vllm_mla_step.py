@@ -13,8 +13,10 @@ from attnpool import CapacityError, InputError
 from attnpool.adapters.mla_absorb import absorb_q, expand_kv, split_kv_b_proj, unabsorb_out
 from attnpool.integrations.vllm.mla_step import (
     LatentFiller,
+    MLAPrefill,
     SlotStaging,
     latent_cache,
+    prefill_mode,
     store_latent_,
 )
 from attnpool.integrations.vllm.step import EngineSizes
@@ -56,16 +58,18 @@ def test_store_writes_vllms_rows_and_sends_padding_to_the_null_block() -> None:
 
 
 def _filler() -> LatentFiller:
-    sizes = EngineSizes(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=128,
+    sizes = EngineSizes(max_num_seqs=4, max_num_batched_tokens=56, max_model_len=128,
                         block_size=P, sliding_window=None, num_blocks=24,
                         device=torch.device("cpu"))
     return LatentFiller(sizes, SHAPE, torch.float64)
 
 
-def test_decode_step_equals_the_expanded_attention() -> None:
-    """Decode rows refilled from vLLM's lengths and block table (rows past them: padding),
-    absorbed attention over the latent cache, then ``W_UV``: the per-head attention over the
-    expanded keys and values, in float64."""
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 9, 40]], ids=["decode", "mixed"])
+def test_step_equals_the_expanded_attention(q_lens: list[int]) -> None:
+    """Rows refilled from vLLM's lengths and block table (rows past them: padding): three
+    decode rows (a decode update), or a decode row, a prefill chunk over a cached prefix and a
+    fresh prompt (one extend update); absorbed attention over the latent cache, then ``W_UV``:
+    the per-head causal attention over the expanded keys and values, in float64."""
     torch.manual_seed(0)
     lens = [5, 17, 40]
     table = torch.zeros(6, 8, dtype=torch.int32)
@@ -75,18 +79,23 @@ def test_decode_step_equals_the_expanded_attention() -> None:
         table[r, :pages] = torch.arange(nxt, nxt + pages)
         nxt += pages
     kv = _cache(24)
-    keys = [[int(table[r, p // P]) * P + p % P for p in range(n)] for r, n in enumerate(lens)]
+    slots = [[int(table[r, p // P]) * P + p % P for p in range(n)] for r, n in enumerate(lens)]
     flat = kv.view(-1, ROW)
-    for row in keys:
+    for row in slots:
         flat[row] = torch.randn(len(row), ROW, dtype=torch.float64)
-    seq_lens = torch.tensor([*lens, 0], dtype=torch.int32)[:3]
-    step = _filler().decode(seq_lens, table)
+    t = sum(q_lens)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    step = _filler().fill(seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table,
+                          num_tokens=t, query_start_loc=None if max(q_lens) == 1 else qsl)
+    assert type(step.view).__name__ == ("DecodeView" if max(q_lens) == 1 else "ExtendView")
     assert step.view.cache_seqlens[:3].tolist() == lens
     w_uk, w_uv = split_kv_b_proj(torch.randn(4 * 16, L, dtype=torch.float64), SHAPE)
-    q_nope, q_pe = torch.randn(3, 4, 8, dtype=torch.float64), torch.randn(3, 4, 8,
+    q_nope, q_pe = torch.randn(t, 4, 8, dtype=torch.float64), torch.randn(t, 4, 8,
                                                                           dtype=torch.float64)
     scale = SHAPE.softmax_scale
     out = unabsorb_out(step.run(absorb_q(q_nope, w_uk), kv, scale, q_pe=q_pe), w_uv)
+    keys = [row[: n - q + j + 1] for row, n, q in zip(slots, lens, q_lens, strict=True)
+            for j in range(q)]
     k, v = expand_kv(flat[:, :L].nan_to_num(), flat[:, L:].nan_to_num(), w_uk, w_uv)
     # one slot per page: slot s is row s of the expanded [tokens, H, D] keys and values
     ref, _ = dense_attention(torch.cat((q_nope, q_pe), dim=-1), k.view(-1, 1, 4, 16),
@@ -94,6 +103,17 @@ def test_decode_step_equals_the_expanded_attention() -> None:
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
-def test_more_decode_rows_than_the_pool_holds_are_refused() -> None:
+def test_prefill_setting() -> None:
+    assert prefill_mode(" ATTNPOOL ") is MLAPrefill.ATTNPOOL
+    assert prefill_mode("vllm") is MLAPrefill.VLLM
+    with pytest.raises(InputError, match="'vllm' or 'attnpool', got 'auto'"):
+        prefill_mode("auto")
+
+
+def test_more_rows_or_tokens_than_the_pool_holds_are_refused() -> None:
+    with pytest.raises(CapacityError, match="max_num_batched_tokens=56"):
+        _filler().fill(seq_lens=torch.ones(1, dtype=torch.int32),
+                       block_table=torch.ones(1, 8, dtype=torch.int32), num_tokens=57)
     with pytest.raises(CapacityError, match="max_num_seqs=4"):
-        _filler().decode(torch.ones(5, dtype=torch.int32), torch.ones(5, 8, dtype=torch.int32))
+        _filler().fill(seq_lens=torch.ones(5, dtype=torch.int32),
+                       block_table=torch.ones(5, 8, dtype=torch.int32), num_tokens=5)

@@ -20,6 +20,9 @@ import os
 
 #: The environment switch each vLLM process reads when it loads the plugin.
 SWITCH = "ATTNPOOL_VLLM"
+#: Who attends an MLA model's prefill rows: ``vllm`` (default) or ``attnpool``
+#: (:class:`attnpool.integrations.vllm.mla_step.MLAPrefill`).
+MLA_PREFILL = "ATTNPOOL_VLLM_MLA_PREFILL"
 #: Where vLLM finds the backends (class paths, imported by vLLM when it selects them).
 CPU_BACKEND = "attnpool.integrations.vllm.backend.AttnpoolCPUBackend"
 CUDA_BACKEND = "attnpool.integrations.vllm.backend.AttnpoolBackend"

@@ -3,16 +3,20 @@
 - :class:`AttnpoolCPUMLABackend` replaces vLLM's ``CPU_MLA`` (what the CPU platform returns for
   MLA models on CPUs without AMX): vLLM's facts for it (dtypes, the 576-wide latent row, block
   size 16, which the CPU platform forces for MLA models) are inherited.
-- :class:`AttnpoolMLAMetadataBuilder`: one per KV-cache group. vLLM's MLA builder still splits
-  the step into decode rows (first) and prefill rows and builds the prefill part; the decode
-  part is attnpool's: the group's pool refilled from the decode rows
-  (:class:`.mla_step.LatentFiller`), one SDPA plan per step.
+- :class:`AttnpoolMLAMetadataBuilder`: one per KV-cache group, owning the group's pool
+  (:class:`.mla_step.LatentFiller`, one SDPA plan per step). Prefill rows
+  (:class:`.mla_step.MLAPrefill`, environment variable ``ATTNPOOL_VLLM_MLA_PREFILL``): with
+  ``vllm`` (the default) vLLM's MLA builder splits the step into decode rows (first) and
+  prefill rows and builds the prefill part, and the pool is refilled from the decode rows; with
+  ``attnpool`` the step's metadata says every row is a decode row, so vLLM's layer absorbs every
+  query and the pool holds one extend update of all rows (prefill chunks over cached prefixes
+  included).
 - :class:`AttnpoolMLAImpl`: one per layer. vLLM's MLA layer does the absorption (its ``W_UK``
   and ``W_UV`` from ``kv_b_proj``, made in ``process_weights_after_loading``) around
   :meth:`~AttnpoolMLAImpl.forward_mqa`, which attends with attnpool's absorbed-MLA adapter over
   vLLM's latent cache; the store (:meth:`~AttnpoolMLAImpl.do_kv_cache_update`) is attnpool's
-  (:func:`.mla_step.store_latent_`); prefill rows run vLLM's own path (``forward_mha``: the
-  latents expanded by ``kv_b_proj``, vLLM's CPU SDPA prefill).
+  (:func:`.mla_step.store_latent_`). Under ``VLLM`` prefill rows run vLLM's own path
+  (``forward_mha``: the new latents expanded by ``kv_b_proj``, vLLM's CPU SDPA prefill).
 
 Refused when the layer is built (at engine start): an fp8 latent cache, decode context
 parallelism, sliding windows, anything but decoder self-attention.
@@ -20,6 +24,7 @@ parallelism, sliding windows, anything but decoder self-attention.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +42,16 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from ...errors import LayoutError
 from ...kv.mla_shape import MLAShape
-from .mla_step import LatentDecode, LatentFiller, SlotStaging, latent_cache, store_latent_
+from . import MLA_PREFILL
+from .mla_step import (
+    LatentFiller,
+    LatentStep,
+    MLAPrefill,
+    SlotStaging,
+    latent_cache,
+    prefill_mode,
+    store_latent_,
+)
 from .step import EngineSizes
 
 logger = init_logger("vllm.plugins.attnpool")
@@ -47,7 +61,7 @@ logger = init_logger("vllm.plugins.attnpool")
 class AttnpoolMLADecodeMetadata(MLACommonDecodeMetadata):
     """vLLM's decode metadata plus attnpool's refilled decode view and plan (``latent``)."""
 
-    latent: LatentDecode | None = None
+    latent: LatentStep | None = None
 
 
 class AttnpoolMLAImpl(CPUMLAImpl):
@@ -77,8 +91,9 @@ class AttnpoolMLAImpl(CPUMLAImpl):
 
     def forward_mqa(self, q: Tensor | tuple[Tensor, Tensor], kv_c_and_k_pe_cache: Tensor,
                     attn_metadata: MLACommonMetadata, layer: Any) -> tuple[Tensor, None]:
-        """The decode rows' latent output ``[n, H, L]`` (vLLM applies ``W_UV``) from their
-        absorbed query: ``(q_nope · W_UK [n, H, L], q_pe [n, H, R])`` or packed."""
+        """The latent output ``[T, H, L]`` (vLLM applies ``W_UV``) of the rows attnpool attends
+        (the decode rows, or every row: :class:`.mla_step.MLAPrefill`) from their absorbed
+        query: ``(q_nope · W_UK [T, H, L], q_pe [T, H, R])`` or packed."""
         decode = attn_metadata.decode
         if not isinstance(decode, AttnpoolMLADecodeMetadata) or decode.latent is None:
             raise LayoutError(f"attnpool's MLA layer reads attnpool's decode metadata, got "
@@ -118,9 +133,34 @@ class AttnpoolMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             sliding_window=None, num_blocks=vllm_config.cache_config.num_gpu_blocks,
             device=torch.device(device))
         self.filler = LatentFiller(sizes, shapes.pop(), model.dtype)
-        logger.info("attnpool serves MLA decode of %d layers: one pool of %d bytes, max_bs %d, "
-                    "block size %d", len(impls), self.filler.pool.nbytes, sizes.max_num_seqs,
-                    sizes.block_size)
+        self.prefill = prefill_mode(os.environ.get(MLA_PREFILL, MLAPrefill.VLLM.value))
+        logger.info("attnpool serves MLA attention of %d layers (prefill rows: %s): one pool "
+                    "of %d bytes, max_bs %d, %d tokens, block size %d", len(impls),
+                    self.prefill.value, self.filler.pool.nbytes, sizes.max_num_seqs,
+                    sizes.max_num_batched_tokens, sizes.block_size)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Any,
+              fast_build: bool = False) -> MLACommonMetadata:
+        """The step's metadata: vLLM's split with attnpool's decode part (``VLLM``), or every
+        row attnpool's (``ATTNPOOL``: reported to vLLM's layer as decode rows, so it absorbs
+        every query and calls :meth:`AttnpoolMLAImpl.forward_mqa` once for all of them)."""
+        if self.prefill is MLAPrefill.VLLM:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        cm = common_attn_metadata
+        n, t = cm.num_reqs, cm.num_actual_tokens
+        seq_lens, table = cm.seq_lens[:n], cm.block_table_tensor[:n]
+        step = self.filler.fill(seq_lens=seq_lens, block_table=table, num_tokens=t,
+                                query_start_loc=None if cm.max_query_len == 1
+                                else cm.query_start_loc)
+        decode = AttnpoolMLADecodeMetadata(block_table=table, seq_lens=seq_lens,
+                                           dcp_tot_seq_lens=None, latent=step)
+        return self.metadata_cls(num_reqs=n, max_query_len=cm.max_query_len,
+                                 max_seq_len=cm.max_seq_len, num_actual_tokens=t,
+                                 query_start_loc=cm.query_start_loc,
+                                 slot_mapping=cm.slot_mapping,
+                                 head_dim=self.model_config.get_head_size(), num_decodes=n,
+                                 num_decode_tokens=t, num_prefills=0, prefill=None,
+                                 decode=decode)
 
     def _build_decode(self, block_table_tensor: Tensor, seq_lens_device: Tensor,
                       max_seq_len: int, query_start_loc_cpu: Tensor,
@@ -129,7 +169,8 @@ class AttnpoolMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
                       ) -> AttnpoolMLADecodeMetadata:
         """The decode rows' part of the step (vLLM passes the first ``num_decodes`` rows'
         block table and lengths): attnpool's pool refilled from them."""
-        latent = self.filler.decode(seq_lens_device, block_table_tensor)
+        latent = self.filler.fill(seq_lens=seq_lens_device, block_table=block_table_tensor,
+                                  num_tokens=seq_lens_device.shape[0])
         return AttnpoolMLADecodeMetadata(block_table=block_table_tensor,
                                          seq_lens=seq_lens_device,
                                          dcp_tot_seq_lens=dcp_tot_seq_lens_device,

@@ -12,17 +12,25 @@ values its first ``L`` columns, output the latent ``[T, H, L]`` that vLLM's own 
 stays vLLM's.
 
 vLLM's MLA scaffolding splits each step into decode rows (one query, placed first by its batch
-reorder) and prefill rows. :class:`LatentFiller` owns the group's :class:`attnpool.BufferPool`
-(sized like the other groups': :func:`.step.pool_config`) and refills its decode view from the
-decode rows' ``seq_lens`` and block table (``block_table=``, vLLM's block 0 the pad page) with
-the layer-independent half of the SDPA pass computed once per step
-(:func:`attnpool.adapters.mla.plan`), which every layer of the group then reads.
+reorder), whose absorbed queries go to the backend's decode call, and prefill rows, which it
+expands through ``kv_b_proj`` and hands to its prefill path. :class:`LatentFiller` owns the
+group's :class:`attnpool.BufferPool` (sized like the other groups': :func:`.step.pool_config`)
+and refills it from vLLM's lengths and block table (``block_table=``, vLLM's block 0 the pad
+page), with the layer-independent half of the SDPA pass computed once per step
+(:func:`attnpool.adapters.mla.plan`), which every layer of the group then reads. Which rows
+attnpool attends is :class:`MLAPrefill`'s choice:
+
+- ``VLLM`` (the default): the decode rows only (a decode update); prefill rows run vLLM's own
+  prefill (the new latents expanded per head, a cached prefix gathered and merged by vLLM);
+- ``ATTNPOOL``: every row, absorbed, as one extend update (a decode row is an extend row of one
+  query); a prefill chunk reads its cached prefix straight from the latent cache.
 
 Nothing here imports vLLM: the views, the store and the refill are plain torch.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +41,26 @@ from ...adapters.sdpa_plan import Plan
 from ...errors import CapacityError, InputError
 from ...kv.mla_shape import MLAShape
 from ...pool import BufferPool
-from ...views import DecodeView
+from ...views import DecodeView, ExtendView
 from .cache import slot_index_
 from .step import EngineSizes, pool_config
+
+
+class MLAPrefill(enum.Enum):
+    """Who attends an MLA step's prefill rows (see the module docstring)."""
+
+    VLLM = "vllm"
+    ATTNPOOL = "attnpool"
+
+
+def prefill_mode(setting: str) -> MLAPrefill:
+    """The :class:`MLAPrefill` named by ``setting`` (``"vllm"``, the default, or
+    ``"attnpool"``; any case)."""
+    try:
+        return MLAPrefill(setting.strip().lower())
+    except ValueError:
+        raise InputError(f"the MLA prefill setting must be 'vllm' or 'attnpool', got "
+                         f"{setting!r}") from None
 
 
 def latent_cache(kv_cache: Tensor, shape: MLAShape) -> Tensor:
@@ -68,24 +93,25 @@ def store_latent_(cache: Tensor, kv_c: Tensor, k_pe: Tensor, blocks: Tensor,
 
 
 @dataclass(frozen=True, slots=True)
-class LatentDecode:
-    """What every layer of a group reads for the step's decode rows.
+class LatentStep:
+    """What every layer of a group reads for the rows attnpool attends in one step.
 
     Fields:
-        view: the refilled :class:`attnpool.DecodeView` (``n`` rows, one query each).
+        view: the refilled :class:`attnpool.DecodeView` (rows of one query) or
+            :class:`attnpool.ExtendView` (prefill chunks and decode rows together).
         plan: the SDPA pass's layer-independent half for ``view`` with ``H`` query heads over
             the one latent head (:func:`attnpool.adapters.mla.plan`).
         shape: the group's :class:`MLAShape`.
     """
 
-    view: DecodeView
+    view: DecodeView | ExtendView
     plan: Plan
     shape: MLAShape
 
     def run(self, q: Tensor, kv_cache: Tensor, softmax_scale: float,
             q_pe: Tensor | None = None) -> Tensor:
-        """The latent output ``[n, H, L]`` of the absorbed query (``[n, H, L + R]``, or the
-        latent part ``[n, H, L]`` with ``q_pe [n, H, R]``) over one layer's latent cache
+        """The latent output ``[T, H, L]`` of the absorbed query (``[T, H, L + R]``, or the
+        latent part ``[T, H, L]`` with ``q_pe [T, H, R]``) over one layer's latent cache
         (vLLM's tensor: :func:`latent_cache`)."""
         out = mla.run_plan(self.plan, q, latent_cache(kv_cache, self.shape), self.shape,
                            q_pe=q_pe, softmax_scale=softmax_scale)
@@ -93,30 +119,46 @@ class LatentDecode:
 
 
 class LatentFiller:
-    """One MLA KV-cache group's pool and per-step decode refill (see the module doc), and the
-    staging buffers of the latent store's block/offset pairs."""
+    """One MLA KV-cache group's pool and per-step refill (see the module doc)."""
 
     def __init__(self, sizes: EngineSizes, shape: MLAShape, dtype: torch.dtype) -> None:
         self.sizes, self.shape, self.dtype = sizes, shape, dtype
         self.pool = BufferPool(pool_config(sizes))
         self.host = sizes.device.type == "cpu"
+        self._q_lens = torch.empty(sizes.max_num_seqs, dtype=torch.int32, device=sizes.device)
 
-    def refill(self, seq_lens: Tensor, block_table: Tensor) -> DecodeView:
-        """The decode view refilled from the step's ``n = len(seq_lens)`` decode rows
-        (``seq_lens [n]``, ``block_table [n, >= max_pages]``: vLLM's, read directly; on a CPU
-        the lengths are host tensors, passed as the view's host lengths too)."""
+    def refill(self, *, seq_lens: Tensor, block_table: Tensor,
+               query_start_loc: Tensor | None = None) -> DecodeView | ExtendView:
+        """The view refilled from ``n = len(seq_lens)`` rows (``seq_lens [n]``, ``block_table
+        [n, >= max_pages]``: vLLM's, read directly; on a CPU the lengths are host tensors,
+        passed as the view's host lengths too): the decode view when every row has one query
+        (``query_start_loc`` None), else one extend update with ``extend_lens =
+        diff(query_start_loc [n + 1])`` (a decode row is an extend row of one query)."""
         n = seq_lens.shape[0]
         if n > self.sizes.max_num_seqs:
-            raise CapacityError(f"a step of {n} decode rows is past the pool's "
+            raise CapacityError(f"a step of {n} rows is past the pool's "
                                 f"max_num_seqs={self.sizes.max_num_seqs}")
-        return self.pool.decode.update_(n, seq_lens=seq_lens, block_table=block_table[:n],
-                                        seq_lens_cpu=seq_lens if self.host else None)
+        host = seq_lens if self.host else None
+        if query_start_loc is None:
+            return self.pool.decode.update_(n, seq_lens=seq_lens, block_table=block_table[:n],
+                                            seq_lens_cpu=host)
+        q_lens = self._q_lens[:n]
+        torch.sub(query_start_loc[1:n + 1], query_start_loc[:n], out=q_lens)
+        return self.pool.extend.update_(n, seq_lens=seq_lens, extend_lens=q_lens,
+                                        block_table=block_table[:n], seq_lens_cpu=host,
+                                        extend_lens_cpu=q_lens if self.host else None)
 
-    def decode(self, seq_lens: Tensor, block_table: Tensor) -> LatentDecode:
-        """:meth:`refill`, then the step's plan over the refilled view (once for all layers)."""
-        view = self.refill(seq_lens, block_table)
-        return LatentDecode(view, mla.plan(view, num_q=view.bs, shape=self.shape,
-                                           dtype=self.dtype), self.shape)
+    def fill(self, *, seq_lens: Tensor, block_table: Tensor, num_tokens: int,
+             query_start_loc: Tensor | None = None) -> LatentStep:
+        """:meth:`refill`, then the step's plan for ``num_tokens`` packed queries over the
+        refilled view (once for all layers)."""
+        if num_tokens > self.sizes.max_num_batched_tokens:
+            raise CapacityError(f"a step of {num_tokens} tokens is past the pool's "
+                                f"max_num_batched_tokens={self.sizes.max_num_batched_tokens}")
+        view = self.refill(seq_lens=seq_lens, block_table=block_table,
+                           query_start_loc=query_start_loc)
+        return LatentStep(view, mla.plan(view, num_q=num_tokens, shape=self.shape,
+                                         dtype=self.dtype), self.shape)
 
 
 class SlotStaging:
