@@ -65,7 +65,8 @@ class AttnpoolMLADecodeMetadata(MLACommonDecodeMetadata):
 
 
 class AttnpoolMLAImpl(CPUMLAImpl):
-    """One MLA layer: attnpool's latent store and absorbed decode (see the module docstring)."""
+    """One MLA layer: attnpool's latent store and absorbed attention (see the module
+    docstring)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
                  alibi_slopes: list[float] | None, sliding_window: int | None,
@@ -112,7 +113,8 @@ class AttnpoolMLAImpl(CPUMLAImpl):
 
 
 class AttnpoolMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
-    """One MLA KV-cache group: vLLM's split and prefill metadata, attnpool's decode pool."""
+    """One MLA KV-cache group: its pool, refilled by every :meth:`build` from the decode rows
+    (vLLM's split and prefill metadata kept) or from every row (see the module docstring)."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
