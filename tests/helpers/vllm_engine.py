@@ -55,6 +55,33 @@ def _configs() -> dict[str, Any]:
     }
 
 
+#: DeepSeek (multi-head latent attention): vLLM's CPU MLA backend compiles only the 576-wide
+#: latent row (kv_lora_rank 512 + rope 64); the per-head sizes stay tiny (4 heads, nope 32,
+#: v 32). ``first_k_dense_replace`` = the layer count makes every layer dense; the ``_moe``
+#: variant routes its second layer's MLP over 4 experts (top 2, one shared expert; V3's
+#: ``noaux_tc`` routing, whose correction bias vLLM loads only under that name).
+_MLA: dict[str, Any] = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+                        "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 4, "kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                        "qk_nope_head_dim": 32, "v_head_dim": 32,
+                        "max_position_embeddings": 1024, "initializer_range": 0.3,
+                        "first_k_dense_replace": 2, "tie_word_embeddings": False}
+_MOE: dict[str, Any] = {"first_k_dense_replace": 1, "n_routed_experts": 4,
+                        "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                        "n_shared_experts": 1, "n_group": 1, "topk_group": 1}
+
+
+def _mla_configs() -> dict[str, Any]:
+    import transformers as tf
+
+    return {
+        "deepseek_v2": tf.DeepseekV2Config(**_MLA, q_lora_rank=None),
+        "deepseek_v3": tf.DeepseekV3Config(**_MLA, q_lora_rank=64),
+        "deepseek_v3_moe": tf.DeepseekV3Config(**(_MLA | _MOE), q_lora_rank=64,
+                                               topk_method="noaux_tc"),
+    }
+
+
 def save_tiny(name: str, root: Path) -> Path:
     """Model ``name`` (a key of the configs above) saved under ``root`` (once)."""
     import torch
@@ -63,7 +90,7 @@ def save_tiny(name: str, root: Path) -> Path:
     path = root / name
     if (path / "config.json").exists():
         return path
-    cfg = _configs()[name]
+    cfg = (_mla_configs() if name.startswith("deepseek") else _configs())[name]
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(cfg).to(torch.float32)
     if name == "gpt_oss":  # sinks start at zero: random ones make the variant show
@@ -93,8 +120,8 @@ def attnpool_backend(on: bool) -> Iterator[None]:
 
     from attnpool.integrations import vllm as ap_vllm
 
-    key = registry.AttentionBackendEnum.CPU_ATTN
-    saved = registry._ATTN_OVERRIDES.pop(key, None)
+    keys = (registry.AttentionBackendEnum.CPU_ATTN, registry.AttentionBackendEnum.CPU_MLA)
+    saved = {key: registry._ATTN_OVERRIDES.pop(key, None) for key in keys}
     old = os.environ.get(ap_vllm.SWITCH)
     try:
         os.environ[ap_vllm.SWITCH] = "1" if on else "0"
@@ -102,14 +129,40 @@ def attnpool_backend(on: bool) -> Iterator[None]:
         selector._cached_get_attn_backend.cache_clear()
         yield
     finally:
-        registry._ATTN_OVERRIDES.pop(key, None)
-        if saved is not None:
-            registry._ATTN_OVERRIDES[key] = saved
+        for key in keys:
+            registry._ATTN_OVERRIDES.pop(key, None)
+            if saved[key] is not None:
+                registry._ATTN_OVERRIDES[key] = saved[key]
         if old is None:
             os.environ.pop(ap_vllm.SWITCH, None)
         else:
             os.environ[ap_vllm.SWITCH] = old
         selector._cached_get_attn_backend.cache_clear()
+
+
+@contextlib.contextmanager
+def mla_scheduling_kept() -> Iterator[None]:
+    """vLLM's CPU platform keeps the engine's chunked prefill, prefix caching and
+    ``max_num_batched_tokens`` for MLA models too, in this process (it turns the first two off
+    and raises the third for every MLA model on a CPU without AMX; both backends run under
+    them)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.__dict__["check_and_update_config"]
+
+    def keeping(cls: Any, vllm_config: Any) -> None:
+        sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        kept = (sched.enable_chunked_prefill, cache.enable_prefix_caching,
+                sched.max_num_batched_tokens)
+        check.__func__(cls, vllm_config)
+        (sched.enable_chunked_prefill, cache.enable_prefix_caching,
+         sched.max_num_batched_tokens) = kept
+
+    CpuPlatform.check_and_update_config = classmethod(keeping)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = check
 
 
 def engine_args(**kw: Any) -> dict[str, Any]:

@@ -6,7 +6,8 @@ core, workers). It does nothing unless the environment variable ``ATTNPOOL_VLLM`
 with the switch off, vLLM behaves exactly as without attnpool. With it on:
 
 - on CPU, attnpool's backend takes the place of vLLM's ``CPU_ATTN`` (the only backend the CPU
-  platform returns for non-MLA models);
+  platform returns for non-MLA models), and its MLA backend that of ``CPU_MLA`` (what the CPU
+  platform returns for multi-head latent attention models on CPUs without AMX: :mod:`.mla`);
 - on CUDA, it is vLLM's ``CUSTOM`` backend: ``LLM(..., attention_backend="CUSTOM")``.
 
 The classes are in :mod:`.backend` (which imports vLLM); the pool sizing and per-step refill in
@@ -19,9 +20,13 @@ import os
 
 #: The environment switch each vLLM process reads when it loads the plugin.
 SWITCH = "ATTNPOOL_VLLM"
+#: Who attends an MLA model's prefill rows: ``vllm`` (default) or ``attnpool``
+#: (:class:`attnpool.integrations.vllm.mla_step.MLAPrefill`).
+MLA_PREFILL = "ATTNPOOL_VLLM_MLA_PREFILL"
 #: Where vLLM finds the backends (class paths, imported by vLLM when it selects them).
 CPU_BACKEND = "attnpool.integrations.vllm.backend.AttnpoolCPUBackend"
 CUDA_BACKEND = "attnpool.integrations.vllm.backend.AttnpoolBackend"
+CPU_MLA_BACKEND = "attnpool.integrations.vllm.mla.AttnpoolCPUMLABackend"
 
 
 def enabled() -> bool:
@@ -40,5 +45,6 @@ def register() -> None:
 
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
+        register_backend(AttentionBackendEnum.CPU_MLA, CPU_MLA_BACKEND)
     else:
         register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
