@@ -22,9 +22,9 @@ from ..views import FlashMLAMetadata, PagedView
 from ._validate import Values, validate
 from ._views import window_view
 from .bound import BoundUpdate
-from .inputs_pass import InputPass, Inputs, Shared
+from .inputs_pass import InputPass, Inputs, Shared, new_record
 
-__all__ = ["Inputs", "PhaseBase", "Replay", "Shared", "UpdatePath", "capturing"]
+__all__ = ["Inputs", "PhaseBase", "Replay", "Shared", "UpdatePath", "capturing", "new_record"]
 
 #: cached views per phase before the cache is dropped
 _MAX_VIEWS = 4096

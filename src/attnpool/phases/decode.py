@@ -13,7 +13,7 @@ from ..config import Phase
 from ..errors import InputError
 from ..views import DecodeView
 from ._views import part_view
-from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -137,7 +137,7 @@ class DecodePhase(PhaseBase[DecodeView]):
         if keep is not None and flags is not None:
             keep.copy_(flags, non_blocking=True)
         self._run((bs, x.launch_key, keep is None), bs,
-                  DecodeValues(x, keep, self._width(x.seq_lens_host)))
+                  new_record(DecodeValues, (x, keep, self._width(x.seq_lens_host))))
         return self._done(bs, n, x.seq_lens_host, ids)
 
     def _parts(self, ops: UpdatePath, bs: int, values: DecodeValues) -> tuple[Replay, ...]:

@@ -16,7 +16,7 @@ from ..specs import draft_expand_width
 from ..update.buffers import PagedBuffers
 from ..views import DraftStepView, DraftView, PagedView
 from ._views import part_view
-from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -138,7 +138,7 @@ class DraftPhase(PhaseBase[DraftView]):
         host = x.seq_lens_host
         # --- writes start here (every part's inputs were checked above) ---
         self._run((bs, x.launch_key, None if loc is None else loc.stride()), bs,
-                  DraftValues(x, loc, self._width(host, 0 if self.tree else steps)))
+                  new_record(DraftValues, (x, loc, self._width(host, 0 if self.tree else steps))))
         self._mark(bs)
         return self._view(bs, host, x.n)
 

@@ -12,7 +12,7 @@ from ..config import Phase
 from ..errors import CapacityError
 from ..views import DraftExtendView
 from ._views import part_view
-from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -94,7 +94,7 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
                                at_most=[("accept_lens", "seq_lens")])
         # --- writes start here ---
         self._run((bs, x.launch_key), bs,
-                  DraftExtendValues(x, acc, self._width(host), 1))
+                  new_record(DraftExtendValues, (x, acc, self._width(host), 1)))
         self._mark(bs)
         return self._view(bs, self._max_k(host, 0, x.n, bs, cfg.max_context_len))
 

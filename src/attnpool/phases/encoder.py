@@ -12,7 +12,7 @@ from ..config import Phase
 from ..inputs import host_lens
 from ..views import DecodeView, EncoderView, PagedView
 from ._views import part_view
-from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -102,7 +102,7 @@ class EncoderPhase(PhaseBase[EncoderView]):
         # --- writes start here (both parts' inputs were checked above) ---
         # (the cross part caps its width at its own capacity, ceil(max_encoder_len / P))
         self._run((bs, x.launch_key), bs,
-                  EncoderValues(x, enc, self._width(host), self._width(enc_host)))
+                  new_record(EncoderValues, (x, enc, self._width(host), self._width(enc_host))))
         # One write of the overlay: the encoder now owns it, decoder rows included (decode's own
         # view of those buffers is not valid until decode writes them again).
         self._mark(bs)

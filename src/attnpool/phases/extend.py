@@ -15,7 +15,7 @@ from ..config import Phase
 from ..errors import CapacityError, InputError, LayoutError
 from ..views import ExtendView
 from ._views import part_view
-from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -131,7 +131,7 @@ class ExtendPhase(PhaseBase[ExtendView]):
         # --- writes start here ---
         self._run((bs, x.launch_key, None if slots is None else slots.shape[0],
                    None if window_slots is None else window_slots.shape[0]), bs,
-                  ExtendValues(x, ext, slots, self._width(host), window_slots))
+                  new_record(ExtendValues, (x, ext, slots, self._width(host), window_slots)))
         self._mark(bs)
         max_q = t_max
         if ehost is not None:

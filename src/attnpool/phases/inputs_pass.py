@@ -10,7 +10,7 @@ Nothing here reads a device value or writes a pool byte: a rejected call changes
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, TypedDict
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict, TypeVar
 
 import torch
 from torch import Tensor
@@ -45,6 +45,17 @@ class Shared(TypedDict, total=False):
 
 
 _SHARED = frozenset(Shared.__annotations__)
+R = TypeVar("R", bound=tuple[Any, ...])
+
+if TYPE_CHECKING:
+    def new_record(cls: type[R], values: tuple[Any, ...], /) -> R:
+        """See below."""
+else:
+    #: ``new_record(Record, (v0, v1, ...))``: the NamedTuple ``Record(v0, v1, ...)``, built
+    #: without the class's generated ``__new__`` (a Python frame of its own that costs twice
+    #: the tuple). Every update builds two records (:class:`Inputs` and the phase's values) on
+    #: its hot path; the values go in field order, as the positional constructor takes them.
+    new_record = tuple.__new__
 
 
 class Inputs(NamedTuple):
@@ -158,8 +169,9 @@ class InputPass:
         key = (block_size, shape, strides, num_real is None,
                None if window_table is None or window_table is table
                else (window_table.shape, window_table.stride()))
-        return Inputs(n, seq_lens, rows, table, block_size, num_real, window_table,
-                      None if cpu is None else host_lens("seq_lens_cpu", cpu, n, 1, hi), cpu, key)
+        return new_record(Inputs, (
+            n, seq_lens, rows, table, block_size, num_real, window_table,
+            None if cpu is None else host_lens("seq_lens_cpu", cpu, n, 1, hi), cpu, key))
 
     def _capturable(self, bs: int, n: int, num_real: object,
                     host: tuple[Tensor | Sequence[int] | None, ...]) -> None:

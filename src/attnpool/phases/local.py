@@ -14,7 +14,7 @@ from ..inputs import check_bs
 from ..specs import local_extend_rows, local_rows_per_request
 from ..views import LocalView
 from ._views import part_view
-from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -122,7 +122,7 @@ class LocalPhase(PhaseBase[LocalView]):
             self._check_values(x, cfg.max_context_len - extra)
         # --- writes start here ---
         self._run((bs, x.launch_key, for_phase), bs,
-                  LocalValues(x, for_phase, None))
+                  new_record(LocalValues, (x, for_phase, None)))
         self._mark(bs)
         self._state = for_phase
         return self._view(bs, for_phase)
@@ -159,7 +159,7 @@ class LocalPhase(PhaseBase[LocalView]):
                                sum_at_most=("extend_lens", t_max))
         # --- writes start here ---
         self._run((bs, x.launch_key, Phase.EXTEND), bs,
-                  LocalValues(x, Phase.EXTEND, ext))
+                  new_record(LocalValues, (x, Phase.EXTEND, ext)))
         self._mark(bs)
         self._state = Phase.EXTEND
         max_q = min(self.chunk, t_max if ehost is None else max(ehost, default=1))

@@ -15,7 +15,7 @@ from ..config import Phase
 from ..errors import InputError
 from ..views import PagedView, VerifyView
 from ._views import part_view
-from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath
+from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -93,7 +93,7 @@ class VerifyPhase(PhaseBase[VerifyView]):
         host = x.seq_lens_host
         # --- writes start here (every part's inputs were checked above) ---
         self._run((bs, x.launch_key, None if mask is None else mask.stride()), bs,
-                  VerifyValues(x, mask, self._width(host, add)))
+                  new_record(VerifyValues, (x, mask, self._width(host, add))))
         self._mark(bs)
         return self._view(bs, self._max_k(host, add, x.n, bs, cfg.max_context_len))
 
