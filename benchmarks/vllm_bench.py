@@ -5,8 +5,10 @@ Run in the vLLM environment (``.ci/vllm`` builds one)::
     python benchmarks/vllm_bench.py [--model smollm2|llama] [--rounds 2] [--compiled]
 
 Prints, per engine mode (eager, and compiled with ``--compiled``) and batch (1 request, 8
-requests), the tokens/s of ``LLM.generate`` for each backend, rounds interleaved (native,
-attnpool, native, ...), and whether both gave the same tokens; then the host time of the
+requests), the tokens/s of ``LLM.generate`` for each variant (``--variants``: vLLM's native
+backend; attnpool's with vLLM's CPU kernel over the pool's buffers; attnpool's with its torch
+paths), rounds interleaved (native, kernel, torch, native, ...), and whether each gave the
+native tokens; then the host time of the
 metadata builder's ``build`` per step, by number of requests in the step, for vLLM's
 ``CPUAttentionMetadataBuilder.build`` and attnpool's, as microseconds and as a ratio to one
 small torch op (``torch.add`` of two 8-element tensors) timed in the same process.
@@ -27,9 +29,11 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 from tests.helpers import vllm_engine as ve
 
-#: per builder class name: num_reqs -> list of seconds
+#: per variant (see VARIANTS): num_reqs -> list of seconds
 BUILD: dict[str, dict[int, list[float]]] = collections.defaultdict(
     lambda: collections.defaultdict(list))
+#: the variant whose engine runs now
+RUNNING = ["native"]
 
 
 def _time_builds() -> None:
@@ -43,10 +47,10 @@ def _time_builds() -> None:
         orig = cls.build
 
         def build(self: Any, common_prefix_len: int, cm: Any, fast_build: bool = False,
-                  _orig: Any = orig, _name: str = cls.__name__) -> Any:
+                  _orig: Any = orig) -> Any:
             t = time.perf_counter()
             out = _orig(self, common_prefix_len, cm, fast_build)
-            BUILD[_name][cm.num_reqs].append(time.perf_counter() - t)
+            BUILD[RUNNING[0]][cm.num_reqs].append(time.perf_counter() - t)
             return out
 
         cls.build = build  # type: ignore[method-assign]
@@ -85,17 +89,29 @@ def _model(name: str) -> tuple[Path, list[dict[str, list[int]]], list[dict[str, 
     return path, ids[:1], ids
 
 
+#: what runs attention in each variant: vLLM's native backend, or attnpool's with vLLM's CPU
+#: kernel over the pool's buffers (``kernel``, the default) or attnpool's torch paths (``torch``)
+VARIANTS = {"native": None, "kernel": "vllm", "torch": "attnpool"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--compiled", action="store_true")
+    ap.add_argument("--variants", default="native,kernel,torch",
+                    help="comma-separated, from " + ", ".join(VARIANTS))
     args = ap.parse_args()
+    variants = args.variants.split(",")
+    if "native" not in variants or not set(variants) <= set(VARIANTS):
+        ap.error(f"--variants must include native and name only {sorted(VARIANTS)}")
     _time_builds()
     path, one, eight = _model(args.model)
     modes = [True] + ([False] if args.compiled else [])
     rows = []
+    from attnpool.integrations.vllm import CPU_KERNEL
+
     for eager in modes:
         kw = {"enforce_eager": eager, "max_model_len": 1024, "max_num_batched_tokens": 1024,
               "max_num_seqs": 8}
@@ -105,15 +121,18 @@ def main() -> int:
         rates: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
         toks: dict[tuple[str, int], list[list[int]]] = {}
         for _ in range(args.rounds):
-            for on in (False, True):
-                with ve.attnpool_backend(on):
+            for name in variants:
+                kernel = VARIANTS[name]
+                RUNNING[0] = name
+                if kernel is not None:
+                    os.environ[CPU_KERNEL] = kernel
+                with ve.attnpool_backend(kernel is not None):
                     llm = LLM(model=str(path), **ve.engine_args(**kw))
                     for reqs in (one, eight):
                         llm.generate(reqs[:1], sp, use_tqdm=False)  # warm
                         t = time.perf_counter()
                         outs = llm.generate(reqs, sp, use_tqdm=False)
                         dt = time.perf_counter() - t
-                        name = "attnpool" if on else "native"
                         rates[(name, len(reqs))].append(
                             sum(len(o.outputs[0].token_ids) for o in outs) / dt)
                         toks[(name, len(reqs))] = [list(o.outputs[0].token_ids) for o in outs]
@@ -122,26 +141,29 @@ def main() -> int:
 
                     gc.collect()
         for b in (1, len(eight)):
-            nat, ours = rates[("native", b)], rates[("attnpool", b)]
-            same = toks[("native", b)] == toks[("attnpool", b)]
-            rows.append((("eager" if eager else "compiled"), b, max(nat), max(ours),
-                         max(ours) / max(nat), sorted(ours)[len(ours) // 2]
-                         / sorted(nat)[len(nat) // 2], same))
-    print("| mode | batch | native tok/s (best) | attnpool tok/s (best) | best ratio | "
-          "median ratio | same tokens |\n|---|---|---|---|---|---|---|")
+            nat = rates[("native", b)]
+            for name in variants[1:] if variants[0] == "native" else variants:
+                if name == "native":
+                    continue
+                ours = rates[(name, b)]
+                rows.append((("eager" if eager else "compiled"), name, b, max(nat), max(ours),
+                             max(ours) / max(nat), sorted(ours)[len(ours) // 2]
+                             / sorted(nat)[len(nat) // 2],
+                             toks[("native", b)] == toks[(name, b)]))
+    print("| mode | attnpool attends with | batch | native tok/s (best) | attnpool tok/s (best) "
+          "| best ratio | median ratio | same tokens |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.2f}x | {r[5]:.2f}x | "
-              f"{'yes' if r[6] else 'NO'} |")
+        print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.2f}x | "
+              f"{r[6]:.2f}x | {'yes' if r[7] else 'NO'} |")
     op = _small_op_s()
     print(f"\none small torch op (torch.add, 8 elements): {op * 1e6:.2f} us\n")
-    print("| requests in the step | steps | vLLM build us (median) | attnpool build us "
-          "(median) | vLLM / op | attnpool / op |\n|---|---|---|---|---|---|")
-    nat, ours = BUILD["CPUAttentionMetadataBuilder"], BUILD["AttnpoolMetadataBuilder"]
-    for n in sorted(set(nat) & set(ours)):
-        a, b = sorted(nat[n]), sorted(ours[n])
-        ma, mb = a[len(a) // 2], b[len(b) // 2]
-        print(f"| {n} | {len(a)} / {len(b)} | {ma * 1e6:.0f} | {mb * 1e6:.0f} | "
-              f"{ma / op:.0f} | {mb / op:.0f} |")
+    print("| requests in the step | variant | steps | build us (median) | in small ops |\n"
+          "|---|---|---|---|---|")
+    for n in sorted(set.intersection(*(set(BUILD[v]) for v in variants))):
+        for v in variants:
+            got = sorted(BUILD[v][n])
+            med = got[len(got) // 2]
+            print(f"| {n} | {v} | {len(got)} | {med * 1e6:.0f} | {med / op:.0f} |")
     return 0
 
 

@@ -12,6 +12,11 @@ native backend and then attnpool's in the same process with the same engine argu
 - ``one_seq``: ``max_num_seqs=1``;
 - ``ngram``: speculative decoding with n-gram drafts (verify steps of several query rows).
 
+Attention on a CPU runs vLLM's own kernel over the pool's buffers by default
+(``ATTNPOOL_VLLM_CPU_KERNEL=vllm``); ``mixed`` also runs attnpool's torch paths (``attnpool``:
+the block decode path and the SDPA adapter) for the models that carry a variant (softcap,
+windows, sinks) and for Llama, and each run asserts which path attended.
+
 A negative control corrupts one refilled field of the pool (a row's ``cache_seqlens``) and
 must change the tokens: the pool's metadata is what attention reads.
 """
@@ -65,10 +70,28 @@ def _compare(model: Path, name: str, setting: str, reqs: list[dict[str, list[int
     return pre_a, hits
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_mixed_batches_chunked_prefix_cached_preempted(root: Path, name: str) -> None:
-    pre, hits = _compare(ve.save_tiny(name, root), name, "mixed", ve.prompts(),
+#: the models whose ``mixed`` run also goes through attnpool's torch paths
+TORCH_PATHS = ("llama", "gemma2", "gemma3", "gpt_oss")
+
+
+@pytest.mark.parametrize(("name", "kernel"), [*((m, "vllm") for m in MODELS),
+                                              *((m, "attnpool") for m in TORCH_PATHS)])
+def test_mixed_batches_chunked_prefix_cached_preempted(root: Path, name: str, kernel: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnpool.integrations.vllm import CPU_KERNEL, cpu_kernel
+
+    calls = []
+    attend = cpu_kernel.CPUKernel.attend
+
+    def counted(self: cpu_kernel.CPUKernel, *a: Any, **kw: Any) -> None:
+        calls.append(1)
+        attend(self, *a, **kw)
+
+    monkeypatch.setattr(cpu_kernel.CPUKernel, "attend", counted)
+    monkeypatch.setenv(CPU_KERNEL, kernel)
+    pre, hits = _compare(ve.save_tiny(name, root), name, f"mixed/{kernel}", ve.prompts(),
                          num_gpu_blocks_override=BLOCKS[name])
+    assert bool(calls) == (kernel == "vllm"), f"{len(calls)} calls of vLLM's kernel"
     assert pre > 0, "the small KV cache should have forced a preemption"
     assert hits > 0, "the shared prefixes should have hit the prefix cache"
 

@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import os
 
+from ...errors import InputError
+
 #: The environment switch each vLLM process reads when it loads the plugin.
 SWITCH = "ATTNPOOL_VLLM"
 #: Who attends an MLA model's prefill rows: ``vllm`` (default) or ``attnpool``
 #: (:class:`attnpool.integrations.vllm.mla_step.MLAPrefill`).
 MLA_PREFILL = "ATTNPOOL_VLLM_MLA_PREFILL"
+#: Who attends on a CPU: ``vllm`` (default: vLLM's own C++ kernel reading the pool's buffers,
+#: :mod:`attnpool.integrations.vllm.cpu_kernel`) or ``attnpool`` (attnpool's torch paths).
+CPU_KERNEL = "ATTNPOOL_VLLM_CPU_KERNEL"
 #: Where vLLM finds the backends (class paths, imported by vLLM when it selects them).
 CPU_BACKEND = "attnpool.integrations.vllm.backend.AttnpoolCPUBackend"
 CUDA_BACKEND = "attnpool.integrations.vllm.backend.AttnpoolBackend"
@@ -32,6 +37,14 @@ CPU_MLA_BACKEND = "attnpool.integrations.vllm.mla.AttnpoolCPUMLABackend"
 def enabled() -> bool:
     """Whether ``ATTNPOOL_VLLM=1`` is set in this process's environment."""
     return os.environ.get(SWITCH, "0").strip() == "1"
+
+
+def cpu_kernel_mode() -> str:
+    """:data:`CPU_KERNEL`'s value, ``vllm`` or ``attnpool`` (anything else is refused)."""
+    mode = os.environ.get(CPU_KERNEL, "vllm").strip() or "vllm"
+    if mode not in ("vllm", "attnpool"):
+        raise InputError(f"{CPU_KERNEL} must be 'vllm' or 'attnpool', got {mode!r}")
+    return mode
 
 
 def register() -> None:

@@ -44,7 +44,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from ...adapters.backends import Backend, KVLayout, Need, select
 from ...errors import LayoutError
 from ...views import DecodeView
+from . import cpu_kernel_mode
 from .cache import cpu_views, cuda_views, slot_index_, store_
+from .cpu_kernel import STORE_ISA, CPUKernel, kernel_isa
 from .decode_cpu import attend
 from .step import EngineSizes, StepFiller, StepMetadata, group_window
 
@@ -92,6 +94,8 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
                     kv_layout=KVLayout.HND if self.cpu else KVLayout.NHD,
                     window=sliding_window is not None, softcap=bool(self.softcap),
                     sinks=sinks is not None)
+        #: vLLM's CPU kernel, set by the group's builder when the group attends with it
+        self.kernel: CPUKernel | None = None
         #: the adapter this layer runs (the same for every layer of a model)
         self.backend = select(need, Backend.AUTO, DRIVEN.get(device.type, (Backend.SDPA,)),
                               "attnpool's vLLM backend")
@@ -122,6 +126,13 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
             # once, after the weights are loaded (the adapter takes float32 sinks)
             sinks = self.sinks = sinks.float()
         view = attn_metadata.view
+        if attn_metadata.kernel is not None and self.kernel is not None:
+            # vLLM's CPU kernel over the pool's buffers (.cpu_kernel)
+            shape = (t, self.num_heads, self.head_size)
+            self.kernel.attend(attn_metadata.kernel, query[:t].view(shape), kv_cache,
+                               output[:t].view(shape), self.scale, self.sliding_window,
+                               self.softcap, sinks)
+            return output
         if self.cpu and isinstance(view, DecodeView):
             # decode on a CPU: straight from the cache blocks (keys stay transposed)
             part = view.window if self.sliding_window is not None else view
@@ -188,11 +199,33 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
             num_blocks=vllm_config.cache_config.num_gpu_blocks, device=torch.device(device))
         self.filler = StepFiller(sizes, first.backend, first.num_heads,
                                  kv_cache_spec.num_kv_heads, model.dtype)
+        if sizes.device.type == "cpu" and cpu_kernel_mode() == "vllm":
+            self._use_cpu_kernel(impls, kv_cache_spec, model.dtype)
         logger.info("attnpool serves attention of %d layers (%s): one pool of %d bytes, "
                     "max_bs %d, %d extend tokens, block size %d, window %s",
-                    len(impls), first.backend.name, self.filler.pool.nbytes,
+                    len(impls), "vLLM's CPU kernel" if self.filler.kernel is not None
+                    else first.backend.name, self.filler.pool.nbytes,
                     sizes.max_num_seqs, sizes.max_num_batched_tokens, sizes.block_size,
                     sizes.sliding_window)
+
+    def _use_cpu_kernel(self, impls: list[AttnpoolImpl], spec: Any, dtype: torch.dtype
+                        ) -> None:
+        """Attend with vLLM's CPU kernel over the pool's buffers (:mod:`.cpu_kernel`) when it
+        reads the cache layout attnpool's store writes; else keep attnpool's torch paths."""
+        isa = kernel_isa(dtype, spec.block_size, spec.head_size, "auto")
+        if isa != STORE_ISA:
+            logger.info("attnpool: vLLM's CPU kernel would read the %r cache layout; this group "
+                        "attends with attnpool's torch paths", isa)
+            return
+        from vllm import envs
+
+        windows = {i.sliding_window for i in impls}
+        kernel = CPUKernel(impls[0].num_heads, spec.num_kv_heads, spec.head_size, dtype,
+                           next(iter(windows)) if len(windows) == 1 else None, isa,
+                           bool(envs.VLLM_CPU_ATTN_SPLIT_KV))
+        self.filler.kernel = kernel
+        for impl in impls:
+            impl.kernel = kernel
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> StepMetadata:

@@ -39,6 +39,7 @@ from ...pool import BufferPool
 from ...views import DecodeView, ExtendView, PagedView
 from ..hf_attention import Run, bind
 from .cache import slot_index_
+from .cpu_kernel import CPUKernel, KernelStep
 from .decode_cpu import BlockPlan, plan_blocks
 
 
@@ -89,6 +90,8 @@ class StepMetadata:
             cache block and offset (padded tokens: block 0, vLLM's null block).
         num_actual_tokens: the step's real query tokens (rows of ``query`` past it are
             vLLM's padding).
+        kernel: vLLM's CPU kernel's inputs for this step (:mod:`.cpu_kernel`), when the
+            group attends with it; else None (attnpool's torch paths).
         block_plans: the CPU decode path's per-part plans (:mod:`.decode_cpu`), made by the
             first layer that reads a part and reused by the step's other layers.
     """
@@ -98,6 +101,7 @@ class StepMetadata:
     blocks: Tensor
     offsets: Tensor
     num_actual_tokens: int
+    kernel: KernelStep | None = None
     block_plans: dict[tuple[int, int], BlockPlan] = field(default_factory=dict)
 
     def block_plan(self, part: PagedView, num_kv_heads: int) -> BlockPlan:
@@ -125,6 +129,8 @@ class StepFiller:
         self._q_lens = torch.empty(sizes.max_num_seqs, dtype=torch.int32, device=dev)
         self._blocks = torch.empty(t, dtype=torch.int64, device=dev)
         self._offsets = torch.empty(t, dtype=torch.int64, device=dev)
+        #: vLLM's CPU kernel, when the group attends with it (set by the builder)
+        self.kernel: CPUKernel | None = None
 
     def fill(self, *, num_reqs: int, num_actual_tokens: int, max_query_len: int,
              query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
@@ -158,7 +164,8 @@ class StepFiller:
         run = bind(self.backend, view, num_actual_tokens, self.num_heads, self.num_kv_heads,
                    self.dtype)
         return StepMetadata(view, run, self._blocks[:tokens], self._offsets[:tokens],
-                            num_actual_tokens)
+                            num_actual_tokens,
+                            None if self.kernel is None else self.kernel.step(view, n))
 
 
 def group_window(windows: set[int | None]) -> int | None:

@@ -1,0 +1,107 @@
+"""vLLM's own CPU attention kernel, fed from the pool's buffers: the default attention on a CPU.
+
+vLLM's CPU build ships a C++ paged-attention kernel (``torch.ops._C.cpu_attention_with_kv_cache``)
+that reads the cache blocks in place, for prefill chunks and decode rows alike, with windows,
+softcap and sinks, after a per-step work split (``get_scheduler_metadata``) computed from the
+step's lengths. Fed the pool's refilled buffers instead of vLLM's (the view's ``cu_seqlens_q``
+as ``query_start_loc``, ``cache_seqlens`` as ``seq_lens``, ``page_table`` as ``block_table``),
+it is attnpool's metadata read by the kernel engines already trust on a CPU; attnpool's own
+torch paths (:mod:`.decode_cpu` for decode steps, the SDPA adapter for mixed ones) stay the
+fallback and a switch away (:data:`attnpool.integrations.vllm.CPU_KERNEL`).
+
+Measured on SmolLM2 float32 (BENCHMARKS.md, "vLLM: speed"): the torch paths copy every row's
+blocks per layer before attending (tiny batched matrix products besides), which left attnpool
+6-10% behind vLLM's kernel at 8 requests; with the kernel only the per-step refill differs.
+
+The kernel reads the cache in the byte layout of one *ISA* that vLLM picks from the dtype, the
+block size and the head size (:func:`kernel_isa`). attnpool's store writes the ``vec`` layout
+(:mod:`.cache`), so the kernel serves a group only when vLLM picks ``vec`` (float32, or any
+dtype without AMX, with head sizes that are multiples of 32 and blocks of a multiple of 32
+tokens); other groups keep the torch paths, said once in the log.
+
+Nothing here runs at import time beyond torch: the kernel and vLLM's ISA rule are looked up
+when a group is built (:class:`CPUKernel`), which only happens inside a vLLM process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...errors import LayoutError
+from ...views import PagedView
+
+#: the ISA whose cache layout attnpool's store writes (see the module docstring)
+STORE_ISA = "vec"
+
+
+def kernel_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
+    """The ISA vLLM's CPU backend would pick for this group (vLLM's own rule, called)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return str(_get_attn_isa(dtype, block_size, head_size, kv_cache_dtype))
+
+
+@dataclass(frozen=True, slots=True)
+class KernelStep:
+    """One step's kernel inputs for a group: the pool's buffers and the work split.
+
+    Fields:
+        query_start_loc: ``[n + 1] int32``, the view's ``cu_seqlens_q`` (pool buffer).
+        seq_lens: ``[n] int32``, the view's ``cache_seqlens`` (pool buffer).
+        block_table: ``[n, max_pages] int32``, the view's ``page_table`` rows (pool buffer).
+        scheduler_metadata: the kernel's work split of this step (vLLM's
+            ``get_scheduler_metadata`` over the two pool buffers above).
+    """
+
+    query_start_loc: Tensor
+    seq_lens: Tensor
+    block_table: Tensor
+    scheduler_metadata: Tensor
+
+
+class CPUKernel:
+    """vLLM's CPU kernel for one KV-cache group (see the module docstring).
+
+    Args:
+        num_heads, num_kv_heads, head_size, dtype: the group's attention shape.
+        window: the sliding window every layer of the group shares, else None (the work split
+            then covers whole rows; each layer passes its own window to the kernel).
+        isa: :func:`kernel_isa` of the group; anything but :data:`STORE_ISA` is refused.
+        split_kv: vLLM's ``VLLM_CPU_ATTN_SPLIT_KV`` (split long rows across threads).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+                 window: int | None, isa: str, split_kv: bool) -> None:
+        if isa != STORE_ISA:
+            raise LayoutError(f"vLLM's CPU kernel reads the {isa!r} cache layout here; "
+                              f"attnpool's store writes {STORE_ISA!r}")
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.dtype, self.isa, self.split_kv = dtype, isa, split_kv
+        self.window = -1 if window is None else window
+        self._ops: Any = torch.ops._C
+
+    def step(self, view: PagedView, n: int) -> KernelStep:
+        """The kernel inputs of a refilled view's first ``n`` rows (once per step and group:
+        the work split is shared by every layer, as vLLM's builder shares it)."""
+        if view.page_table is None:
+            raise LayoutError("vLLM's CPU kernel reads page tables (Layout.FLASH_ATTN)")
+        qsl, lens, table = view.cu_seqlens_q[: n + 1], view.cache_seqlens[:n], view.page_table[:n]
+        sched = self._ops.get_scheduler_metadata(
+            n, self.num_heads, self.num_kv_heads, self.head_size, lens, self.dtype, qsl, True,
+            self.window, self.isa, self.split_kv, None, "auto")
+        return KernelStep(qsl, lens, table, sched)
+
+    def attend(self, step: KernelStep, query: Tensor, kv_cache: Tensor, output: Tensor,
+               scale: float, window: int | None, softcap: float, sinks: Tensor | None) -> None:
+        """Causal attention of ``query [T, H, D]`` into ``output [T, H, D]`` over one layer's
+        cache ``[num_blocks, H_kv, block_size, 2 * D]`` (K then V per block and head)."""
+        blocks, heads, page, two_d = kv_cache.shape
+        halves = kv_cache.view(blocks, heads, 2 * page, two_d // 2)
+        self._ops.cpu_attention_with_kv_cache(
+            query, halves[:, :, :page], halves[:, :, page:], output, step.query_start_loc,
+            step.seq_lens, scale, True, None, -1 if window is None else window,
+            step.block_table, softcap, step.scheduler_metadata, sinks, None, 1.0, 1.0, "auto")
