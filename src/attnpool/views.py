@@ -14,6 +14,8 @@ from typing import Protocol
 
 from torch import Tensor
 
+from .config import FlashMLAConfig
+
 
 class Stamp(Protocol):
     """Who produced a view: answers whether its bytes are still that producer's.
@@ -67,12 +69,15 @@ class FlashMLAMetadata(_Stamped):
         num_sm_parts: host int, the rows of ``tile_scheduler_metadata``.
         s_q: host int, query rows per request the schedule was sized for (1 decode, ``N``
             verify): the kernel call must use the same.
+        config: the pool's :class:`~attnpool.config.FlashMLAConfig` (SMs, query and KV heads,
+            fp8) the parts were sized for: what an adapter checks its call against.
     """
 
     tile_scheduler_metadata: Tensor
     num_splits: Tensor
     num_sm_parts: int
     s_q: int
+    config: FlashMLAConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -171,10 +171,11 @@ class PhaseBase(Generic[ViewT]):
 
     def _flashmla_view(self, bs: int, s_q: int) -> FlashMLAMetadata | None:
         """The metadata's view for ``bs`` rows (``s_q`` query rows per request), else None."""
-        if self._sched is None:
+        fm = self.cfg.flashmla
+        if self._sched is None or fm is None:
             return None
         md, ns = self._sched
-        return FlashMLAMetadata(md, ns[: bs + 1], md.shape[0], s_q, stamp=self._stamp)
+        return FlashMLAMetadata(md, ns[: bs + 1], md.shape[0], s_q, fm, stamp=self._stamp)
 
     def _window(self, x: Inputs) -> dict[str, Any]:
         """The window keywords of the part that carries the window part (none without one)."""
