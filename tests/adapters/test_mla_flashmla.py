@@ -1,4 +1,5 @@
-"""FlashMLA's dense decode kernel fed from the pool's scheduler metadata == absorbed SDPA.
+"""FlashMLA's dense decode kernel fed from the pool's scheduler metadata == absorbed SDPA, in
+both API forms (the argument layout, and ``DecodingSchedMeta`` rows in a ``FlashMLASchedMeta``).
 
 The kernel is a fake built from FlashMLA's source (``tests/helpers/fakes_flashmla.py``)
 that walks the metadata as the kernel does, so a wrong schedule gives NaN or a wrong row; the
@@ -23,6 +24,7 @@ from attnpool import (
     InputError,
     LayoutError,
     PoolConfig,
+    SchedLayout,
 )
 from attnpool.adapters import mla
 from attnpool.adapters import mla_flashmla as fm
@@ -31,7 +33,7 @@ from attnpool.kv import KVCachePool
 from attnpool.kv.mla_shape import MLAShape
 
 from tests.helpers.batches import make_batch, tree_mask
-from tests.helpers.fakes_flashmla import ArgumentAPI
+from tests.helpers.fakes_flashmla import ArgumentAPI, FlashMLASchedMeta, SchedMetaAPI
 
 N, BS, C = 4, 6, 64 * 6
 
@@ -70,8 +72,9 @@ class Case:
         kvp = KVCachePool(self.shape.latent_config(pages, 64, dtype=torch.bfloat16,
                                                    device=self.dev, max_tokens=8))
         slots = torch.arange(64, pages * 64)  # page 0 is the pad page (zeroed)
-        kvp.store_mla_(0, torch.randn(len(slots), 512, generator=self.gen).bfloat16(),
-                       torch.randn(len(slots), 64, generator=self.gen).bfloat16(),
+        lat = torch.randn(len(slots), 512, generator=self.gen)
+        pe = torch.randn(len(slots), 64, generator=self.gen)
+        kvp.store_mla_(0, lat.to(self.dev, torch.bfloat16), pe.to(self.dev, torch.bfloat16),
                        slots.to(self.dev), impl=Impl.REFERENCE)
         self.kv = kvp.kv_cache(0)
         q = torch.randn(bs * s_q, self.shape.num_heads, 576, generator=self.gen) / 8
@@ -223,3 +226,91 @@ def test_fake_checks_what_flashmla_checks() -> None:
             ("head_dim_v", 576, "head_size_v")):
         with pytest.raises(AssertionError, match=match):
             call(**{**kw, key: bad})
+
+
+# ---- the scheduler-object API (DecodingSchedMeta rows in a FlashMLASchedMeta) ----------------
+META = SchedLayout.DECODING_SCHED_META
+
+
+def _run_meta(c: Case, n: int, bs: int = BS) -> tuple[Any, SchedMetaAPI]:
+    fake = SchedMetaAPI(c.cfg.flashmla.num_sms)  # type: ignore[union-attr]
+    view, q, rows = c.step(n, bs)
+    got = fm.attention(view, q, c.kv, c.shape, fn=fake.flash_mla_with_kvcache,
+                       sched_meta_cls=FlashMLASchedMeta)
+    c.check(view, q, got, rows)
+    return view, fake
+
+
+@pytest.mark.parametrize("phase", ["decode", "verify"])
+@pytest.mark.parametrize("heads, sms", [(16, 2), (16, 12), (128, 132)])
+def test_sched_meta_matches_sdpa(phase: str, heads: int, sms: int) -> None:
+    c = Case(phase, heads, sms, seed=heads * sms, layout=META)
+    for n, bs in ((3, BS), (BS, BS), (1, 4)):
+        view, fake = _run_meta(c, n, bs)
+        meta = fake.calls[0]["sched_meta"]
+        f = (view if phase == "decode" else view.prefix).flashmla
+        assert meta.have_initialized and not fake.planned  # FlashMLA planned nothing itself
+        assert meta.tile_scheduler_metadata is f.tile_scheduler_metadata
+        assert meta.num_splits is f.num_splits
+        assert meta.config.b == bs and meta.config.s_q == f.s_q
+
+
+@pytest.mark.triton
+def test_sched_meta_fused_update() -> None:
+    c = Case("verify", 16, 12, seed=8, layout=META, impl=Impl.TRITON)
+    for n in (2, BS):
+        _run_meta(c, n)
+
+
+def test_sched_meta_flags_are_on_the_path() -> None:
+    """The struct layout's split flags decide where a part writes: flipping one breaks a row."""
+    c = Case("decode", 16, 12, seed=0, layout=META)
+    view, q, rows = c.step(BS)
+    md = view.flashmla.tile_scheduler_metadata
+    call = SchedMetaAPI(12).flash_mla_with_kvcache
+    good = fm.attention(view, q, c.kv, c.shape, fn=call, sched_meta_cls=FlashMLASchedMeta)
+    p = int(torch.nonzero(md[:, 5] == 1)[0])  # a part whose first request is split
+    md[p, 5] = 0
+    bad = fm.attention(view, q, c.kv, c.shape, fn=call, sched_meta_cls=FlashMLASchedMeta)
+    assert not torch.equal(bad.out[:rows].nan_to_num(7.0), good.out[:rows].nan_to_num(7.0))
+
+
+def test_layout_and_api_must_match() -> None:
+    fake = SchedMetaAPI(4)
+    args = Case("decode", 16, 4, seed=1)
+    view, q, _ = args.step(2, 4)
+    with pytest.raises(LayoutError, match=r"argument layout .*DECODING_SCHED_META"):
+        fm.attention(view, q, args.kv, args.shape, fn=fake.flash_mla_with_kvcache,
+                     sched_meta_cls=FlashMLASchedMeta)
+    meta = Case("decode", 16, 4, seed=1, layout=META)
+    view, q, _ = meta.step(2, 4)
+    with pytest.raises(LayoutError, match="pass sched_meta_cls"):
+        fm.attention(view, q, meta.kv, meta.shape, fn=ArgumentAPI().flash_mla_with_kvcache)
+    assert not fake.calls
+    # FlashMLA sizes its parts from the device's SMs: a pool sized for others is refused (on a
+    # GPU by the adapter, from the device's properties; here by the fake, as FlashMLA's C++)
+    with pytest.raises(AssertionError, match=r"shape \(8, 8\)"):
+        fm.attention(view, q, meta.kv, meta.shape, fn=SchedMetaAPI(8).flash_mla_with_kvcache,
+                     sched_meta_cls=FlashMLASchedMeta)
+
+
+# ---- CUDA: FlashMLA itself (SM90, bf16, its current API), when installed -----------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("phase", ["decode", "verify"])
+def test_flashmla_cuda(phase: str) -> None:
+    pytest.importorskip("flash_mla")
+    from flash_mla import flash_mla_interface as api
+
+    if not hasattr(api, "FlashMLASchedMeta"):
+        pytest.skip("this FlashMLA takes the argument-style API (its release skips only parts "
+                    "with begin_req >= b, not the -1 idle parts of the argument layout)")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FlashMLA's dense decode kernel needs an SM90 GPU")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for heads in (16, 128):
+        c = Case(phase, heads, sms, seed=11 + heads, dev="cuda", layout=META)
+        for n in (3, BS):
+            view, q, rows = c.step(n)
+            got = fm.attention(view, q, c.kv, c.shape)
+            torch.cuda.synchronize()
+            c.check(view, q, got, rows)

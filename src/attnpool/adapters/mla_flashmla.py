@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import FLASHMLA_PAGE_SIZE, num_sm_parts
+from ..config import FLASHMLA_PAGE_SIZE, SchedLayout, num_sm_parts
 from ..errors import InputError, LayoutError
 from ..kv.mla_shape import MLAShape
 from ..views import FlashMLAMetadata, PagedView, VerifyView
@@ -129,11 +129,12 @@ def _cache(kv_cache: Tensor, shape: MLAShape, dtype: torch.dtype) -> Tensor:
 
 
 def flashmla_kwargs(view: object, q: Tensor, kv_cache: Tensor, shape: MLAShape, *,
-                    q_pe: Tensor | None = None, softmax_scale: float | None = None
-                    ) -> dict[str, Any]:
+                    q_pe: Tensor | None = None, softmax_scale: float | None = None,
+                    sched_meta_cls: type[Any] | None = None) -> dict[str, Any]:
     """Keyword arguments of ``flash_mla_with_kvcache`` for a decode or chain verify view: the
     view's tensors themselves (graph-safe: nothing read back, no metadata allocated) and the
-    cache itself."""
+    cache itself. ``sched_meta_cls`` (``FlashMLASchedMeta``) is needed by, and only by, a view
+    whose metadata is in ``SchedLayout.DECODING_SCHED_META``."""
     part, f = _part(view)
     s = check_shape(shape)
     q4 = _query(part, f, q, s, q_pe)
@@ -142,20 +143,63 @@ def flashmla_kwargs(view: object, q: Tensor, kv_cache: Tensor, shape: MLAShape, 
         "cache_seqlens": part.cache_seqlens, "head_dim_v": LATENT,
         "softmax_scale": s.softmax_scale if softmax_scale is None else float(softmax_scale),
         "causal": part.causal}
-    kw["tile_scheduler_metadata"] = f.tile_scheduler_metadata
-    kw["num_splits"] = f.num_splits
+    layout = f.config.layout
+    if layout is SchedLayout.ARGUMENTS:
+        if sched_meta_cls is not None:
+            raise LayoutError("the view's FlashMLA metadata is in the argument layout "
+                              "(SchedLayout.ARGUMENTS), which FlashMLA's scheduler-object API "
+                              "does not read; build the pool with FlashMLAConfig(layout="
+                              "SchedLayout.DECODING_SCHED_META)")
+        kw["tile_scheduler_metadata"] = f.tile_scheduler_metadata
+        kw["num_splits"] = f.num_splits
+        return kw
+    if sched_meta_cls is None:
+        raise LayoutError("the view's FlashMLA metadata is a DecodingSchedMeta table "
+                          "(SchedLayout.DECODING_SCHED_META), read through a FlashMLASchedMeta: "
+                          "pass sched_meta_cls, or build the pool with the argument layout for "
+                          "the argument-style API")
+    _check_sms(f, q4.device)
+    config = sched_meta_cls.Config(
+        b=part.bs, s_q=f.s_q, h_q=q4.shape[2], page_block_size=FLASHMLA_PAGE_SIZE,
+        h_k=1, causal=part.causal, is_fp8_kvcache=False, topk=None,
+        extra_page_block_size=None, extra_topk=None)
+    kw["tile_scheduler_metadata"] = sched_meta_cls(
+        have_initialized=True, config=config, tile_scheduler_metadata=f.tile_scheduler_metadata,
+        num_splits=f.num_splits)
+    kw["num_splits"] = None
+    kw["is_fp8_kvcache"] = False
     return kw
 
 
-def _default() -> Callable[..., Any]:
-    import flash_mla  # lazy: importing attnpool never imports FlashMLA
+def _check_sms(f: FlashMLAMetadata, device: torch.device) -> None:
+    """The scheduler-object API sizes its parts from the device's SM count: the pool's must be
+    the same (a host property, no sync)."""
+    if device.type != "cuda":
+        return
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms != f.config.num_sms:
+        raise LayoutError(f"FlashMLA plans num_sm_parts from this device's {sms} SMs; the pool "
+                          f"was built with FlashMLAConfig(num_sms={f.config.num_sms})")
 
-    return flash_mla.flash_mla_with_kvcache  # type: ignore[no-any-return]
+
+def _default(layout: SchedLayout) -> tuple[Callable[..., Any], type[Any] | None]:
+    import flash_mla  # lazy: importing attnpool never imports FlashMLA
+    from flash_mla import flash_mla_interface as api
+
+    cls: type[Any] | None = getattr(api, "FlashMLASchedMeta", None)
+    if (cls is None) != (layout is SchedLayout.ARGUMENTS):
+        have = "scheduler-object" if cls is not None else "argument-style"
+        raise LayoutError(f"the installed FlashMLA takes the {have} API, which does not read "
+                          f"metadata in the layout {layout}; build the pool with "
+                          f"FlashMLAConfig(layout=SchedLayout."
+                          f"{'DECODING_SCHED_META' if cls is not None else 'ARGUMENTS'})")
+    return flash_mla.flash_mla_with_kvcache, cls
 
 
 def attention(view: object, q: Tensor, kv_cache: Tensor, shape: MLAShape, *,
               q_pe: Tensor | None = None, softmax_scale: float | None = None,
-              fn: Callable[..., Any] | None = None) -> Attn:
+              fn: Callable[..., Any] | None = None,
+              sched_meta_cls: type[Any] | None = None) -> Attn:
     """FlashMLA over a decode view or a chain verify view: ``Attn(out [T, H, 512], lse [T, H])``
     with ``T = bs * s_q`` (every row, padded ones included: their output is discarded).
 
@@ -165,11 +209,14 @@ def attention(view: object, q: Tensor, kv_cache: Tensor, shape: MLAShape, *,
         kv_cache: ``KVCachePool.kv_cache(layer)``, ``[num_pages, 64, 1, 576]``, q's dtype.
         shape: the layer's :class:`MLAShape`; ``softmax_scale`` defaults to its unabsorbed one.
         fn: the kernel entry point (default ``flash_mla.flash_mla_with_kvcache``, imported on
-            first call).
+            first call; the installed API must match the metadata's layout).
+        sched_meta_cls: ``FlashMLASchedMeta`` for a custom ``fn`` of the scheduler-object API.
     """
-    call = fn or _default()
-    out, lse = call(**flashmla_kwargs(view, q, kv_cache, shape, q_pe=q_pe,
-                                      softmax_scale=softmax_scale))
+    cls = sched_meta_cls
+    if fn is None:
+        fn, cls = _default(_part(view)[1].config.layout)
+    out, lse = fn(**flashmla_kwargs(view, q, kv_cache, shape, q_pe=q_pe,
+                                    softmax_scale=softmax_scale, sched_meta_cls=cls))
     b, s_q, h, dv = out.shape
     out = out.reshape(b * s_q, h, dv)
     lse = lse.transpose(1, 2).reshape(b * s_q, h)  # [b, h, s_q] -> rows in q's order
