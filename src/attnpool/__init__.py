@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, tuple[str, ...]] = {
     "arena": ("ArenaPlan", "plan_arena"),
     "check": ("ReadRegionError", "check_view"),
-    "config": ("FlashMLAConfig", "Impl", "Layout", "Phase", "PoolConfig"),
+    "config": ("FlashMLAConfig", "Impl", "Layout", "Phase", "PoolConfig", "SchedLayout"),
     "errors": ("CapacityError", "InputError", "LayoutError", "MissingPhaseError", "PoolError",
                "StaleViewError"),
     "kv": ("KVCacheConfig", "KVCachePool", "KVKind", "KVLayout"),
@@ -37,7 +37,7 @@ _MODULE_OF = {name: mod for mod, names in _EXPORTS.items() for name in names}
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from .arena import ArenaPlan, plan_arena
     from .check import ReadRegionError, check_view
-    from .config import FlashMLAConfig, Impl, Layout, Phase, PoolConfig
+    from .config import FlashMLAConfig, Impl, Layout, Phase, PoolConfig, SchedLayout
     from .errors import (
         CapacityError,
         InputError,
@@ -115,6 +115,7 @@ __all__ = [
     "PoolConfig",
     "PoolError",
     "ReadRegionError",
+    "SchedLayout",
     "StaleViewError",
     "VerifyView",
     "__version__",

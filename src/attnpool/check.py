@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .arena import sentinel
-from .config import ceil_div
+from .config import SchedLayout, ceil_div
 from .errors import PoolError
 from .views import ExtendView, PagedView
 
@@ -52,12 +52,19 @@ def _check_cumsum(where: str, cu: list[int], steps: list[int] | None, bound: int
 
 def _check_flashmla(v: PagedView, name: str) -> None:
     """FlashMLA's metadata of a part: no sentinel; ``num_splits`` starts at 0 and never
-    decreases; each part is idle (``begin_req = -1``) or spans requests ``begin <= end < bs``
-    with block bounds inside their lengths' 64-token blocks, its begin split below the total."""
+    decreases; each part is idle (``begin_req = -1``, or ``>= bs`` in the struct layout) or
+    spans requests ``begin <= end < bs`` with block bounds inside their lengths' 64-token
+    blocks, its begin split below the total."""
     f = v.flashmla
     if f is None:
         return
     md = [_host(r) for r in f.tile_scheduler_metadata.detach().cpu()]
+    if f.config.layout is SchedLayout.DECODING_SCHED_META:
+        # to the argument layout's order; idle is begin >= bs there (-1 is not: the kernel
+        # would run it, so it becomes -2, outside every check)
+        big = int(sentinel(torch.int32))
+        md = [[-1 if v.bs <= r[0] < big else (-2 if r[0] == -1 else r[0]), r[2], r[1], *r[3:]]
+              for r in md]
     ns = _host(f.num_splits[: v.bs + 1])
     top = v.bs + len(md)  # every row's first split, plus at most one more per part
     if ns[0] != 0 or ns[-1] > top or any(b < a for a, b in itertools.pairwise(ns)):

@@ -210,6 +210,19 @@ def num_sm_parts(num_sms: int, num_q_tokens_per_head_k: int, num_heads_k: int = 
     return max(sms // num_heads_k // tiles, 1)
 
 
+class SchedLayout(enum.Enum):
+    """Field order of one part's row of FlashMLA's ``tile_scheduler_metadata`` (the two APIs
+    read different ones; :mod:`attnpool.update.flashmla_sched` writes both)."""
+
+    #: ``[begin_req (-1: no work), begin_block, end_req, end_block, begin_split, 0, 0, 0]``:
+    #: the argument-style ``flash_mla_with_kvcache(..., tile_scheduler_metadata, num_splits)``
+    ARGUMENTS = "arguments"
+    #: ``DecodingSchedMeta``: begin_req, end_req, begin_block, end_block, begin_split,
+    #: is_first_req_splitted, is_last_req_splitted, pad (a part with no work: begin_req = b,
+    #: the call's batch): what a ``FlashMLASchedMeta`` carries in FlashMLA's current API
+    DECODING_SCHED_META = "decoding_sched_meta"
+
+
 @dataclass(frozen=True, slots=True)
 class FlashMLAConfig:
     """FlashMLA's scheduler metadata as pool buffers of decode and verify (docs/design.md,
@@ -220,12 +233,15 @@ class FlashMLAConfig:
         num_heads_q: query heads the kernel sees (this rank's, after tensor parallelism).
         num_heads_k: KV heads (1 for MLA's latent cache); must divide ``num_heads_q``.
         fp8: an fp8 KV cache (FlashMLA's fp8 kernel: half the SMs, 128-token query tiles).
+        layout: the rows' field order, the API that reads them (:class:`SchedLayout`): the
+            argument-style API's (default) or ``DecodingSchedMeta`` (FlashMLA's current API).
     """
 
     num_sms: int
     num_heads_q: int
     num_heads_k: int = 1
     fp8: bool = False
+    layout: SchedLayout = SchedLayout.ARGUMENTS
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "num_heads_q", "num_heads_k"):
@@ -235,7 +251,9 @@ class FlashMLAConfig:
         for ok, what, got in ((self.num_heads_q % self.num_heads_k == 0,
                                f"num_heads_q must be a multiple of num_heads_k={self.num_heads_k}",
                                self.num_heads_q), (type(self.fp8) is bool, "fp8 must be a bool",
-                                                   self.fp8)):
+                                                   self.fp8),
+                              (isinstance(self.layout, SchedLayout),
+                               "layout must be a SchedLayout", self.layout)):
             if not ok:
                 raise PoolError(f"FlashMLAConfig: {what}, got {got!r}")
 

@@ -14,6 +14,8 @@ from typing import Protocol
 
 from torch import Tensor
 
+from .config import FlashMLAConfig
+
 
 class Stamp(Protocol):
     """Who produced a view: answers whether its bytes are still that producer's.
@@ -56,23 +58,29 @@ class FlashMLAMetadata(_Stamped):
     the current step's schedule.
 
     The schedule covers the ``n`` real rows only: padded rows get no work (idle parts hold
-    ``begin_req = -1``, ``num_splits`` repeats its last value past row ``n``).
+    ``begin_req = -1``, or ``bs`` in the struct layout; ``num_splits`` repeats its last value
+    past row ``n``).
 
     Attributes:
         tile_scheduler_metadata: ``[num_sm_parts, 8] int32``, per part ``[begin_req,
             begin_block, end_req, end_block, begin_split, 0, 0, 0]`` (requests inclusive,
             64-token blocks ``[begin, end)`` in the first and last request; ``begin_req = -1``:
-            no work).
+            no work), or with ``config.layout = SchedLayout.DECODING_SCHED_META`` FlashMLA's
+            struct ``[begin_req, end_req, begin_block, end_block, begin_split, first_split,
+            last_split, 0]`` (``begin_req = bs``: no work).
         num_splits: ``[bs+1] int32``, ``[0, cumsum(splits per row)]``.
         num_sm_parts: host int, the rows of ``tile_scheduler_metadata``.
         s_q: host int, query rows per request the schedule was sized for (1 decode, ``N``
             verify): the kernel call must use the same.
+        config: the pool's :class:`~attnpool.config.FlashMLAConfig` (SMs, query and KV heads,
+            fp8, row layout) the parts were sized for: what an adapter checks its call against.
     """
 
     tile_scheduler_metadata: Tensor
     num_splits: Tensor
     num_sm_parts: int
     s_q: int
+    config: FlashMLAConfig
 
 
 @dataclass(frozen=True, slots=True)

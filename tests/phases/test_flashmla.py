@@ -22,6 +22,7 @@ from attnpool import (
     PoolConfig,
     PoolError,
     ReadRegionError,
+    SchedLayout,
     StaleViewError,
 )
 from attnpool.arena import sentinel
@@ -34,11 +35,24 @@ N = 3  # draft tokens of the verify phase
 IDLE = [-1, 0, -1, 0, 0, 0, 0, 0]
 
 
+ARGS, META = SchedLayout.ARGUMENTS, SchedLayout.DECODING_SCHED_META
+
+
 def _cfg(impl: Impl = Impl.REFERENCE, max_bs: int = 10, context: int = 2048, sms: int = 12,
-         heads: int = 16, **kw: Any) -> PoolConfig:
+         heads: int = 16, layout: SchedLayout = ARGS, **kw: Any) -> PoolConfig:
     return PoolConfig(max_bs=max_bs, max_context_len=context, page_size=64, device="cpu",
                       num_draft_tokens=N, impl=impl, **kw,
-                      flashmla=FlashMLAConfig(num_sms=sms, num_heads_q=heads))
+                      flashmla=FlashMLAConfig(num_sms=sms, num_heads_q=heads, layout=layout))
+
+
+def _struct(rows: list[list[int]], splits: list[int], bs: int) -> list[list[int]]:
+    """Argument-layout rows in ``DecodingSchedMeta``'s order: an idle part begins at ``bs``; a
+    part's flags say whether its first and last requests have more than one split."""
+    def cut(r: int) -> int:
+        return int(splits[r + 1] - splits[r] > 1)
+
+    return [[bs, er, bb, eb, sp, 0, 0, 0] if br == -1 else
+            [br, er, bb, eb, sp, cut(br), cut(er), 0] for br, bb, er, eb, sp, *_ in rows]
 
 
 def _update(pool: BufferPool, phase: str, bs: int, n: int, rng: random.Random) -> Any:
@@ -90,6 +104,30 @@ def test_schedule_of_the_real_rows(phase: str, seed: int) -> None:
         _check_schedule(pool, view, phase, bs, n)
 
 
+@pytest.mark.parametrize("phase", ["decode", "verify"])
+@pytest.mark.parametrize("seed", range(6))
+def test_struct_layout_schedule(phase: str, seed: int) -> None:
+    """``DecodingSchedMeta`` rows: the oracle's parts in the struct's order, idle parts at
+    ``bs`` (the kernel skips ``begin_req >= b``, never -1), flags from the split counts."""
+    rng = random.Random(100 + seed)
+    pool = BufferPool(_cfg(sms=rng.choice([1, 4, 12, 40]), heads=rng.choice([16, 128]),
+                           layout=META), poison=True)
+    bs = rng.randint(2, 10)
+    for n in (rng.randint(1, bs - 1), 0, bs):
+        view = _update(pool, phase, bs, n, rng)
+        f = view.flashmla
+        assert f.config.layout is META
+        lens = _part(view).cache_seqlens.tolist()
+        rows, splits = _expected(lens, n, bs, f.num_sm_parts)
+        assert f.num_splits.tolist() == splits
+        assert f.tile_scheduler_metadata.tolist() == _struct(rows, splits, bs)
+        pool.check(view)
+    md = view.flashmla.tile_scheduler_metadata
+    md[-1, 0] = -1  # an idle part marked the argument layout's way: the kernel would run it
+    with pytest.raises(ReadRegionError, match="tile_scheduler_metadata"):
+        pool.check(view)
+
+
 def _check_schedule(pool: BufferPool, view: Any, phase: str, bs: int, n: int) -> None:
     f = view.flashmla
     assert isinstance(f, FlashMLAMetadata) and f is _part(view).flashmla
@@ -116,11 +154,13 @@ def test_padded_rows_get_no_work() -> None:
     assert v.flashmla.num_splits[3:].tolist() == [v.flashmla.num_splits[2].item()] * 6
 
 
+@pytest.mark.parametrize("layout", [ARGS, META])
 @pytest.mark.parametrize("phase", ["decode", "verify"])
-def test_capture_state_is_the_empty_schedule(phase: str) -> None:
-    pool = BufferPool(_cfg(), poison=True)
+def test_capture_state_is_the_empty_schedule(phase: str, layout: SchedLayout) -> None:
+    pool = BufferPool(_cfg(layout=layout), poison=True)
     v = getattr(pool, phase).view(7)
-    assert v.flashmla.tile_scheduler_metadata.tolist() == [IDLE] * v.flashmla.num_sm_parts
+    idle = IDLE if layout is ARGS else [10, -1, 0, 0, 0, 0, 0, 0]  # max_bs: the capture state's
+    assert v.flashmla.tile_scheduler_metadata.tolist() == [idle] * v.flashmla.num_sm_parts
     assert v.flashmla.num_splits.tolist() == [0] * 8
     pool.check(v)
 
@@ -197,6 +237,8 @@ def test_config_refusals() -> None:
         FlashMLAConfig(num_sms=132, num_heads_q=128, num_heads_k=3)
     with pytest.raises(PoolError, match="fp8 must be a bool"):
         FlashMLAConfig(num_sms=132, num_heads_q=128, fp8=1)  # type: ignore[arg-type]
+    with pytest.raises(PoolError, match="layout must be a SchedLayout"):
+        FlashMLAConfig(num_sms=132, num_heads_q=128, layout="arguments")  # type: ignore[arg-type]
     assert mla.num_sm_parts(1) == 66 and mla.num_sm_parts(4) == 16
     assert FlashMLAConfig(num_sms=132, num_heads_q=128, fp8=True).num_sm_parts(1) == 66
 
@@ -216,7 +258,7 @@ def test_plan_and_report_show_the_buffers() -> None:
 
 
 # ---- the fused path: the same bytes ------------------------------------------------------------
-def _pair(**kw: Any) -> tuple[BufferPool, BufferPool]:
+def _pair(**kw: Any) -> tuple[BufferPool, BufferPool]:  # (layout=... among kw)
     return (BufferPool(_cfg(Impl.REFERENCE, **kw), poison=True),
             BufferPool(_cfg(Impl.TRITON, **kw), poison=True))
 
@@ -228,11 +270,12 @@ def _same(a: Any, b: Any, bs: int) -> None:
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("layout", [ARGS, META])
 @pytest.mark.parametrize("phase", ["decode", "verify"])
-def test_fused_writes_the_reference_bytes(phase: str) -> None:
+def test_fused_writes_the_reference_bytes(phase: str, layout: SchedLayout) -> None:
     rng = random.Random(7)
     for sms, heads in ((12, 16), (132, 128), (3, 64)):
-        ref, fused = _pair(sms=sms, heads=heads)
+        ref, fused = _pair(sms=sms, heads=heads, layout=layout)
         for _ in range(6):
             bs = rng.randint(2, 10)
             n = rng.choice([0, bs, rng.randint(1, bs - 1), rng.randint(1, bs - 1)])
@@ -245,11 +288,12 @@ def test_fused_writes_the_reference_bytes(phase: str) -> None:
 
 
 @pytest.mark.triton
-def test_fused_capturable_and_bound() -> None:
+@pytest.mark.parametrize("layout", [ARGS, META])
+def test_fused_capturable_and_bound(layout: SchedLayout) -> None:
     """``num_real`` (the count on the device, inputs padded to bs) and a bound update write the
     eager update's bytes."""
     rng = random.Random(11)
-    ref, fused = _pair(sms=40)
+    ref, fused = _pair(sms=40, layout=layout)
     for n in (0, 1, 4, 6):
         b = make_batch(ref.cfg, n, rng)
         seq, rpi, table = b.tensors()

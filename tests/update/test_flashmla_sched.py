@@ -35,6 +35,9 @@ def test_hand_worked() -> None:
     assert ns is buf and buf.tolist() == [0, 1, 1, 1]  # padded rows: the last value repeated
     md, _ = get_mla_metadata(torch.tensor([1]), 3, layout=META)
     assert md[1:, 0].tolist() == [1, 1]
+    # ... or at the kernel call's batch, when it has rows past the scheduled ones
+    md, _ = get_mla_metadata(torch.tensor([1]), 3, layout=META, batch=5)
+    assert md[1:, 0].tolist() == [5, 5]
     # an idle part's begin block is read past FlashMLA's first-block array: request 0's last
     # block (2 for 130 tokens)
     md, ns = get_mla_metadata(torch.tensor([130]), 4)
@@ -86,6 +89,8 @@ def test_matches_the_loop_and_covers_every_block_once(seed: int) -> None:
 
 
 def test_refusals() -> None:
+    with pytest.raises(InputError, match="batch must be an int >= b=2, got 1"):
+        get_mla_metadata(torch.tensor([3, 4]), 2, batch=1)
     with pytest.raises(InputError, match="non-empty"):
         get_mla_metadata(torch.tensor([], dtype=torch.int32), 2)
     with pytest.raises(InputError, match="num_parts"):

@@ -163,18 +163,21 @@ class PhaseBase(Generic[ViewT]):
                          ) -> tuple[Replay, ...]:
         """The FlashMLA scheduler part over part ``b``'s ``cache_seqlens`` (so it runs after
         ``b``'s own part, in stream order): one launch, or none without the metadata."""
-        if self._sched is None:
+        fm = self.cfg.flashmla
+        if self._sched is None or fm is None:
             return ()
         md, ns = self._sched
         return (ops.flashmla_launch(b, bs=bs, n=x.n, tile_scheduler_metadata=md, num_splits=ns,
-                                    num_parts=md.shape[0], num_real=x.num_real),)
+                                    num_parts=md.shape[0], num_real=x.num_real,
+                                    layout=fm.layout),)
 
     def _flashmla_view(self, bs: int, s_q: int) -> FlashMLAMetadata | None:
         """The metadata's view for ``bs`` rows (``s_q`` query rows per request), else None."""
-        if self._sched is None:
+        fm = self.cfg.flashmla
+        if self._sched is None or fm is None:
             return None
         md, ns = self._sched
-        return FlashMLAMetadata(md, ns[: bs + 1], md.shape[0], s_q, stamp=self._stamp)
+        return FlashMLAMetadata(md, ns[: bs + 1], md.shape[0], s_q, fm, stamp=self._stamp)
 
     def _window(self, x: Inputs) -> dict[str, Any]:
         """The window keywords of the part that carries the window part (none without one)."""

@@ -270,26 +270,28 @@ def _large(rec: Recorder) -> None:
 
 
 def _flashmla(rec: Recorder) -> None:
-    """FlashMLA's scheduler part (decode and verify, page size 64): eager and capturable, caller
-    tensors int32 and int64, bound; then one batch per warp count its wrapper picks (the
-    prefix-sum vector holds every row)."""
-    from ..config import FlashMLAConfig
+    """FlashMLA's scheduler part (decode and verify, page size 64) in each row layout: eager and
+    capturable, caller tensors int32 and int64, bound; then one batch per warp count its
+    wrapper picks (the prefix-sum vector holds every row)."""
+    from ..config import FlashMLAConfig, SchedLayout
 
-    mla = {"page_size": 64, "num_draft_tokens": 3,
-           "flashmla": FlashMLAConfig(num_sms=132, num_heads_q=128)}
-    pool = _pool(max_bs=4, max_context_len=1024, **mla)
-    for dt, cap in itertools.product((I32, I64), (False, True)):
-        label = f"flashmla {str(dt).removeprefix('torch.')}{' num_real' if cap else ''}"
-        _update(rec, pool, _Batch(pool, 3, cap=cap, block=True, dt=dt, tdt=dt), label,
-                only=("decode", "verify"))
-    _update(rec, pool, _Batch(pool, 3, cap=True, block=True), "flashmla bound", bound=True,
-            only=("decode", "verify"))
-    del pool
-    for rows in (2048, 4096):  # (FLASHMLA_MAX_BS)
-        pool = _pool(max_bs=rows, max_context_len=1024, **mla)
-        _update(rec, pool, _Batch(pool, rows, cap=True, block=True), f"flashmla {rows} rows",
-                only=("decode",))
+    for layout in SchedLayout:
+        tag = "" if layout is SchedLayout.ARGUMENTS else " struct"
+        mla = {"page_size": 64, "num_draft_tokens": 3,
+               "flashmla": FlashMLAConfig(num_sms=132, num_heads_q=128, layout=layout)}
+        pool = _pool(max_bs=4, max_context_len=1024, **mla)
+        for dt, cap in itertools.product((I32, I64), (False, True)):
+            label = f"flashmla{tag} {str(dt).removeprefix('torch.')}{' num_real' if cap else ''}"
+            _update(rec, pool, _Batch(pool, 3, cap=cap, block=True, dt=dt, tdt=dt), label,
+                    only=("decode", "verify"))
+        _update(rec, pool, _Batch(pool, 3, cap=True, block=True), f"flashmla{tag} bound",
+                bound=True, only=("decode", "verify"))
         del pool
+        for rows in (2048, 4096):  # (FLASHMLA_MAX_BS)
+            pool = _pool(max_bs=rows, max_context_len=1024, **mla)
+            _update(rec, pool, _Batch(pool, rows, cap=True, block=True),
+                    f"flashmla{tag} {rows} rows", only=("decode",))
+            del pool
 
 
 def _kv(rec: Recorder) -> None:

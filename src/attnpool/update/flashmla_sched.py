@@ -26,7 +26,8 @@ split, first-request-split flag, last-request-split flag, pad), what a caller fi
 ``FlashMLASchedMeta`` itself writes.
 
 Padded rows (a graph captured for ``bs`` rows, metadata for ``n <= bs`` requests): a part with
-no work left has ``begin_req = -1`` in the argument layout (the kernel skips it), and
+no work left has ``begin_req = -1`` in the argument layout (vLLM's build of that API skips
+it) and ``begin_req = bs`` in the struct layout (the kernel skips ``begin_req >= b``), and
 ``num_splits[n + 1:]`` repeats ``num_splits[n]`` when a longer buffer is filled (so padded rows
 have no split).
 
@@ -35,9 +36,10 @@ path's part, and :mod:`.triton_flashmla`, the fused one, write the same bytes) s
 ``n`` real rows only, never the padded ones, although those hold a valid ``pad_seq_len``: a
 padded row that took blocks would take SM time from real rows in every replay of a graph
 captured for more rows than the step has, and its splits would shift every later row's. So
-padded rows get no work: parts past the real work are marked -1, ``num_splits[n + 1 : bs + 1]
-= num_splits[n]``. A batch of no real row (``n = 0``, the capture state) has every part idle:
-``[-1, 0, -1, 0, 0, 0, 0, 0]`` (:func:`idle_row_`) and ``num_splits`` all 0.
+padded rows get no work: parts past the real work are marked idle (-1, or ``bs`` in the struct
+layout), ``num_splits[n + 1 : bs + 1] = num_splits[n]``. A batch of no real row (``n = 0``, the
+capture state) has every part idle: ``[-1, 0, -1, 0, 0, 0, 0, 0]`` (``[bs, -1, 0, ...]``;
+:func:`idle_row_`) and ``num_splits`` all 0.
 
 One loop over the parts (a few tensor ops each, on the lengths' device, no host read); no loop
 over requests.
@@ -45,12 +47,10 @@ over requests.
 
 from __future__ import annotations
 
-import enum
-
 import torch
 from torch import Tensor
 
-from ..config import FLASHMLA_PAGE_SIZE, is_int
+from ..config import FLASHMLA_PAGE_SIZE, SchedLayout, is_int
 from ..config import num_sm_parts as num_sm_parts
 from ..errors import InputError
 from .buffers import PagedBuffers
@@ -66,21 +66,11 @@ FIXED_OVERHEAD_BLOCKS = 5
 METADATA_SIZE = 8
 
 
-class SchedLayout(enum.Enum):
-    """Field order of one part's row."""
-
-    #: ``[begin_req (-1: no work), begin_block, end_req, end_block, begin_split, 0, 0, 0]``:
-    #: the ``get_mla_metadata(cache_seqlens, ...)`` pair's layout (vLLM's FlashMLA build)
-    ARGUMENTS = "arguments"
-    #: ``DecodingSchedMeta``: begin_req, end_req, begin_block, end_block, begin_split,
-    #: is_first_req_splitted, is_last_req_splitted, pad (a part with no work: begin_req = b)
-    DECODING_SCHED_META = "decoding_sched_meta"
-
-
 def get_mla_metadata(cache_seqlens: Tensor, num_parts: int, *,
                      layout: SchedLayout = SchedLayout.ARGUMENTS,
                      tile_scheduler_metadata: Tensor | None = None,
-                     num_splits: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     num_splits: Tensor | None = None,
+                     batch: int | None = None) -> tuple[Tensor, Tensor]:
     """``(tile_scheduler_metadata [num_parts, 8] int32, num_splits [>= b + 1] int32)`` of the
     ``b`` requests of ``cache_seqlens`` (int32 or int64, ``>= 0``), as FlashMLA computes them.
 
@@ -88,6 +78,8 @@ def get_mla_metadata(cache_seqlens: Tensor, num_parts: int, *,
     ``num_splits``: buffers to write instead of new tensors (``[num_parts, 8]`` and ``[>= b +
     1]`` int32 on the lengths' device); ``num_splits`` past ``b + 1`` gets ``num_splits[b]``.
     Values are not read on the host: a negative length is the caller's bug (as in FlashMLA).
+    ``batch``: the kernel call's batch (``>= b``, default ``b``), the begin request of a part
+    with no work in the struct layout, which the kernel skips when it is ``>= batch``.
     """
     if not isinstance(cache_seqlens, Tensor) or cache_seqlens.dim() != 1 \
             or cache_seqlens.dtype not in (torch.int32, torch.int64) or cache_seqlens.numel() < 1:
@@ -99,6 +91,10 @@ def get_mla_metadata(cache_seqlens: Tensor, num_parts: int, *,
     if not isinstance(layout, SchedLayout):
         raise InputError(f"layout must be a SchedLayout, got {layout!r}")
     b, dev = cache_seqlens.shape[0], cache_seqlens.device
+    if batch is None:
+        batch = b
+    if not is_int(batch) or batch < b:
+        raise InputError(f"batch must be an int >= b={b}, got {batch!r}")
     md = _buffer("tile_scheduler_metadata", tile_scheduler_metadata, (num_parts, METADATA_SIZE),
                  dev)
     ns = _buffer("num_splits", num_splits, None, dev, min_len=b + 1)
@@ -143,8 +139,9 @@ def get_mla_metadata(cache_seqlens: Tensor, num_parts: int, *,
         last = (end_blk != last_block[end_req] + 1) & (lens[end_req] != 0)
         same = begin_req == end_req
         both = first | last
-        md[:, 0], md[:, 1], md[:, 2], md[:, 3], md[:, 4] = (begin_req, end_req, begin_blk,
-                                                           end_blk, begin_split)
+        md[:, 0], md[:, 1], md[:, 2], md[:, 3], md[:, 4] = (
+            torch.where(begin_req >= b, batch, begin_req), end_req, begin_blk, end_blk,
+            begin_split)
         md[:, 5] = torch.where(same, both, first)
         md[:, 6] = torch.where(same, both, last)
     splits = 1 + torch.bincount(torch.stack(cut_reqs), minlength=b + 1)[:b]
@@ -155,23 +152,30 @@ def get_mla_metadata(cache_seqlens: Tensor, num_parts: int, *,
     return md, ns
 
 
-def idle_row_(tile_scheduler_metadata: Tensor) -> None:
-    """Every part idle: ``[-1, 0, -1, 0, 0, 0, 0, 0]``, the schedule of no request (``n = 0``),
-    as the fused kernel writes it (its idle-part formulas read no request: begin and end block
-    0, end request ``n - 1``)."""
+def idle_row_(tile_scheduler_metadata: Tensor, layout: SchedLayout = SchedLayout.ARGUMENTS,
+              bs: int = 0) -> None:
+    """Every part idle, the schedule of no request (``n = 0``), as the fused kernel writes it
+    (its idle-part formulas read no request: begin and end block 0, end request ``n - 1``):
+    ``[-1, 0, -1, 0, 0, 0, 0, 0]``, or ``[bs, -1, 0, 0, 0, 0, 0, 0]`` in the struct layout."""
     md = tile_scheduler_metadata
     md.zero_()
-    md[:, 0] = -1
-    md[:, 2] = -1
+    if layout is SchedLayout.ARGUMENTS:
+        md[:, 0] = -1
+        md[:, 2] = -1
+    else:
+        md[:, 0] = bs
+        md[:, 1] = -1
 
 
 def flashmla_part_(b: PagedBuffers, *, bs: int, n: int, tile_scheduler_metadata: Tensor,
-                   num_splits: Tensor, num_parts: int, num_real: Tensor | None = None) -> None:
+                   num_splits: Tensor, num_parts: int, num_real: Tensor | None = None,
+                   layout: SchedLayout = SchedLayout.ARGUMENTS) -> None:
     """The reference path's FlashMLA part: the schedule of the first ``n`` rows of the part's
     ``cache_seqlens`` (written by the paged part just before, in stream order) into
     ``tile_scheduler_metadata [num_parts, 8]`` and ``num_splits[: bs + 1]`` (see the module
-    docstring: padded rows get no work). ``num_real`` is refused (capturable updates are the
-    fused path's)."""
+    docstring: padded rows get no work), in ``layout`` (an idle part's begin request in the
+    struct layout is ``bs``, the call's batch). ``num_real`` is refused (capturable updates are
+    the fused path's)."""
     if num_real is not None:
         raise InputError("num_real (a capturable update) needs the fused path, impl=TRITON; "
                          "the reference path reads the real count n on the host")
@@ -183,10 +187,11 @@ def flashmla_part_(b: PagedBuffers, *, bs: int, n: int, tile_scheduler_metadata:
                          f"{tuple(md.shape)}")
     ns = num_splits[: bs + 1]
     if n == 0:
-        idle_row_(md)
+        idle_row_(md, layout, bs)
         ns.zero_()
         return
-    get_mla_metadata(b.cache_seqlens[:n], num_parts, tile_scheduler_metadata=md, num_splits=ns)
+    get_mla_metadata(b.cache_seqlens[:n], num_parts, layout=layout, tile_scheduler_metadata=md,
+                     num_splits=ns, batch=bs)
 
 
 def _buffer(name: str, t: Tensor | None, shape: tuple[int, ...] | None, dev: torch.device,

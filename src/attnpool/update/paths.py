@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
+from ..config import SchedLayout
 from .buffers import PagedBuffers
 
 
@@ -148,6 +149,7 @@ class UpdatePath(Protocol):
         num_splits: Tensor,
         num_parts: int,
         num_real: Tensor | None = None,
+        layout: SchedLayout = SchedLayout.ARGUMENTS,
     ) -> Replay: ...
 
     def keep_flags(self, prev_ids: Sequence[Hashable] | None, ids: Sequence[Hashable], bs: int

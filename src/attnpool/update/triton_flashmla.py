@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..config import is_int
+from ..config import SchedLayout, is_int
 from ..errors import CapacityError, InputError
 from . import triton_checks as checks
 from .buffers import PagedBuffers
@@ -39,12 +39,13 @@ def flashmla_launch(
     num_splits: Tensor,
     num_parts: int,
     num_real: Tensor | None = None,
+    layout: SchedLayout = SchedLayout.ARGUMENTS,
 ) -> Launch:
     """Check and assemble FlashMLA's schedule of the first ``n`` rows of ``b.cache_seqlens``
     (``num_real``'s count with ``num_real``: then ``n`` is ``bs``) into
-    ``tile_scheduler_metadata [num_parts, 8]`` and ``num_splits[: bs + 1]``: padded rows get no
-    work (see :mod:`.flashmla_sched`). Reads the lengths the part's own launch wrote before it,
-    in stream order."""
+    ``tile_scheduler_metadata [num_parts, 8]`` (in ``layout``) and ``num_splits[: bs + 1]``:
+    padded rows get no work (see :mod:`.flashmla_sched`). Reads the lengths the part's own
+    launch wrote before it, in stream order."""
     dev = b.cache_seqlens.device
     checks.need(is_int(bs) and bs >= 1, CapacityError, f"bs must be an int >= 1, got {bs}")
     checks.need(is_int(n) and 0 <= n <= bs, InputError, f"n must be an int in [0, bs={bs}], got {n}")
@@ -52,6 +53,8 @@ def flashmla_launch(
                 f"num_parts must be an int >= 1, got {num_parts}")
     if num_real is not None:
         checks.need(n == bs, InputError, f"with num_real, n must be bs={bs}, got {n}")
+    checks.need(isinstance(layout, SchedLayout), InputError,
+                f"layout must be a SchedLayout, got {layout!r}")
     checks.real_count(num_real, n, bs, dev)
     checks.buf("cache_seqlens", b.cache_seqlens, bs, dev)
     checks.buf("num_splits", num_splits, bs + 1, dev)
@@ -63,7 +66,8 @@ def flashmla_launch(
     block = pow2(bs)
     args = {"cache_ptr": b.cache_seqlens, "nreal_ptr": pointer_or(num_real, b.cache_seqlens),
             "md_ptr": md, "ns_ptr": num_splits, "n": n, "bs": bs, "num_parts": num_parts,
-            "DEVICE_N": num_real is not None, "BLOCK": block}
+            "DEVICE_N": num_real is not None, "BLOCK": block,
+            "SCHED_META": layout is SchedLayout.DECODING_SCHED_META}
     inputs = replayable(n=("n", n), nreal_ptr=("num_real", num_real))
     return Launch(flashmla_kernels().flashmla_sched_kernel, (1,), args,
                   {"num_warps": _warps(block), "maxnreg": maxnreg(_warps(block))}, inputs)

@@ -40,11 +40,12 @@ def _end_block(cache_ptr, j, nr):  # type: ignore[no-untyped-def]
 def flashmla_sched_kernel(  # type: ignore[no-untyped-def]
     cache_ptr, nreal_ptr, md_ptr, ns_ptr,
     n, bs, num_parts,
-    DEVICE_N: tl.constexpr, BLOCK: tl.constexpr,
+    DEVICE_N: tl.constexpr, BLOCK: tl.constexpr, SCHED_META: tl.constexpr,
 ):
     """One program: the schedule of the first ``n`` rows of ``cache_ptr`` (``num_real``'s
-    count, clamped to ``[0, bs]``, with ``DEVICE_N``) into ``md_ptr [num_parts, 8]`` and
-    ``ns_ptr[: bs + 1]``; padded rows get no work (see :mod:`.flashmla_sched`)."""
+    count, clamped to ``[0, bs]``, with ``DEVICE_N``) into ``md_ptr [num_parts, 8]`` (the
+    argument layout, or ``DecodingSchedMeta``'s with ``SCHED_META``) and ``ns_ptr[: bs + 1]``;
+    padded rows get no work (see :mod:`.flashmla_sched`)."""
     zero = tl.full([], 0, tl.int32)
     nr = zero + n
     if DEVICE_N:
@@ -75,11 +76,29 @@ def flashmla_sched_kernel(  # type: ignore[no-untyped-def]
         end_req = tl.where(new_blk > 0, new_req, new_req - 1)
         end_blk = tl.where(new_blk > 0, new_blk,
                            _end_block(cache_ptr, tl.maximum(new_req - 1, 0), nr))
-        row = tl.where(k == 0, tl.where(idle, -1, req),
-              tl.where(k == 1, tl.where(idle, blk + first_last, blk),
-              tl.where(k == 2, end_req,
-              tl.where(k == 3, end_blk,
-              tl.where(k == 4, split, 0)))))
+        begin_blk = tl.where(idle, blk + first_last, blk)
+        if SCHED_META:
+            # the request split flags: the part resumes its first request, or stops inside its
+            # last one (a request of length 0 never counts); one request: either
+            first = blk != 0
+            end_len = tl.load(cache_ptr + tl.maximum(end_req, 0), mask=nr > 0, other=0)
+            last = (end_blk != tl.maximum(end_len - 1, 0) // BLOCK_N + 1) & (end_len != 0)
+            same = req == end_req
+            flag_first = tl.where(same, first | last, first).to(tl.int32)
+            flag_last = tl.where(same, first | last, last).to(tl.int32)
+            row = tl.where(k == 0, tl.where(idle, bs, req),
+                  tl.where(k == 1, end_req,
+                  tl.where(k == 2, begin_blk,
+                  tl.where(k == 3, end_blk,
+                  tl.where(k == 4, split,
+                  tl.where(k == 5, flag_first,
+                  tl.where(k == 6, flag_last, 0)))))))
+        else:
+            row = tl.where(k == 0, tl.where(idle, -1, req),
+                  tl.where(k == 1, begin_blk,
+                  tl.where(k == 2, end_req,
+                  tl.where(k == 3, end_blk,
+                  tl.where(k == 4, split, 0)))))
         tl.store(md_ptr + p * 8 + k, row)
         cuts += (offs == tl.where(cut, m, -1)).to(tl.int32)
         req = new_req
