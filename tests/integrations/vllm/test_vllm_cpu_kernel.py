@@ -15,12 +15,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm import _custom_ops  # noqa: F401,E402  (loads vLLM's CPU ops)
+from vllm import _custom_ops  # noqa: F401  (loads vLLM's CPU ops)
 
-from attnpool.adapters.backends import Backend  # noqa: E402
-from attnpool.integrations.vllm.cache import cpu_views  # noqa: E402
-from attnpool.integrations.vllm.cpu_kernel import STORE_ISA, CPUKernel  # noqa: E402
-from attnpool.integrations.vllm.step import EngineSizes, StepFiller  # noqa: E402
+from attnpool.adapters.backends import Backend
+from attnpool.integrations.vllm.cache import cpu_views
+from attnpool.integrations.vllm.cpu_kernel import STORE_ISA, CPUKernel
+from attnpool.integrations.vllm.step import EngineSizes, StepFiller
 
 H, HK, D, P, BLOCKS = 4, 2, 64, 32, 24
 
