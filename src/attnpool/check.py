@@ -52,19 +52,16 @@ def _check_cumsum(where: str, cu: list[int], steps: list[int] | None, bound: int
 
 def _check_flashmla(v: PagedView, name: str) -> None:
     """FlashMLA's metadata of a part: no sentinel; ``num_splits`` starts at 0 and never
-    decreases; each part is idle (``begin_req = -1``, or ``>= bs`` in the struct layout) or
+    decreases; each part is idle (``begin_req >= bs``: every build of the kernel skips it) or
     spans requests ``begin <= end < bs`` with block bounds inside their lengths' 64-token
-    blocks, its begin split below the total."""
+    blocks, its begin split below the total. A begin request of -1 is refused: only vLLM's
+    build of the kernel skips it."""
     f = v.flashmla
     if f is None:
         return
     md = [_host(r) for r in f.tile_scheduler_metadata.detach().cpu()]
-    if f.config.layout is SchedLayout.DECODING_SCHED_META:
-        # to the argument layout's order; idle is begin >= bs there (-1 is not: the kernel
-        # would run it, so it becomes -2, outside every check)
-        big = int(sentinel(torch.int32))
-        md = [[-1 if v.bs <= r[0] < big else (-2 if r[0] == -1 else r[0]), r[2], r[1], *r[3:]]
-              for r in md]
+    if f.config.layout is SchedLayout.DECODING_SCHED_META:  # to the argument layout's order
+        md = [[r[0], r[2], r[1], *r[3:]] for r in md]
     ns = _host(f.num_splits[: v.bs + 1])
     top = v.bs + len(md)  # every row's first split, plus at most one more per part
     if ns[0] != 0 or ns[-1] > top or any(b < a for a, b in itertools.pairwise(ns)):
@@ -75,12 +72,12 @@ def _check_flashmla(v: PagedView, name: str) -> None:
         where = f"{name}.flashmla.tile_scheduler_metadata[{p}]"
         if any(x == int(sentinel(torch.int32)) for x in md[p]):
             _fail(where, f"{md[p]} holds the poison sentinel (never written)")
-        if br == -1:
+        if br >= v.bs:  # idle (the sentinel was refused above)
             continue
         if not (0 <= br <= er < v.bs and 0 <= bb <= blocks[br] and 0 <= eb <= blocks[er]
                 and 0 <= sp < max(ns[-1], 1)):
-            _fail(where, f"{[br, bb, er, eb, sp]}: expected an idle part (-1) or requests "
-                  f"0 <= begin <= end < {v.bs} with blocks inside their lengths")
+            _fail(where, f"{[br, bb, er, eb, sp]}: expected an idle part (begin >= {v.bs}) or "
+                  f"requests 0 <= begin <= end < {v.bs} with blocks inside their lengths")
 
 
 def check_paged(v: PagedView, name: str = "view", num_pages: int | None = None) -> None:

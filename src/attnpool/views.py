@@ -58,13 +58,13 @@ class FlashMLAMetadata(_Stamped):
     the current step's schedule.
 
     The schedule covers the ``n`` real rows only: padded rows get no work (idle parts hold
-    ``begin_req = -1``, or ``bs`` in the struct layout; ``num_splits`` repeats its last value
-    past row ``n``).
+    ``begin_req = bs``, which every build of the kernel skips; ``num_splits`` repeats its last
+    value past row ``n``).
 
     Attributes:
         tile_scheduler_metadata: ``[num_sm_parts, 8] int32``, per part ``[begin_req,
             begin_block, end_req, end_block, begin_split, 0, 0, 0]`` (requests inclusive,
-            64-token blocks ``[begin, end)`` in the first and last request; ``begin_req = -1``:
+            64-token blocks ``[begin, end)`` in the first and last request; ``begin_req = bs``:
             no work), or with ``config.layout = SchedLayout.DECODING_SCHED_META`` FlashMLA's
             struct ``[begin_req, end_req, begin_block, end_block, begin_split, first_split,
             last_split, 0]`` (``begin_req = bs``: no work).

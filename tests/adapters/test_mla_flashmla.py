@@ -157,15 +157,24 @@ def test_metadata_is_on_the_path() -> None:
     assert torch.equal(again.out[:rows], good.out[:rows])
 
 
-def test_idle_parts_need_a_build_that_skips_them() -> None:
-    """Idle parts hold -1, which vLLM's build of the argument API skips and deepseek-ai's
-    release of it does not (it skips begin_req >= b only; the fake stands for its out-of-range
-    read with an assertion)."""
+@pytest.mark.parametrize("vllm_build", [True, False])
+def test_idle_parts_are_skipped_by_every_build(vllm_build: bool) -> None:
+    """Idle parts begin at ``bs``, which both builds of the argument API skip (vLLM's skips
+    ``begin_req < 0 or >= b``, deepseek-ai's ``>= b`` only). A part marked -1 instead, vLLM's
+    planner's mark, is run by deepseek-ai's build (the fake stands for its out-of-range read
+    with an assertion)."""
     c = Case("decode", 16, 12, seed=1)
-    view, q, _ = c.step(2)
-    assert int(view.flashmla.tile_scheduler_metadata[-1, 0]) == -1
-    with pytest.raises(AssertionError, match="spans requests -1"):
-        fm.attention(view, q, c.kv, c.shape, fn=ArgumentAPI(vllm_build=False).flash_mla_with_kvcache)
+    view, q, rows = c.step(2)
+    md = view.flashmla.tile_scheduler_metadata
+    assert int(md[-1, 0]) == BS
+    fn = ArgumentAPI(vllm_build=vllm_build).flash_mla_with_kvcache
+    c.check(view, q, fm.attention(view, q, c.kv, c.shape, fn=fn), rows)
+    md[-1, 0] = -1
+    if vllm_build:
+        c.check(view, q, fm.attention(view, q, c.kv, c.shape, fn=fn), rows)
+    else:
+        with pytest.raises(AssertionError, match="spans requests -1"):
+            fm.attention(view, q, c.kv, c.shape, fn=fn)
 
 
 # ---- refusals, before any call -----------------------------------------------------------------
@@ -229,7 +238,7 @@ def test_fake_checks_what_flashmla_checks() -> None:
 
 
 # ---- the scheduler-object API (DecodingSchedMeta rows in a FlashMLASchedMeta) ----------------
-META = SchedLayout.DECODING_SCHED_META
+META, ARGS = SchedLayout.DECODING_SCHED_META, SchedLayout.ARGUMENTS
 
 
 def _run_meta(c: Case, n: int, bs: int = BS) -> tuple[Any, SchedMetaAPI]:
@@ -301,14 +310,12 @@ def test_flashmla_cuda(phase: str) -> None:
     pytest.importorskip("flash_mla")
     from flash_mla import flash_mla_interface as api
 
-    if not hasattr(api, "FlashMLASchedMeta"):
-        pytest.skip("this FlashMLA takes the argument-style API (its release skips only parts "
-                    "with begin_req >= b, not the -1 idle parts of the argument layout)")
+    layout = META if hasattr(api, "FlashMLASchedMeta") else ARGS
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("FlashMLA's dense decode kernel needs an SM90 GPU")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for heads in (16, 128):
-        c = Case(phase, heads, sms, seed=11 + heads, dev="cuda", layout=META)
+        c = Case(phase, heads, sms, seed=11 + heads, dev="cuda", layout=layout)
         for n in (3, BS):
             view, q, rows = c.step(n)
             got = fm.attention(view, q, c.kv, c.shape)

@@ -32,7 +32,12 @@ from tests.helpers.batches import make_batch
 from tests.helpers.flashmla_loop import loop_schedule
 
 N = 3  # draft tokens of the verify phase
-IDLE = [-1, 0, -1, 0, 0, 0, 0, 0]
+
+
+def idle(bs: int) -> list[int]:
+    """A part of the empty schedule (``n = 0``): begins at the batch, which every build of the
+    kernel skips."""
+    return [bs, 0, -1, 0, 0, 0, 0, 0]
 
 
 ARGS, META = SchedLayout.ARGUMENTS, SchedLayout.DECODING_SCHED_META
@@ -51,7 +56,7 @@ def _struct(rows: list[list[int]], splits: list[int], bs: int) -> list[list[int]
     def cut(r: int) -> int:
         return int(splits[r + 1] - splits[r] > 1)
 
-    return [[bs, er, bb, eb, sp, 0, 0, 0] if br == -1 else
+    return [[bs, er, bb, eb, sp, 0, 0, 0] if br >= bs else
             [br, er, bb, eb, sp, cut(br), cut(er), 0] for br, bb, er, eb, sp, *_ in rows]
 
 
@@ -67,18 +72,18 @@ def _part(view: Any) -> PagedView:
 def _expected(lens: list[int], n: int, bs: int, parts: int) -> tuple[list[list[int]], list[int]]:
     """The oracle's schedule of the first ``n`` rows, padded: no work for rows ``n..bs``."""
     if n == 0:
-        return [IDLE] * parts, [0] * (bs + 1)
-    rows, splits = loop_schedule(lens[:n], parts)
+        return [idle(bs)] * parts, [0] * (bs + 1)
+    rows, splits = loop_schedule(lens[:n], parts, idle=bs)
     return rows, splits + [splits[-1]] * (bs - n)
 
 
 def _covers_every_block_once(md: list[list[int]], lens: list[int], n: int) -> None:
     """Every 64-token block of every real row in exactly one part; no padded row in any; parts
-    with no work marked -1, all after the last part with work; splits begin where they should."""
+    with no work marked idle (begin >= n), all after the last part with work."""
     seen: dict[tuple[int, int], int] = {}
     idle_from = None
     for p, (br, bb, er, eb, *_) in enumerate(md):
-        if br == -1:
+        if br >= n:
             idle_from = p if idle_from is None else idle_from
             continue
         assert idle_from is None, f"part {p} has work after idle part {idle_from}"
@@ -150,7 +155,7 @@ def test_padded_rows_get_no_work() -> None:
     v = _update(pool, "decode", 8, 2, rng)
     assert v.cache_seqlens[2:].tolist() == [64 * 9] * 6
     md = v.flashmla.tile_scheduler_metadata.tolist()
-    assert {r[0] for r in md} <= {-1, 0, 1} and md[-1][0] == -1
+    assert {r[0] for r in md} <= {8, 0, 1} and md[-1][0] == 8
     assert v.flashmla.num_splits[3:].tolist() == [v.flashmla.num_splits[2].item()] * 6
 
 
@@ -159,8 +164,9 @@ def test_padded_rows_get_no_work() -> None:
 def test_capture_state_is_the_empty_schedule(phase: str, layout: SchedLayout) -> None:
     pool = BufferPool(_cfg(layout=layout), poison=True)
     v = getattr(pool, phase).view(7)
-    idle = IDLE if layout is ARGS else [10, -1, 0, 0, 0, 0, 0, 0]  # max_bs: the capture state's
-    assert v.flashmla.tile_scheduler_metadata.tolist() == [idle] * v.flashmla.num_sm_parts
+    # max_bs: the capture state's batch
+    empty = idle(10) if layout is ARGS else [10, -1, 0, 0, 0, 0, 0, 0]
+    assert v.flashmla.tile_scheduler_metadata.tolist() == [empty] * v.flashmla.num_sm_parts
     assert v.flashmla.num_splits.tolist() == [0] * 8
     pool.check(v)
 

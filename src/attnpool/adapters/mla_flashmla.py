@@ -14,9 +14,9 @@ Two call forms, picked by the metadata's layout (``FlashMLAConfig.layout``):
   h_k, 576], block_table [b, max_blocks] int32, cache_seqlens [b] int32, head_dim_v=512,
   tile_scheduler_metadata [num_sm_parts, 8] int32, num_splits [b + 1] int32, softmax_scale,
   causal)``. The kernel takes ``num_sm_parts`` from the tensor. An idle part holds ``begin_req =
-  -1``: vLLM's build skips a part with ``begin_req < 0 or begin_req >= b`` (and its combine skips
-  rows with at most one split); deepseek-ai's own release of this API skips only ``begin_req >=
-  b`` (``csrc/sm90/decode/dense/splitkv_mla.cu``), so with it an idle part would run.
+  bs``: deepseek-ai's release of this API skips only ``begin_req >= b``
+  (``csrc/sm90/decode/dense/splitkv_mla.cu``), vLLM's build ``begin_req < 0 or begin_req >= b``
+  (its planner's mark is -1, which the former would run), so ``bs`` is idle for both.
 * **Scheduler object** (``SchedLayout.DECODING_SCHED_META``; FlashMLA's current API, the copy
   vLLM vendors): ``tile_scheduler_metadata`` is a ``FlashMLASchedMeta``; when its
   ``tile_scheduler_metadata`` / ``num_splits`` tensors are set the C++ side uses them instead of

@@ -26,20 +26,21 @@ split, first-request-split flag, last-request-split flag, pad), what a caller fi
 ``FlashMLASchedMeta`` itself writes.
 
 Padded rows (a graph captured for ``bs`` rows, metadata for ``n <= bs`` requests): a part with
-no work left has ``begin_req = -1`` in the argument layout (vLLM's build of that API skips
-it) and ``begin_req = bs`` in the struct layout (the kernel skips ``begin_req >= b``), and
-``num_splits[n + 1:]`` repeats ``num_splits[n]`` when a longer buffer is filled (so padded rows
-have no split).
+no work left has ``begin_req = bs``, the kernel call's batch, in both layouts: every build of the
+kernel skips a part whose begin request is ``>= b`` (FlashMLA's own planner marks idle parts
+so), while ``-1``, the mark of vLLM's FlashMLA build (which skips both), would run requests
+``-1 .. end`` in FlashMLA's own build of the argument API. ``num_splits[n + 1:]`` repeats
+``num_splits[n]`` when a longer buffer is filled (so padded rows have no split).
 
 **The pool's buffers** (``PoolConfig(flashmla=...)``; :func:`flashmla_part_`, the reference
 path's part, and :mod:`.triton_flashmla`, the fused one, write the same bytes) schedule the
 ``n`` real rows only, never the padded ones, although those hold a valid ``pad_seq_len``: a
 padded row that took blocks would take SM time from real rows in every replay of a graph
 captured for more rows than the step has, and its splits would shift every later row's. So
-padded rows get no work: parts past the real work are marked idle (-1, or ``bs`` in the struct
-layout), ``num_splits[n + 1 : bs + 1] = num_splits[n]``. A batch of no real row (``n = 0``, the
-capture state) has every part idle: ``[-1, 0, -1, 0, 0, 0, 0, 0]`` (``[bs, -1, 0, ...]``;
-:func:`idle_row_`) and ``num_splits`` all 0.
+padded rows get no work: parts past the real work are marked idle (begin request ``bs``),
+``num_splits[n + 1 : bs + 1] = num_splits[n]``. A batch of no real row (``n = 0``, the capture
+state) has every part idle: ``[bs, 0, -1, 0, 0, 0, 0, 0]`` (``[bs, -1, 0, ...]`` in the struct
+layout; :func:`idle_row_`) and ``num_splits`` all 0.
 
 One loop over the parts (a few tensor ops each, on the lengths' device, no host read); no loop
 over requests.
@@ -132,7 +133,7 @@ def get_mla_metadata(cache_seqlens: Tensor, num_parts: int, *,
         torch.stack(c) for c in zip(*rows, strict=True))
     md.zero_()
     if layout is SchedLayout.ARGUMENTS:
-        md[:, 0] = torch.where(begin_req >= b, -1, begin_req)
+        md[:, 0] = torch.where(begin_req >= b, batch, begin_req)
         md[:, 1], md[:, 2], md[:, 3], md[:, 4] = begin_blk, end_req, end_blk, begin_split
     else:
         first = resumed != 0  # the part starts inside a request another part began
@@ -156,11 +157,11 @@ def idle_row_(tile_scheduler_metadata: Tensor, layout: SchedLayout = SchedLayout
               bs: int = 0) -> None:
     """Every part idle, the schedule of no request (``n = 0``), as the fused kernel writes it
     (its idle-part formulas read no request: begin and end block 0, end request ``n - 1``):
-    ``[-1, 0, -1, 0, 0, 0, 0, 0]``, or ``[bs, -1, 0, 0, 0, 0, 0, 0]`` in the struct layout."""
+    ``[bs, 0, -1, 0, 0, 0, 0, 0]``, or ``[bs, -1, 0, 0, 0, 0, 0, 0]`` in the struct layout."""
     md = tile_scheduler_metadata
     md.zero_()
     if layout is SchedLayout.ARGUMENTS:
-        md[:, 0] = -1
+        md[:, 0] = bs
         md[:, 2] = -1
     else:
         md[:, 0] = bs

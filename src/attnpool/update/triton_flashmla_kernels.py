@@ -94,7 +94,7 @@ def flashmla_sched_kernel(  # type: ignore[no-untyped-def]
                   tl.where(k == 5, flag_first,
                   tl.where(k == 6, flag_last, 0)))))))
         else:
-            row = tl.where(k == 0, tl.where(idle, -1, req),
+            row = tl.where(k == 0, tl.where(idle, bs, req),
                   tl.where(k == 1, begin_blk,
                   tl.where(k == 2, end_req,
                   tl.where(k == 3, end_blk,
