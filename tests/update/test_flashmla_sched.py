@@ -27,22 +27,24 @@ def test_hand_worked() -> None:
     assert ns.tolist() == [0, 1, 3] and md.dtype == ns.dtype == torch.int32
     md, _ = get_mla_metadata(torch.tensor([64, 200]), 2, layout=META)
     assert md.tolist() == [[0, 1, 0, 2, 0, 0, 1, 0], [1, 1, 2, 4, 1, 1, 1, 0]]
-    # more parts than work: idle parts are -1 (argument layout) or begin at b (struct layout)
+    # more parts than work: idle parts begin at b, in both layouts
     buf = torch.full((4,), 99, dtype=torch.int32)
     md, ns = get_mla_metadata(torch.tensor([1]), 3, num_splits=buf)
-    assert md.tolist() == [[0, 0, 0, 1, 0, 0, 0, 0], [-1, 0, 0, 1, 0, 0, 0, 0],
-                           [-1, 0, 0, 1, 0, 0, 0, 0]]
+    assert md.tolist() == [[0, 0, 0, 1, 0, 0, 0, 0], [1, 0, 0, 1, 0, 0, 0, 0],
+                           [1, 0, 0, 1, 0, 0, 0, 0]]
     assert ns is buf and buf.tolist() == [0, 1, 1, 1]  # padded rows: the last value repeated
     md, _ = get_mla_metadata(torch.tensor([1]), 3, layout=META)
     assert md[1:, 0].tolist() == [1, 1]
     # ... or at the kernel call's batch, when it has rows past the scheduled ones
     md, _ = get_mla_metadata(torch.tensor([1]), 3, layout=META, batch=5)
     assert md[1:, 0].tolist() == [5, 5]
+    md, _ = get_mla_metadata(torch.tensor([1]), 3, batch=5)
+    assert md[1:, 0].tolist() == [5, 5]
     # an idle part's begin block is read past FlashMLA's first-block array: request 0's last
     # block (2 for 130 tokens)
     md, ns = get_mla_metadata(torch.tensor([130]), 4)
     assert md.tolist()[:3] == [[0, 0, 0, 2, 0, 0, 0, 0], [0, 2, 0, 3, 1, 0, 0, 0],
-                               [-1, 2, 0, 3, 0, 0, 0, 0]]
+                               [1, 2, 0, 3, 0, 0, 0, 0]]
     assert ns.tolist() == [0, 2]
     # a row of length 0 costs one block and ends at block 0
     md, ns = get_mla_metadata(torch.tensor([0, 5]), 1)
