@@ -74,3 +74,30 @@ def test_kernel_reads_the_pools_lengths() -> None:
     md.view.cache_seqlens[1] -= 5  # the pool's buffer, which the kernel step holds
     kernel.attend(md.kernel, q, cache, b, 0.125, None, 0.0, None)
     assert torch.equal(a[0], b[0]) and not torch.allclose(a[1], b[1])
+
+
+def test_kernel_store_writes_attnpools_bytes() -> None:
+    """vLLM's store op (the kernel path's) and attnpool's store write the same cache bytes;
+    vLLM's skips slot -1 (attnpool's sends it to the null block 0, which nothing reads)."""
+    from attnpool.integrations.vllm.cache import slot_index_, store_
+
+    kernel = CPUKernel(H, HK, D, torch.float32, None, STORE_ISA, True)
+    g = torch.Generator().manual_seed(5)
+    slots = torch.randperm((BLOCKS - 1) * P, generator=g)[:40] + P  # never block 0
+    key, value = torch.randn(40, HK, D, generator=g), torch.randn(40, HK, D, generator=g)
+    ours, theirs = torch.zeros(BLOCKS, HK, P, 2 * D), torch.zeros(BLOCKS, HK, P, 2 * D)
+    blocks, offsets = torch.empty(40, dtype=torch.int64), torch.empty(40, dtype=torch.int64)
+    slot_index_(slots, P, blocks, offsets)
+    store_(*cpu_views(ours), key, value, blocks, offsets)
+    kernel.store(key, value, theirs, slots)
+    assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+    padded = slots.clone()
+    padded[::3] = -1
+    again = torch.zeros_like(theirs)
+    kernel.store(key, value, again, padded)
+    assert not again[0].any()
+    keep = padded >= 0
+    want = torch.zeros_like(theirs)
+    kernel.store(key[keep], value[keep], want, padded[keep])
+    assert torch.equal(again.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(again.view(torch.uint8), theirs.view(torch.uint8))

@@ -153,7 +153,12 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
     def do_kv_cache_update(self, layer: Any, key: Tensor, value: Tensor, kv_cache: Tensor,
                            slot_mapping: Tensor) -> None:
         """Store the step's new K/V at ``slot_mapping`` (-1: padding, skipped into the null
-        block), through the block/offset pair the step's metadata computed once."""
+        block), through the block/offset pair the step's metadata computed once; with vLLM's
+        CPU kernel attending (:mod:`.cpu_kernel`), by its companion store op, one call for K
+        and V (the same bytes: the tests compare them)."""
+        if self.kernel is not None:
+            self.kernel.store(key, value, kv_cache, slot_mapping)
+            return
         k_cache, v_cache = self._views(kv_cache)
         t = slot_mapping.shape[0]
         md = _step_metadata(getattr(layer, "layer_name", None))

@@ -19,8 +19,11 @@ block size and the head size (:func:`kernel_isa`). attnpool's store writes the `
 dtype without AMX, with head sizes that are multiples of 32 and blocks of a multiple of 32
 tokens); other groups keep the torch paths, said once in the log.
 
-Nothing here runs at import time beyond torch: the kernel and vLLM's ISA rule are looked up
-when a group is built (:class:`CPUKernel`), which only happens inside a vLLM process.
+With the kernel attending, the K/V store is its companion op too (``cpu_attn_reshape_and_cache``,
+one call per layer for K and V; attnpool's store writes the same bytes with two ``index_put_``
+and serves the torch paths). Nothing here runs at import time beyond torch: the kernels and
+vLLM's ISA rule are looked up when a group is built (:class:`CPUKernel`), which only happens
+inside a vLLM process.
 """
 
 from __future__ import annotations
@@ -105,3 +108,15 @@ class CPUKernel:
             query, halves[:, :, :page], halves[:, :, page:], output, step.query_start_loc,
             step.seq_lens, scale, True, None, -1 if window is None else window,
             step.block_table, softcap, step.scheduler_metadata, sinks, None, 1.0, 1.0, "auto")
+
+    def store(self, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+        """Store ``key`` / ``value`` ``[T, H_kv, D]`` at ``slot_mapping [T]`` (-1: skipped) into
+        one layer's cache, in the layout the kernel reads: vLLM's store op for it, one call
+        (attnpool's own store, :func:`.cache.store_`, writes the same bytes with two
+        ``index_put_``)."""
+        blocks, heads, page, two_d = kv_cache.shape
+        halves = kv_cache.view(blocks, heads, 2 * page, two_d // 2)
+        t = slot_mapping.shape[0]
+        self._ops.cpu_attn_reshape_and_cache(key[:t], value[:t], halves[:, :, :page],
+                                             halves[:, :, page:], slot_mapping, self.isa, 1.0,
+                                             1.0, "auto")
