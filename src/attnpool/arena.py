@@ -291,8 +291,10 @@ class Arena:
 
 #: the regions each phase's update writes: the shared overlay, or the phase's own; the encoder
 #: also writes the decode phase's buffers (its decoder rows), which live in the overlay
+#: the regions each phase writes, keyed by name: a string hashes in C, an enum member through
+#: ``Enum.__hash__`` in Python, and every update marks its regions
 _REGIONS: dict[Phase, tuple[object, ...]] = {
-    p: ("overlay",) if f.overlaid else (p, "overlay") if f.writes_decode else (p,)
+    p: ("overlay",) if f.overlaid else (p.value, "overlay") if f.writes_decode else (p.value,)
     for p, f in PHASE_FACTS.items()
 }
 
