@@ -87,7 +87,8 @@ class StepMetadata:
         run: the adapter call bound to ``view`` for every layer of the step (SDPA plans are
             computed by the first layer that reads a part and reused by the others).
         blocks, offsets: ``[num_tokens]`` int64 views of staging buffers: each new token's
-            cache block and offset (padded tokens: block 0, vLLM's null block).
+            cache block and offset (padded tokens: block 0, vLLM's null block); empty when
+            vLLM's kernel attends (its store op takes the slots themselves).
         num_actual_tokens: the step's real query tokens (rows of ``query`` past it are
             vLLM's padding).
         kernel: vLLM's CPU kernel's inputs for this step (:mod:`.cpu_kernel`), when the
@@ -159,13 +160,14 @@ class StepFiller:
         if tokens > self._blocks.shape[0]:
             raise CapacityError(f"slot_mapping has {tokens} tokens, more than "
                                 f"max_num_batched_tokens={self._blocks.shape[0]}")
-        page = self.sizes.block_size
-        slot_index_(slot_mapping, page, self._blocks, self._offsets)
         run = bind(self.backend, view, num_actual_tokens, self.num_heads, self.num_kv_heads,
                    self.dtype)
+        if self.kernel is not None:  # vLLM's kernel stores by slot itself: no block/offset pair
+            return StepMetadata(view, run, self._blocks[:0], self._offsets[:0],
+                                num_actual_tokens, self.kernel.step(view, n))
+        slot_index_(slot_mapping, self.sizes.block_size, self._blocks, self._offsets)
         return StepMetadata(view, run, self._blocks[:tokens], self._offsets[:tokens],
-                            num_actual_tokens,
-                            None if self.kernel is None else self.kernel.step(view, n))
+                            num_actual_tokens)
 
 
 def group_window(windows: set[int | None]) -> int | None:
