@@ -116,7 +116,7 @@ class InputPass:
         self._arange = arena.buffer(None, "arange")
         #: ``arange[:n]`` per n: the rows of a block table given without ``req_pool_indices``
         self._in_order: dict[int, Tensor] = {}
-        self._max_bs = self.cfg.max_bs
+        self._max_bs, self._max_context_len = self.cfg.max_bs, self.cfg.max_context_len
         #: set by a capturable update, for the arena (see Arena.recorded)
         self.arena = arena
 
@@ -153,9 +153,20 @@ class InputPass:
             self._capturable(bs, n, num_real, (cpu, *host))
         elif not (type(bs) is int and n <= bs <= self._max_bs and bs >= 1):
             check_bs(self.cfg, bs, n)  # (raises, naming what is wrong)
-        req_pool_indices = shared.get("req_pool_indices")
-        rows, table, block_size, shape, strides = self.request_table(
-            n, req_pool_indices, shared.get("req_to_token"), shared.get("block_table"))
+        req_pool_indices, req_to_token = shared.get("req_pool_indices"), shared.get("req_to_token")
+        block_size: int | None
+        if req_to_token is not None and req_pool_indices is not None \
+                and shared.get("block_table") is None:
+            # SGLang's form, the common one, without request_table's frame (same checks)
+            rows = check_tensor("req_pool_indices", req_pool_indices, None, 1, INT_DTYPES, n,
+                                self.device, True, self.arena_span)
+            table, shape, strides = check_table_layout(
+                "req_to_token", req_to_token, self.device, self._max_context_len,
+                "max_context_len", self.cfg, self.arena_span)
+            block_size = None
+        else:
+            rows, table, block_size, shape, strides = self.request_table(
+                n, req_pool_indices, req_to_token, shared.get("block_table"))
         window_table = None
         if self.window or "window_req_to_token" in shared or "window_block_table" in shared:
             window_table = self.window_table(table, block_size,
