@@ -23,7 +23,7 @@ graphs (vLLM's piecewise mode runs attention eagerly). Hence
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor
@@ -49,6 +49,8 @@ from .cache import cpu_views, cuda_views, slot_index_, store_
 from .cpu_kernel import STORE_ISA, CPUKernel, kernel_isa
 from .decode_cpu import attend
 from .step import EngineSizes, StepFiller, StepMetadata, group_window
+
+T = TypeVar("T")
 
 #: under vLLM's logger hierarchy, so that vLLM's own log handler prints it
 logger = init_logger("vllm.plugins.attnpool")
@@ -171,6 +173,18 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
         store_(k_cache, v_cache, key[:t], value[:t], blocks, offsets)
 
 
+def group_impls(vllm_config: VllmConfig, layer_cls: type[Any], impl_cls: type[T],
+                layer_names: list[str]) -> list[T]:
+    """The impls of a KV-cache group's layers, every one attnpool's ``impl_cls`` (a builder
+    serves only its own layers: another backend's in the group is refused at engine start)."""
+    layers = get_layers_from_vllm_config(vllm_config, layer_cls, layer_names)
+    impls = [layer.impl for layer in layers.values()]
+    if not impls or not all(isinstance(i, impl_cls) for i in impls):
+        raise LayoutError(f"attnpool's builder serves attnpool's {impl_cls.__name__} layers; "
+                          f"group {layer_names} has {sorted({type(i).__name__ for i in impls})}")
+    return impls
+
+
 def _step_metadata(layer_name: str | None) -> StepMetadata | None:
     """This layer's metadata of the current step, from vLLM's forward context."""
     if layer_name is None or not is_forward_context_available():
@@ -189,11 +203,7 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
-        impls = [layer.impl for layer in layers.values()]
-        if not impls or not all(isinstance(i, AttnpoolImpl) for i in impls):
-            raise LayoutError(f"attnpool's builder serves attnpool's layers; group "
-                              f"{layer_names} has {sorted({type(i).__name__ for i in impls})}")
+        impls = group_impls(vllm_config, Attention, AttnpoolImpl, layer_names)
         first = impls[0]
         sched, model = vllm_config.scheduler_config, vllm_config.model_config
         sizes = EngineSizes(

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
+from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import (
     MLAAttention,
@@ -43,6 +43,7 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from ...errors import LayoutError
 from ...kv.mla_shape import MLAShape
 from . import MLA_PREFILL
+from .backend import group_impls
 from .mla_step import (
     LatentFiller,
     LatentStep,
@@ -119,11 +120,7 @@ class AttnpoolMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        layers = get_layers_from_vllm_config(vllm_config, MLAAttention, layer_names)
-        impls = [layer.impl for layer in layers.values()]
-        if not impls or not all(isinstance(i, AttnpoolMLAImpl) for i in impls):
-            raise LayoutError(f"attnpool's MLA builder serves attnpool's MLA layers; group "
-                              f"{layer_names} has {sorted({type(i).__name__ for i in impls})}")
+        impls = group_impls(vllm_config, MLAAttention, AttnpoolMLAImpl, layer_names)
         shapes = {i.shape for i in impls}
         if len(shapes) != 1:
             raise LayoutError(f"one MLA shape per KV-cache group, got {sorted(map(str, shapes))}")
