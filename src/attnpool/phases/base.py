@@ -141,9 +141,9 @@ class PhaseBase(Generic[ViewT]):
         if plan is None:
             plan = launches.add(key, self._parts(self.ops, bs, values), values, self.ALIASES)
         if launches.recording is not None:
-            launches.record(plan, values)
-        for part in plan:
-            part(values)
+            launches.record(key, values)
+        for replay in plan:
+            replay(values)
 
     def _paged_launch(self, ops: UpdatePath, b: PagedBuffers, bs: int, x: Inputs,
                       **kw: Any) -> Replay:

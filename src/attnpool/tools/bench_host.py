@@ -3,8 +3,12 @@
 An update's host time is a budget like its launches: the fused path replaces ~10 launches with
 one, which only pays if its Python costs about as little. Every figure here is a ratio to one
 *unit*, ``t.fill_(1)`` on an 8-element tensor of the pool's device, timed in the same process
-and interleaved with the case (so a busy machine slows both alike); the minimum of many short
-rounds is used for both.
+and interleaved with the case: each round times a batch of the unit, then a batch of each case,
+and a case's figure is the median over the rounds of its batch's ratio to the same round's
+unit batch (a slow spell of a shared machine reaches both within a round; the median drops the
+odd disturbed round). Every batch starts warm (one untimed call first), as the unit's does: the
+heavier columns of a row run between two batches of a light one and would otherwise charge it
+their cache misses, which made the light columns' figures swing by a unit or two between runs.
 
 Columns, per phase part and batch size (``n = bs`` real rows):
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import statistics
 import timeit
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -124,14 +129,15 @@ def stubbed_launches(device: torch.device) -> Iterator[None]:
 
 def units(fn: Callable[[], object], device: torch.device, rounds: int = 25, number: int = 20
           ) -> float:
-    """``fn``'s host time in units of ``t.fill_(1)`` (8 elements), interleaved, min of rounds."""
+    """``fn``'s host time in units of ``t.fill_(1)`` (8 elements): see :func:`units_of`."""
     return units_of({"fn": fn}, device, rounds, number)["fn"]
 
 
 def units_of(fns: dict[str, Callable[[], object]], device: torch.device, rounds: int = 25,
              number: int = 20) -> dict[str, float]:
     """:func:`units` of several calls, all timed in the same rounds in turn (with the unit op):
-    a change of the machine's load reaches every column of a row alike, so their ratios hold."""
+    a change of the machine's load reaches every column of a row alike, so their ratios hold.
+    Each figure is the median over rounds of the call's time over that round's unit."""
     t = torch.zeros(8, device=device)  # ok: the unit op's operand, once per case
     calls: dict[str, int] = {}
     for k, fn in fns.items():
@@ -146,8 +152,10 @@ def units_of(fns: dict[str, Callable[[], object]], device: torch.device, rounds:
     for _ in range(rounds):
         us.append(timeit.timeit(lambda: t.fill_(1), number=number * 10) / (number * 10))
         for k, fn in fns.items():
+            fn()  # untimed: the batch starts warm, as the unit's does (module docstring)
             ts[k].append(timeit.timeit(fn, number=calls[k]) / calls[k])
-    return {k: min(v) / min(us) for k, v in ts.items()}
+    return {k: statistics.median(case / unit for case, unit in zip(v, us, strict=True))
+            for k, v in ts.items()}
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ class Launch:
     """
 
     __slots__ = ("args", "fn", "from_inputs", "from_record", "inputs", "live", "options",
-                 "replayed")
+                 "replay", "replayed")
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], args: Mapping[str, object],
                  options: dict[str, Any], inputs: Mapping[str, str]) -> None:
@@ -144,6 +144,8 @@ class Launch:
         self.replayed: tuple[int, ...] = ()
         self.fn: Callable[..., object] = (
             _skip if record_launch(kernel, grid, self.args, options) else kernel[grid])
+        #: the per-update call once :meth:`take` has run (see :func:`replay_function`)
+        self.replay: Callable[[tuple[Any, ...]], None] = self._unbound
 
     def take(self, values: tuple[Any, ...], **alias: str) -> Launch:
         """Read the replayed inputs from value records shaped like ``values`` (``alias``:
@@ -159,28 +161,20 @@ class Launch:
             a[p] = None
         self.args = tuple(a)
         self.live = a
+        self.replay = replay_function(a, self.fn, self.options, self.from_inputs,
+                                      self.from_record)
         return self
 
-    def __call__(self, values: tuple[Any, ...] | None = None) -> None:
-        """Launch, with the inputs of :meth:`take` read from ``values`` (None: as built).
+    def _unbound(self, values: tuple[Any, ...]) -> None:
+        raise TypeError("Launch.replay needs take() first: it says where each input is")
 
-        The hot path of every fused update: the inputs are stored into one argument list kept
-        for the purpose (a fresh copy of ~75 arguments per launch costs more than the stores),
-        and cleared again after the launch, so a cached launch keeps no caller's tensor alive."""
+    def __call__(self, values: tuple[Any, ...] | None = None) -> None:
+        """Launch, with the inputs of :meth:`take` read from ``values`` (None: as built). A
+        phase calls :attr:`replay` directly (one frame less)."""
         if values is None:
             self.fn(*self.args, **self.options)
-            return
-        a = self.live
-        inputs = values[0]
-        for p, i in self.from_inputs:
-            a[p] = inputs[i]
-        for p, i in self.from_record:
-            a[p] = values[i]
-        try:
-            self.fn(*a, **self.options)
-        finally:
-            for p in self.replayed:
-                a[p] = None
+        else:
+            self.replay(values)
 
     def bound(self, values: tuple[Any, ...]) -> Callable[[], object]:
         """The launch with ``values`` fixed: a no-argument callable (a bound update's replay)."""
@@ -190,6 +184,38 @@ class Launch:
         for p, i in self.from_record:
             a[p] = values[i]
         return partial(self.fn, *a, **self.options)
+
+
+def replay_function(live: list[object], fn: Callable[..., object], options: dict[str, Any],
+                    from_inputs: tuple[tuple[Any, int], ...],
+                    from_record: tuple[tuple[Any, int], ...]
+                    ) -> Callable[[tuple[Any, ...]], None]:
+    """The hot path of every fused update, as one function written for this launch: it stores
+    each replayed input into ``live`` (the launch's argument list, kept for the purpose: a
+    fresh copy of ~75 arguments per launch costs more than the stores), launches, and clears
+    the stored inputs again, so a cached launch keeps no caller's tensor alive.
+
+    The positions are written into its source as integer literals, which is why it is
+    generated (as ``dataclasses`` and ``namedtuple`` generate theirs): a loop over ``(position,
+    field)`` pairs costs about a third of a small torch op more per launch, a figure of the
+    host-cost budget (``attnpool bench --host``). Only integers are interpolated; ``live``,
+    ``fn`` and ``options`` are bound as globals of the function."""
+    lines = ["def replay(values):"]
+    if from_inputs:
+        lines.append("    inputs = values[0]")
+    lines += [f"    live[{int(p)}] = inputs[{int(i)}]" for p, i in from_inputs]
+    lines += [f"    live[{int(p)}] = values[{int(i)}]" for p, i in from_record]
+    stored = [int(p) for p, _ in from_inputs + from_record]
+    if stored:
+        lines += ["    try:", "        fn(*live, **options)", "    finally:",
+                  "        " + " = ".join(f"live[{p}]" for p in stored) + " = None"]
+    else:
+        lines.append("    fn(*live, **options)")
+    scope: dict[str, Any] = {"live": live, "fn": fn, "options": options}
+    exec(compile("\n".join(lines), f"<attnpool replay of {len(stored)} inputs>", "exec"),
+         scope)
+    replay: Callable[[tuple[Any, ...]], None] = scope["replay"]
+    return replay
 
 
 def pointer_or(t: Tensor | None, dummy: Tensor) -> Tensor:

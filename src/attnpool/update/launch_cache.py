@@ -14,20 +14,22 @@ from typing import Any
 
 from .paths import Replay
 
-#: a batch shape's parts, in the phase's part order
-Plan = tuple[Replay, ...]
+#: a batch shape's per-update calls (each part's :attr:`.paths.Replay.replay`), in part order
+Plan = tuple[Callable[[tuple[Any, ...]], None], ...]
 
 
 class LaunchCache(dict[Hashable, Plan]):
     """Plans per key (a dict: a hit is one lookup), bounded: past ``limit`` keys (a new table
-    shape per call, say) it starts over. While ``recording`` is a list (a bound update is being
-    built), every run also appends its launches with the values fixed."""
+    shape per call, say) it starts over. ``parts`` keeps each key's parts themselves (a bound
+    update fixes their values). While ``recording`` is a list (a bound update is being built),
+    every run also appends its launches with the values fixed."""
 
-    __slots__ = ("limit", "recording")
+    __slots__ = ("limit", "parts", "recording")
 
     def __init__(self, limit: int = 1024) -> None:
         super().__init__()
         self.limit = limit
+        self.parts: dict[Hashable, tuple[Replay, ...]] = {}
         self.recording: list[Callable[[], object]] | None = None
 
     def add(self, key: Hashable, parts: Sequence[Replay], values: tuple[Any, ...],
@@ -37,13 +39,15 @@ class LaunchCache(dict[Hashable, Plan]):
         the two differ)."""
         if len(self) >= self.limit:
             self.clear()
+            self.parts.clear()
         aliases = (*aliases, *({},) * (len(parts) - len(aliases)))
-        plan = self[key] = tuple(
+        taken = self.parts[key] = tuple(
             part.take(values, **alias) for part, alias in zip(parts, aliases, strict=True))
+        plan = self[key] = tuple(part.replay for part in taken)
         return plan
 
-    def record(self, plan: Plan, values: tuple[Any, ...]) -> None:
-        """While a bound update is being built: keep ``plan``'s launches with ``values`` fixed
-        (each part replays as ``part(values)``; the caller runs them)."""
+    def record(self, key: Hashable, values: tuple[Any, ...]) -> None:
+        """While a bound update is being built: keep the launches of ``key`` with ``values``
+        fixed (each part replays as ``part.replay(values)``; the caller runs them)."""
         if self.recording is not None:
-            self.recording.extend(part.bound(values) for part in plan)
+            self.recording.extend(part.bound(values) for part in self.parts[key])

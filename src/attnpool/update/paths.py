@@ -22,6 +22,10 @@ from .buffers import PagedBuffers
 class Replay(Protocol):
     """A part's update with its arguments bound (``Launch`` or ``Call``)."""
 
+    #: ``replay(values)``, the same as calling it with ``values`` after :meth:`take`, in the
+    #: form a phase's update calls (for a launch, a function written for it: no method frame)
+    replay: Callable[[tuple[Any, ...]], None]
+
     def take(self, values: tuple[Any, ...], **alias: str) -> Replay:
         """Read the per-update inputs from value records shaped like ``values`` from now on."""
         ...

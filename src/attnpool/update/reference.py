@@ -89,13 +89,15 @@ class Call:
     parameter name.
     """
 
-    __slots__ = ("b", "fn", "inputs", "kw", "paths")
+    __slots__ = ("b", "fn", "inputs", "kw", "paths", "replay")
 
     def __init__(self, fn: Callable[..., None], b: PagedBuffers, kw: dict[str, Any],
                  inputs: tuple[str, ...]) -> None:
         self.fn, self.b, self.kw = fn, b, kw
         self.inputs = tuple(k for k in inputs if kw.get(k) is not None)
         self.paths = RecordPaths((), ())
+        #: the per-update call (the same as calling the part with values)
+        self.replay: Callable[[tuple[Any, ...]], None] = self.__call__
 
     def take(self, values: tuple[Any, ...], **alias: str) -> Call:
         """Read the inputs from value records shaped like ``values`` (``alias``: parameter ->
