@@ -96,6 +96,23 @@ def check_tensor(
     return not_inside(name, t, outside)
 
 
+def check_shaped(name: str, t: object, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
+                 device: torch.device, outside: tuple[int, int] = NOWHERE
+                 ) -> tuple[Tensor, tuple[int, ...]]:
+    """:func:`check_tensor` for an input whose every dimension is known (a tree mask ``[n, N,
+    N]``, draft slots ``[n, S, K]``), also returning its strides as the check read them (a
+    launch key holds them: the kernel indexes the input with them). One shape compare instead of
+    a read per dimension: the accepted case is one expression, as in :func:`check_tensor`."""
+    lo, hi = outside
+    if (type(t) is Tensor and t.shape == shape and t.dtype in dtypes and t.device == device
+            and not lo <= t.data_ptr() < hi):
+        return t, t.stride()
+    t = check_tensor(name, t, None, len(shape), dtypes, shape[0], device, False, outside)
+    if t.shape != shape:
+        raise InputError(f"{name} must be {list(shape)}, got {list(t.shape)}")
+    return t, t.stride()
+
+
 def not_inside(name: str, t: Tensor, outside: tuple[int, int]) -> Tensor:
     """Refuse an input whose data starts inside ``outside``, a pool's own storage (e.g. a view's
     ``cache_seqlens`` passed back as ``seq_lens``). Overlaid phases share those bytes, and the

@@ -90,11 +90,15 @@ def wrapper_kind(view: PagedView) -> WrapperKind:
     return WrapperKind.DECODE if view.max_seqlen_q == 1 else WrapperKind.PREFILL
 
 
-def _csr(view: PagedView) -> tuple[Tensor, Tensor, Tensor]:
+def csr_lists(view: object, reader: str = "FlashInfer") -> tuple[Tensor, Tensor, Tensor]:
+    """A paged part's CSR page lists ``(kv_indptr, kv_indices, kv_last_page_len)``: what every
+    FlashInfer wrapper's ``plan`` reads. Refused (``reader`` names the wrapper in the message)
+    for anything but a :class:`~attnpool.PagedView`, or one of a pool built without them
+    (``Layout.FLASH_ATTN``)."""
     if not isinstance(view, PagedView):
         raise InputError(f"expected a PagedView part, got {type(view).__name__}")
     if view.kv_indptr is None or view.kv_indices is None or view.kv_last_page_len is None:
-        raise LayoutError("FlashInfer reads CSR page lists: expected a view with kv_indptr, "
+        raise LayoutError(f"{reader} reads CSR page lists: expected a view with kv_indptr, "
                           "kv_indices and kv_last_page_len (Layout.FLASHINFER), got one without")
     return view.kv_indptr, view.kv_indices, view.kv_last_page_len
 
@@ -130,7 +134,7 @@ def make_wrapper(
         backend: FlashInfer's ``backend=`` (default: FlashInfer's own); models with attention
             sinks need one of :data:`SINK_BACKENDS`.
     """
-    indptr, indices, last = _csr(view)
+    indptr, indices, last = csr_lists(view)
     kind = kind or wrapper_kind(view)
     cls = _cls(kind, wrapper_cls)
     extra: dict[str, Any] = {} if backend is None else {"backend": backend}
@@ -178,7 +182,7 @@ def plan(
     head size when it differs from ``head_dim`` (passed as the prefill plan's ``head_dim_vo``;
     ``None`` or ``head_dim``: not passed). A decode wrapper, and the ``cute-dsl`` backend, take
     equal sizes only: :class:`LayoutError` (see the module docstring)."""
-    indptr, indices, last = _csr(view)
+    indptr, indices, last = csr_lists(view)
     if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
         raise InputError(f"num_qo_heads must be a multiple of num_kv_heads ({num_kv_heads}), "
                          f"got {num_qo_heads}")
@@ -323,7 +327,7 @@ class GraphWrappers:
         self._max_rows: dict[tuple[int, int, WrapperKind], int] = {}
 
     def _key(self, view: PagedView) -> tuple[int, int, WrapperKind]:
-        indptr, _, _ = _csr(view)
+        indptr, _, _ = csr_lists(view)
         return (indptr.data_ptr(), view.bs,
                 WrapperKind.PREFILL if self.prefill_only else wrapper_kind(view))
 

@@ -34,7 +34,7 @@ Sliding windows, softcapping and sinks are not MLA wrapper arguments: a window p
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -42,21 +42,20 @@ from torch import Tensor
 from ..errors import InputError, LayoutError
 from ..kv.mla_shape import MLAShape
 from ..views import PagedView
+from .flashinfer import csr_lists
 from .merge import Attn, run_passes
 from .mla import check_shape, latent_kv, split_q
 from .sdpa_gather import cache_as_pages
 
 
 def _csr(view: object) -> tuple[Tensor, Tensor, Tensor]:
-    if not isinstance(view, PagedView):
-        raise InputError(f"expected a PagedView part, got {type(view).__name__}")
-    if view.kv_indptr is None or view.kv_indices is None or view.kv_last_page_len is None:
-        raise LayoutError("FlashInfer's MLA wrapper reads CSR page lists: expected a view with "
-                          "kv_indptr, kv_indices and kv_last_page_len (Layout.FLASHINFER)")
+    """The part's CSR lists (:func:`.flashinfer.csr_lists`); a window is refused too."""
+    lists = csr_lists(view, "FlashInfer's MLA wrapper")
+    view = cast(PagedView, view)  # (csr_lists refused anything else)
     if view.window_left >= 0:
         raise LayoutError(f"FlashInfer's MLA wrapper has no sliding window; this part has "
                           f"window_left={view.window_left}")
-    return view.kv_indptr, view.kv_indices, view.kv_last_page_len
+    return lists
 
 
 def kv_lens_(view: PagedView, out: Tensor) -> Tensor:

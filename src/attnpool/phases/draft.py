@@ -124,20 +124,19 @@ class DraftPhase(PhaseBase[DraftView]):
         cfg, steps = self.cfg, self.cfg.spec_steps
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len - steps)
         loc: Tensor | None = None
+        strides: tuple[int, ...] | None = None
         if not self.tree:
             if out_cache_loc is not None:
                 raise InputError("out_cache_loc is only for topk > 1; chain drafts read "
                                  f"req_to_token, got one with topk={cfg.topk}")
         else:
-            loc = self.input_pass.tensor("out_cache_loc", out_cache_loc, 3, rows=x.n)
-            if (shape := loc.shape)[1] != steps or shape[2] != cfg.topk:
-                raise InputError(f"out_cache_loc must be [n, {steps}, {cfg.topk}], "
-                                 f"got {tuple(shape)}")
+            loc, strides = self.input_pass.shaped("out_cache_loc", out_cache_loc,
+                                                  (x.n, steps, cfg.topk))
         if self.validate:  # (the value lists are built only then)
             self._check_values(x, cfg.max_context_len - steps)
         host = x.seq_lens_host
         # --- writes start here (every part's inputs were checked above) ---
-        self._run((bs, x.launch_key, None if loc is None else loc.stride()), bs,
+        self._run((bs, x.launch_key, strides), bs,
                   new_record(DraftValues, (x, loc, self._width(host, 0 if self.tree else steps))))
         self._mark(bs)
         return self._view(bs, host, x.n)

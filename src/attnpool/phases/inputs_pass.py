@@ -22,6 +22,7 @@ from ..inputs import (
     check_block_table,
     check_bs,
     check_req_to_token,
+    check_shaped,
     check_table_layout,
     check_tensor,
     host_lens,
@@ -126,6 +127,13 @@ class InputPass:
         device, outside the arena."""
         return check_tensor(name, t, None, ndim, dtypes, rows, self.device, True,
                             self.arena_span)
+
+    def shaped(self, name: str, t: object, shape: tuple[int, ...],
+               dtypes: tuple[torch.dtype, ...] = INT_DTYPES) -> tuple[Tensor, tuple[int, ...]]:
+        """A phase's own device input of a fully known ``shape``, and its strides (for the
+        launch key): :func:`attnpool.inputs.check_shaped` on the arena's device, outside the
+        arena."""
+        return check_shaped(name, t, shape, dtypes, self.device, self.arena_span)
 
     def lens(self, name: str, t: object, cpu: Tensor | Sequence[int] | None, n: int, hi: int
              ) -> tuple[Tensor, list[int] | None]:

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from typing import Unpack
 
 
+_BOOL = (torch.bool,)
+
+
 class VerifyValues(NamedTuple):
     """One verify update's values, as its parts read them (by these names).
 
@@ -81,10 +84,10 @@ class VerifyPhase(PhaseBase[VerifyView]):
         cfg, nd = self.cfg, self.cfg.num_draft_tokens
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len - nd)
         mask: Tensor | None = None
+        strides: tuple[int, ...] | None = None
         if self.tree:
-            mask = self.input_pass.tensor("tree_mask", tree_mask, 3, (torch.bool,), x.n)
-            if (shape := mask.shape)[1] != nd or shape[2] != nd:
-                raise InputError(f"tree_mask must be [n, {nd}, {nd}], got {tuple(shape)}")
+            mask, strides = self.input_pass.shaped("tree_mask", tree_mask, (x.n, nd, nd),
+                                                   _BOOL)
         elif tree_mask is not None:
             raise InputError(f"tree_mask is only for topk > 1, got one with topk={cfg.topk}")
         if self.validate:  # (the value lists are built only then)
@@ -92,7 +95,7 @@ class VerifyPhase(PhaseBase[VerifyView]):
         add = 0 if self.tree else nd
         host = x.seq_lens_host
         # --- writes start here (every part's inputs were checked above) ---
-        self._run((bs, x.launch_key, None if mask is None else mask.stride()), bs,
+        self._run((bs, x.launch_key, strides), bs,
                   new_record(VerifyValues, (x, mask, self._width(host, add))))
         self._mark(bs)
         return self._view(bs, self._max_k(host, add, x.n, bs, cfg.max_context_len))

@@ -96,6 +96,25 @@ def _row_pages(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _csr_head(pid, my_cum, acc_pg, my_npg, my_len, owns, P,  # type: ignore[no-untyped-def]
+              indptr_ptr, last_ptr, HAS_FI: tl.constexpr):
+    """Row ``pid``'s head of FlashInfer's CSR lists: ``kv_indptr[pid + 1]`` (the inclusive sum
+    ``acc_pg`` of the pages of rows ``0..pid``; row 0 also writes ``kv_indptr[0] = 0``) and
+    ``kv_last_page_len[pid]`` (0 for a row that owns no page: not ``owns`` or empty). Returns
+    the row's first position in ``kv_indices`` (0 without the CSR layout; ``my_cum`` only
+    gives the scalar its type)."""
+    my_start = my_cum * 0
+    if HAS_FI:
+        my_end = tl.sum(acc_pg, axis=0)
+        my_start = my_end - my_npg
+        tl.store(indptr_ptr + pid + 1, my_end)
+        if pid == 0:
+            tl.store(indptr_ptr, my_end * 0)
+        tl.store(last_ptr + pid, tl.where(owns & (my_len > 0), (my_len - 1) % P + 1, 0))
+    return my_start
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def tree_expand_kernel(  # type: ignore[no-untyped-def]
     mask_ptr, seq_ptr, rpi_ptr, tok_ptr, nreal_ptr,
     cache_ptr, cuk_ptr, pt_ptr, indptr_ptr, indices_ptr, last_ptr,
@@ -255,14 +274,8 @@ def local_kernel(  # type: ignore[no-untyped-def]
     my_req = pid // per
     owns = my_req < n_req  # a real request's row (valid or not)
 
-    my_start = my_cum * 0
-    if HAS_FI:
-        my_end = tl.sum(acc_pg, axis=0)
-        my_start = my_end - my_npg
-        tl.store(indptr_ptr + pid + 1, my_end)
-        if pid == 0:
-            tl.store(indptr_ptr, my_end * 0)
-        tl.store(last_ptr + pid, tl.where(owns & (my_len > 0), (my_len - 1) % P + 1, 0))
+    my_start = _csr_head(pid, my_cum, acc_pg, my_npg, my_len, owns, P, indptr_ptr, last_ptr,
+                         HAS_FI)
 
     if HAS_PT or HAS_FI:
         live = tl.minimum(_floor_div(my_len + (P - 1), P), cap_pages)  # pad pages if not valid

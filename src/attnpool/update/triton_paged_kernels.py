@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_kernels import _floor_div, _row_pages, _slot
+from .triton_kernels import _csr_head, _floor_div, _row_pages, _slot
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -177,15 +177,8 @@ def _paged_part(  # type: ignore[no-untyped-def]
                         pos_ptr, slot_ptr, pos_cap, slot_cap, tail_end, TP, my_shift, HAS_OFF,
                         BLOCK_T, BLOCK_TABLE)
 
-    my_start = my_cum * 0
-    if HAS_FI:
-        my_end = tl.sum(acc_pg, axis=0)
-        my_start = my_end - my_npg
-        tl.store(indptr_ptr + pid + 1, my_end)
-        if pid == 0:
-            tl.store(indptr_ptr, my_end * 0)
-        last = tl.where(is_real & (my_len > 0), (my_len - 1) % P + 1, 0)  # 0: owns no pages
-        tl.store(last_ptr + pid, last)
+    my_start = _csr_head(pid, my_cum, acc_pg, my_npg, my_len, is_real, P, indptr_ptr, last_ptr,
+                         HAS_FI)
 
     if HAS_PT or HAS_FI:
         live = tl.minimum(_floor_div(my_len + (P - 1), P), cap_pages)
