@@ -71,6 +71,11 @@ def _skip(*args: object, **kw: object) -> None:
     """A launch the recorder asked not to run."""
 
 
+def _untaken(values: tuple[Any, ...]) -> None:
+    """A launch's replay before :meth:`Launch.take` said where each input is."""
+    raise TypeError("Launch.replay needs take() first: it says where each input is")
+
+
 class RecordPaths(NamedTuple):
     """Where a replay reads each input in a phase's value record: ``(target, field)`` pairs,
     ``from_inputs`` in the record's first field (the phase's checked shared inputs,
@@ -145,7 +150,7 @@ class Launch:
         self.fn: Callable[..., object] = (
             _skip if record_launch(kernel, grid, self.args, options) else kernel[grid])
         #: the per-update call once :meth:`take` has run (see :func:`replay_function`)
-        self.replay: Callable[[tuple[Any, ...]], None] = self._unbound
+        self.replay: Callable[[tuple[Any, ...]], None] = _untaken
 
     def take(self, values: tuple[Any, ...], **alias: str) -> Launch:
         """Read the replayed inputs from value records shaped like ``values`` (``alias``:
@@ -164,9 +169,6 @@ class Launch:
         self.replay = replay_function(a, self.fn, self.options, self.from_inputs,
                                       self.from_record)
         return self
-
-    def _unbound(self, values: tuple[Any, ...]) -> None:
-        raise TypeError("Launch.replay needs take() first: it says where each input is")
 
     def __call__(self, values: tuple[Any, ...] | None = None) -> None:
         """Launch, with the inputs of :meth:`take` read from ``values`` (None: as built). A
