@@ -48,26 +48,26 @@ def _refused(pool: BufferPool, call: Callable[[], object], match: str) -> None:
     assert torch.equal(pool.arena.storage.view(torch.uint8), before)
 
 
-@pytest.mark.parametrize("impl", PATHS)
-@pytest.mark.parametrize(("what", "bad", "match"), MASKS, ids=[c[0] for c in MASKS])
-def test_bad_tree_mask_is_refused_before_any_write(impl: Impl, what: str, bad: Bad,
-                                                   match: str) -> None:
-    pool = _pool(impl)
-    b = make_batch(pool.cfg, 4, random.Random(0), extra=N)
-    mask = tree_mask(4, N, random.Random(1))
-    pool.verify.update_(4, tree_mask=mask, **b.inputs())  # the good call is accepted
-    _refused(pool, lambda: pool.verify.update_(4, tree_mask=bad(mask), **b.inputs()), match)
+#: (phase, its own input, the steps its lengths leave room for, a good value) per tree input
+INPUTS: dict[str, tuple[str, str, int, Callable[[], torch.Tensor]]] = {
+    "tree_mask": ("verify", "tree_mask", N, lambda: tree_mask(4, N, random.Random(1))),
+    "out_cache_loc": ("draft", "out_cache_loc", S, lambda: torch.randint(16, 4096, (4, S, K))),
+}
+CASES = [("tree_mask", *c) for c in MASKS] + [("out_cache_loc", *c) for c in LOCS]
 
 
 @pytest.mark.parametrize("impl", PATHS)
-@pytest.mark.parametrize(("what", "bad", "match"), LOCS, ids=[c[0] for c in LOCS])
-def test_bad_out_cache_loc_is_refused_before_any_write(impl: Impl, what: str, bad: Bad,
-                                                       match: str) -> None:
+@pytest.mark.parametrize(("name", "what", "bad", "match"), CASES,
+                         ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_bad_tree_input_is_refused_before_any_write(impl: Impl, name: str, what: str, bad: Bad,
+                                                    match: str) -> None:
     pool = _pool(impl)
-    b = make_batch(pool.cfg, 4, random.Random(0), extra=S)
-    loc = torch.randint(16, 4096, (4, S, K))
-    pool.draft.update_(4, out_cache_loc=loc, **b.inputs())
-    _refused(pool, lambda: pool.draft.update_(4, out_cache_loc=bad(loc), **b.inputs()), match)
+    phase_name, key, extra, good = INPUTS[name]
+    phase = getattr(pool, phase_name)
+    b = make_batch(pool.cfg, 4, random.Random(0), extra=extra)
+    value = good()
+    phase.update_(4, **{key: value}, **b.inputs())  # the good call is accepted
+    _refused(pool, lambda: phase.update_(4, **{key: bad(value)}, **b.inputs()), match)
 
 
 @pytest.mark.parametrize("impl", PATHS)
