@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 K = 1024
 #: the attention cases' model: query heads, KV heads, head dim; the page size of every case
@@ -296,6 +297,93 @@ def _update_case(r: Run, case: Any, info: dict[str, Any], until: float,
     r.guarded("update", info, "bound", until, bound)
 
 
+# ---- extend and mixed updates -----------------------------------------------------------------
+#: T of the extend sections' pools: the packed query tokens of one prefill step
+EXTEND_TOKENS = {"full": 8192, "smoke": 64}
+
+
+def extend_step(kind: str, n: int, context: int, t: int, seed: int = 0
+                ) -> tuple[Tensor, Tensor]:
+    """``(seq_lens, extend_lens)`` of one step of ``n`` requests (host int64).
+
+    ``extend``: every request a prefill chunk of ``t // n`` new tokens (at least 1) after a
+    prefix of mixed length; ``mixed``: a quarter of the requests (at least one) share the chunk
+    tokens ``t - (n - k)``, the others decode one token each (chunked prefill beside decode)."""
+    g = torch.Generator().manual_seed(seed)
+    k = n if kind == "extend" else max(1, n // 4)
+    chunk = max(1, (t - (n - k)) // k)
+    ext = torch.ones(n, dtype=torch.int64)
+    ext[:k] = min(chunk, context)
+    prefix = (torch.rand(n, generator=g, dtype=torch.float64) * (context - ext)).long()
+    return prefix + ext, ext
+
+
+def run_extend_updates(r: Run, kind: str, until: float, smoke_fused: bool) -> None:
+    """Classic per-op extend refill against ``pool.extend.update_`` (reference, fused, bound)
+    for prefill (``extend``) or mixed prefill + decode (``mixed``) steps, with the new tokens'
+    KV slots written (``out_slots``) on every path."""
+    t = EXTEND_TOKENS["smoke" if r.sizes is SMOKE else "full"]
+    for ctx in r.sizes.contexts[:2]:
+        for bs in r.sizes.bs:
+            _extend_case(r, kind, until, smoke_fused, ctx, bs, t)
+            gc.collect()
+
+
+def _extend_case(r: Run, kind: str, until: float, smoke_fused: bool, ctx: int, bs: int,
+                 t: int) -> None:
+    """Every path of one extend or mixed step of ``bs`` captured rows at context ``ctx``."""
+    from attnpool import BufferPool, Impl, PoolConfig
+    from attnpool.tools import bench
+    from attnpool.tools.baseline_extend import ClassicExtend
+
+    max_bs = max(r.sizes.bs)
+    case = bench.UpdateCase("decode", PAGE, bs, ctx, max_bs)
+    n = case.n
+    info = {"case": f"{kind}-p{PAGE}-bs{bs}-c{ctx}", "phase": kind, "bs": bs, "context": ctx,
+            "n": n, "tokens": 0}
+    try:
+        x = bench.make_inputs(case, r.device)
+        seq, ext = extend_step(kind, n, ctx, t)
+        info["tokens"] = int(ext.sum())
+    except Exception as e:
+        r.add(kind, info, "inputs", status="error", note=f"{type(e).__name__}: {e}")
+        return
+    dseq, dext = seq.to(r.device), ext.to(r.device)
+    cfg = PoolConfig(max_bs=max_bs, max_context_len=ctx, page_size=PAGE, device=r.device,
+                     max_extend_tokens=t)
+    inputs = {"seq_lens": dseq, "extend_lens": dext, "req_pool_indices": x.req_pool_indices,
+              "req_to_token": x.req_to_token}
+
+    def classic() -> tuple[Callable[[], object], str]:
+        c = ClassicExtend(cfg)
+        return (lambda: c.replay(bs, dseq, dext, x.req_pool_indices, x.req_to_token, seq, ext),
+                "per-op extend refill with host bounds (attnpool.tools.baseline_extend)")
+
+    def pool_path(impl: Impl) -> Callable[[], tuple[Callable[[], object], str]]:
+        def setup() -> tuple[Callable[[], object], str]:
+            if impl is Impl.TRITON and r.device.type != "cuda" and not smoke_fused:
+                raise Skip(bench.INTERPRET_ONLY)
+            ph = BufferPool(dataclasses.replace(cfg, impl=impl)).extend
+            slots = torch.empty(t, dtype=torch.int64, device=r.device)
+            return (lambda: ph.update_(bs, **inputs, seq_lens_cpu=seq, extend_lens_cpu=ext,
+                                       out_slots=slots),
+                    f"pool.extend.update_ ({impl.value}, with the host copies)")
+        return setup
+
+    def bound() -> tuple[Callable[[], object], str]:
+        if r.device.type != "cuda" and not smoke_fused:
+            raise Skip(bench.INTERPRET_ONLY)
+        ph = BufferPool(dataclasses.replace(cfg, impl=Impl.TRITON)).extend
+        slots = torch.empty(t, dtype=torch.int64, device=r.device)
+        u = ph.bind(bs, **inputs, out_slots=slots)
+        return u, f"pool.extend.bind on the fused path, graphed={u.graphed}"
+
+    paths = {"classic": classic, "attnpool-reference": pool_path(Impl.REFERENCE),
+             "attnpool-triton": pool_path(Impl.TRITON), "bound": bound}
+    for name, setup in paths.items():
+        r.guarded(kind, info, name, until, setup)
+
+
 # ---- attention --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Backends:
@@ -487,7 +575,8 @@ def main(argv: Sequence[str] | None = None, backends: Backends | None = None) ->
                     help="time budget of the measurements; what is left is skipped (default 90)")
     ap.add_argument("--sections", default="decode,attention,verify",
                     help="which sections run, in this order: decode (updates), attention, "
-                         "verify (updates); the budget is shared by their weights")
+                         "verify (updates), extend and mixed (prefill and prefill + decode "
+                         "updates); the budget is shared by their weights")
     args = ap.parse_args(argv)
     if args.smoke and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
@@ -507,6 +596,9 @@ def main(argv: Sequence[str] | None = None, backends: Backends | None = None) ->
         "decode": ("decode updates", 0.45, lambda u: run_updates(r, "decode", u, smoke_fused)),
         "attention": ("attention", 0.40, lambda u: run_attention(r, u, backends or Backends())),
         "verify": ("verify updates", 0.15, lambda u: run_updates(r, "verify", u, smoke_fused)),
+        "extend": ("extend updates", 0.2,
+                   lambda u: run_extend_updates(r, "extend", u, smoke_fused)),
+        "mixed": ("mixed updates", 0.2, lambda u: run_extend_updates(r, "mixed", u, smoke_fused)),
     }
     chosen = [every[k.strip()] for k in args.sections.split(",") if k.strip()]
     total = sum(w for _, w, _ in chosen) or 1.0
@@ -529,6 +621,11 @@ def main(argv: Sequence[str] | None = None, backends: Backends | None = None) ->
           f" every row at the context length; SDPA only up to bs*context <= "
           f"{sizes.sdpa_cap_tokens} tokens)\n")
     print(table(r.rows, "attention", cuda))
+    for kind in ("extend", "mixed"):
+        if any(x["section"] == kind for x in r.rows):
+            print(f"\n## {kind.capitalize()} updates (page {PAGE}, T = new tokens of the step; "
+                  f"out_slots written on every path)\n")
+            print(table(r.rows, kind, cuda))
     skipped_budget = sum(1 for x in r.rows if x["note"] == "budget")
     if skipped_budget:
         print(f"\nnote: {skipped_budget} rows skipped for the time budget (--budget-s)")

@@ -10,7 +10,10 @@ rows are compared (``n`` of ``bs``, padded rows included in every call); padded 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
+import sys
+import types
 from typing import Any
 
 import pytest
@@ -33,7 +36,13 @@ from attnpool.kv import KVCachePool
 from attnpool.kv.mla_shape import MLAShape
 
 from tests.helpers.batches import make_batch, tree_mask
-from tests.helpers.fakes_flashmla import ArgumentAPI, FlashMLASchedMeta, SchedMetaAPI
+from tests.helpers.fakes_flashmla import (
+    ArgumentAPI,
+    FlashMLASchedMeta,
+    SchedMetaAPI,
+    SglFlashMLASchedMeta,
+    SglSchedMetaAPI,
+)
 
 N, BS, C = 4, 6, 64 * 6
 
@@ -303,16 +312,110 @@ def test_layout_and_api_must_match() -> None:
                      sched_meta_cls=FlashMLASchedMeta)
 
 
+# ---- the installed package as the default entry point (sgl-flash-mla 1.0.0, and upstream's) --
+def _install(monkeypatch: pytest.MonkeyPatch, mod: types.ModuleType) -> None:
+    monkeypatch.setitem(sys.modules, "flash_mla", mod)
+    monkeypatch.setitem(sys.modules, "flash_mla.flash_mla_interface", mod)
+
+
+@pytest.mark.parametrize("phase", ["decode", "verify"])
+@pytest.mark.parametrize("heads, sms", [(16, 2), (16, 12), (128, 132)])
+def test_sgl_flash_mla_default_matches_sdpa(monkeypatch: pytest.MonkeyPatch, phase: str,
+                                            heads: int, sms: int) -> None:
+    """sgl-flash-mla 1.0.0: its Config requires enable_batch_invariant, and its dense path runs
+    only with use_legacy=True (the fake asserts both, as the package does)."""
+    fake = SglSchedMetaAPI(sms)
+    _install(monkeypatch, fake.module())
+    c = Case(phase, heads, sms, seed=heads + sms + 1, layout=META)
+    for k, (n, bs) in enumerate(((3, BS), (BS, BS), (1, 4))):
+        view, q, rows = c.step(n, bs)
+        c.check(view, q, fm.attention(view, q, c.kv, c.shape), rows)
+        meta = fake.calls[k]["sched_meta"]
+        f = (view if phase == "decode" else view.prefix).flashmla
+        assert isinstance(meta, SglFlashMLASchedMeta) and meta.have_initialized
+        assert meta.config.enable_batch_invariant is False and meta.config.b == bs
+        assert meta.tile_scheduler_metadata is f.tile_scheduler_metadata and not fake.planned
+    # the fake refuses what the package refuses: the dense path without use_legacy
+    view, q, _ = c.step(2)
+    with pytest.raises(AssertionError, match="pass use_legacy=True"):
+        fm.attention(view, q, c.kv, c.shape, fn=fake.flash_mla_with_kvcache,
+                     sched_meta_cls=SglFlashMLASchedMeta)
+
+
+def test_upstream_default_gets_no_use_legacy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry point without a use_legacy parameter (upstream's, vLLM's copy) is called
+    without it (the fake asserts every extra keyword is None), and its Config without
+    enable_batch_invariant."""
+    fake = SchedMetaAPI(12)
+    mod = types.ModuleType("flash_mla")
+    mod.flash_mla_with_kvcache = fake.flash_mla_with_kvcache  # type: ignore[attr-defined]
+    mod.FlashMLASchedMeta = FlashMLASchedMeta  # type: ignore[attr-defined]
+    mod.flash_mla_interface = mod  # type: ignore[attr-defined]
+    _install(monkeypatch, mod)
+    c = Case("verify", 16, 12, seed=4, layout=META)
+    view, q, rows = c.step(3)
+    c.check(view, q, fm.attention(view, q, c.kv, c.shape), rows)
+    assert len(fake.calls) == 1
+
+
+def test_sgl_flash_mla_without_legacy_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = SglSchedMetaAPI(4, legacy=False)
+    _install(monkeypatch, fake.module())
+    c = Case("decode", 16, 4, seed=5, layout=META)
+    view, q, _ = c.step(2, 4)
+    with pytest.raises(LayoutError, match=r"has_legacy\(\) is False.*FLASH_MLA_BUILD_LEGACY=0"):
+        fm.attention(view, q, c.kv, c.shape)
+    assert not fake.calls
+
+
+def test_config_fields_unknown_required_is_refused() -> None:
+    @dataclasses.dataclass
+    class Config:
+        b: int
+        new_required: int
+
+    with pytest.raises(LayoutError, match="new_required"):
+        fm._config_fields(Config)
+    keep = fm._config_fields(SglFlashMLASchedMeta.Config)
+    assert keep is fm._config_fields(SglFlashMLASchedMeta.Config)  # resolved once per class
+    assert keep(b=1, enable_batch_invariant=False) == {"b": 1, "enable_batch_invariant": False}
+    assert fm._config_fields(FlashMLASchedMeta.Config)(b=1, enable_batch_invariant=False) == \
+        {"b": 1}
+
+
 # ---- CUDA: FlashMLA itself (SM90, bf16, its current API), when installed -----------------------
+@functools.cache
+def _flashmla_import_error() -> str | None:
+    """Why ``flash_mla`` does not import (the exception's text), or None; printed once, so a GPU
+    log (``pytest -s``) shows it, and it is the skip reason (``-rs``)."""
+    try:
+        import flash_mla
+    except Exception as exc:  # ImportError, or its loader's OSError / RuntimeError
+        msg = f"flash_mla failed to import: {type(exc).__name__}: {exc}"
+        print(msg)
+        return msg
+    legacy = getattr(flash_mla, "has_legacy", None)
+    print(f"flash_mla {getattr(flash_mla, '__version__', '?')} at {flash_mla.__file__}, "
+          f"has_legacy={legacy() if legacy is not None else 'n/a'}")
+    return None
+
+
+def _need_flashmla() -> SchedLayout:
+    """Skip unless ``flash_mla`` imports and the GPU is SM90; the layout its API reads."""
+    err = _flashmla_import_error()
+    if err is not None:
+        pytest.skip(err)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FlashMLA's dense decode kernel needs an SM90 GPU")
+    from flash_mla import flash_mla_interface as api
+
+    return META if hasattr(api, "FlashMLASchedMeta") else ARGS
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("phase", ["decode", "verify"])
 def test_flashmla_cuda(phase: str) -> None:
-    pytest.importorskip("flash_mla")
-    from flash_mla import flash_mla_interface as api
-
-    layout = META if hasattr(api, "FlashMLASchedMeta") else ARGS
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("FlashMLA's dense decode kernel needs an SM90 GPU")
+    layout = _need_flashmla()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for heads in (16, 128):
         c = Case(phase, heads, sms, seed=11 + heads, dev="cuda", layout=layout)
@@ -321,3 +424,49 @@ def test_flashmla_cuda(phase: str) -> None:
             got = fm.attention(view, q, c.kv, c.shape)
             torch.cuda.synchronize()
             c.check(view, q, got, rows)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("phase", ["decode", "verify"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_flashmla_cuda_graph_replay(phase: str, heads: int) -> None:
+    """FlashMLA captured once at ``bs`` on the pool's view; per replay the pool is refilled in
+    place (``update_``, ``n <= bs`` real rows), the static query and the static cache too."""
+    layout = _need_flashmla()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    c = Case(phase, heads, sms, seed=21 + heads, dev="cuda", layout=layout)
+    rng = random.Random(heads)
+    view, q0, _ = c.step(BS)
+    # make_batch's table: 2 * BS rows of max_pages pages (page 0 unused), + the step's spare
+    pages = 2 * BS * c.cfg.max_pages + 2
+    cache = torch.zeros(pages, *c.kv.shape[1:], dtype=c.kv.dtype, device=c.dev)
+    q = torch.zeros_like(q0)
+
+    def refill(v: Any, q_new: Tensor) -> Any:
+        assert c.kv.shape[0] <= pages
+        cache[: c.kv.shape[0]].copy_(c.kv)
+        c.kv = cache
+        q.copy_(q_new)
+        return v if phase == "decode" else v.prefix
+
+    part = refill(view, q0)
+    bufs = [t.data_ptr() for t in (part.page_table, part.cache_seqlens,
+                                   part.flashmla.tile_scheduler_metadata, part.flashmla.num_splits)]
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fm.attention(view, q, cache, c.shape)  # warm-up: never the first call inside a capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fm.attention(view, q, cache, c.shape)
+    for i in range(20):
+        n = rng.randint(1, BS)
+        v, q_new, rows = c.step(n)
+        part = refill(v, q_new)
+        assert [t.data_ptr() for t in (part.page_table, part.cache_seqlens,
+                                       part.flashmla.tile_scheduler_metadata,
+                                       part.flashmla.num_splits)] == bufs, i
+        graph.replay()
+        torch.cuda.synchronize()
+        c.check(v, q, got, rows)

@@ -8,6 +8,11 @@
 * :class:`SchedMetaAPI`: the scheduler-object interface (FlashMLA after its PR #150:
   ``FlashMLASchedMeta``, ``csrc/api/dense_decode.h``), given the device's SM count; parts are
   ``DecodingSchedMeta`` rows, skipped when ``begin_req >= b``, split or not by their flags.
+* :class:`SglSchedMetaAPI`: that interface as ``sgl-flash-mla`` 1.0.0 has it
+  (``flash_mla/flash_mla_interface.py``): its ``FlashMLASchedMeta.Config`` requires
+  ``enable_batch_invariant``, and dense decoding exists only on its legacy side
+  (``use_legacy=True``, asserted when ``indices is None``; the legacy extension may be absent,
+  ``has_legacy()``). :meth:`SglSchedMetaAPI.module` is a ``flash_mla`` module object of it.
 
 Each asserts what its source checks (dtypes, contiguity, shapes, page size 64, head sizes 576 /
 512, the scheduler tensors' shapes) and then runs the kernel's walk in float64: every part
@@ -25,6 +30,7 @@ The log-sum-exp is natural-log ``[b, h_q, s_q]``, ``+inf`` for no keys, as the k
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 import torch
@@ -188,6 +194,8 @@ class SchedMetaAPI:
     """``flash_mla_with_kvcache`` taking a :class:`FlashMLASchedMeta`, on a device of
     ``num_sms`` SMs (the C++ side sizes ``num_sm_parts`` from it)."""
 
+    meta_cls: type[Any] = FlashMLASchedMeta
+
     def __init__(self, num_sms: int) -> None:
         self.num_sms = num_sms
         self.calls: list[dict[str, Any]] = []
@@ -199,18 +207,24 @@ class SchedMetaAPI:
         num_splits: None = None, softmax_scale: float | None = None, causal: bool = False,
         is_fp8_kvcache: bool = False, indices: Tensor | None = None, **extra: Any,
     ) -> tuple[Tensor, Tensor]:
-        meta = tile_scheduler_metadata
+        assert indices is None and not is_fp8_kvcache and all(v is None for v in extra.values())
+        return self._dense(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                           tile_scheduler_metadata, num_splits, softmax_scale, causal, {})
+
+    def _dense(self, q: Tensor, k_cache: Tensor, block_table: Tensor | None,
+               cache_seqlens: Tensor | None, head_dim_v: int, meta: Any, num_splits: None,
+               softmax_scale: float | None, causal: bool, more: dict[str, Any]
+               ) -> tuple[Tensor, Tensor]:
+        """The dense bf16 call; ``more``: the config fields past upstream's."""
         self.calls.append({"q": q, "k_cache": k_cache, "block_table": block_table,
                            "cache_seqlens": cache_seqlens, "sched_meta": meta,
                            "softmax_scale": softmax_scale, "causal": causal})
-        assert isinstance(meta, FlashMLASchedMeta), \
+        assert isinstance(meta, self.meta_cls), \
             "tile_scheduler_metadata must be of type FlashMLASchedMeta"
         assert num_splits is None, "num_splits must be None"
-        assert indices is None and not is_fp8_kvcache and all(v is None for v in extra.values())
         assert block_table is not None and cache_seqlens is not None
-        want = FlashMLASchedMeta.Config(q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1],
-                                        k_cache.shape[2], causal, is_fp8_kvcache, None, None,
-                                        None)
+        want = self.meta_cls.Config(q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1],
+                                    k_cache.shape[2], causal, False, None, None, None, **more)
         if meta.have_initialized:
             assert meta.config == want, f"sched_meta.config {meta.config} != the call's {want}"
         else:
@@ -235,3 +249,86 @@ class SchedMetaAPI:
                          ns.tolist(), lambda k: k != 1)
         meta.tile_scheduler_metadata, meta.num_splits = md, ns
         return out, lse
+
+
+@dataclasses.dataclass
+class SglFlashMLASchedMeta:
+    """``sgl-flash-mla`` 1.0.0's scheduler object: its config requires
+    ``enable_batch_invariant``."""
+
+    @dataclasses.dataclass
+    class Config:
+        b: int
+        s_q: int
+        h_q: int
+        page_block_size: int
+        h_k: int
+        causal: bool
+        is_fp8_kvcache: bool
+        topk: int | None
+        extra_page_block_size: int | None
+        extra_topk: int | None
+        enable_batch_invariant: bool
+
+    have_initialized: bool = False
+    config: Config | None = None
+    tile_scheduler_metadata: Tensor | None = None
+    num_splits: Tensor | None = None
+
+
+class SglSchedMetaAPI(SchedMetaAPI):
+    """``sgl-flash-mla`` 1.0.0's ``flash_mla_with_kvcache`` (its signature; its dense path):
+    dense decoding only with ``use_legacy=True``, which needs the legacy extension
+    (``legacy=False``: a wheel without it, ``has_legacy()`` False)."""
+
+    meta_cls = SglFlashMLASchedMeta
+    LEGACY_UNAVAILABLE = "this wheel was built with FLASH_MLA_BUILD_LEGACY=0"
+
+    def __init__(self, num_sms: int, legacy: bool = True) -> None:
+        super().__init__(num_sms)
+        self.legacy = legacy
+
+    def has_legacy(self) -> bool:
+        return self.legacy
+
+    def module(self) -> types.ModuleType:
+        """A ``flash_mla`` module object (its interface module too) of this fake."""
+        mod = types.ModuleType("flash_mla")
+        mod.flash_mla_with_kvcache = self.flash_mla_with_kvcache  # type: ignore[attr-defined]
+        mod.FlashMLASchedMeta = SglFlashMLASchedMeta  # type: ignore[attr-defined]
+        mod.has_legacy = self.has_legacy  # type: ignore[attr-defined]
+        mod.flash_mla_interface = mod  # type: ignore[attr-defined]
+        mod._loader = types.SimpleNamespace(  # type: ignore[attr-defined]
+            _LEGACY_UNAVAILABLE=None if self.legacy else self.LEGACY_UNAVAILABLE)
+        return mod
+
+    def flash_mla_with_kvcache(  # type: ignore[override]
+        self, q: Tensor, k_cache: Tensor, block_table: Tensor | None,
+        cache_seqlens: Tensor | None, head_dim_v: int, tile_scheduler_metadata: Any,
+        num_splits: None = None, softmax_scale: float | None = None, causal: bool = False,
+        is_fp8_kvcache: bool | None = None, indices: Tensor | None = None,
+        attn_sink: Tensor | None = None, extra_k_cache: Tensor | None = None,
+        extra_indices_in_kvcache: Tensor | None = None, topk_length: Tensor | None = None,
+        extra_topk_length: Tensor | None = None, enable_batch_invariant: bool = False,
+        use_legacy: bool = False, kv_format: str | None = None,
+        descale_q: Tensor | None = None, descale_k: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        assert isinstance(tile_scheduler_metadata, SglFlashMLASchedMeta), \
+            "tile_scheduler_metadata must be of type FlashMLASchedMeta"
+        assert num_splits is None, "num_splits must be None"
+        if use_legacy and not self.legacy:  # get_ops(use_legacy)
+            raise RuntimeError("The legacy FlashMLA kernels (SM90, ...) are not available: "
+                               f"{self.LEGACY_UNAVAILABLE}.")
+        if is_fp8_kvcache is None:
+            is_fp8_kvcache = indices is not None
+        assert indices is None, "the fake runs the dense bf16 kernel"
+        assert use_legacy, (
+            "Sparse attention is required: `indices` must be provided. Dense MLA decoding was "
+            "removed from the current kernels; pass use_legacy=True to reach the legacy one")
+        assert kv_format is None, "kv_format does not apply to dense decoding"
+        assert not is_fp8_kvcache and descale_q is None and descale_k is None
+        assert all(t is None for t in (attn_sink, extra_k_cache, extra_indices_in_kvcache,
+                                       topk_length, extra_topk_length))
+        return self._dense(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                           tile_scheduler_metadata, num_splits, softmax_scale, causal,
+                           {"enable_batch_invariant": enable_batch_invariant})

@@ -18,16 +18,31 @@ Two call forms, picked by the metadata's layout (``FlashMLAConfig.layout``):
   (``csrc/sm90/decode/dense/splitkv_mla.cu``), vLLM's build ``begin_req < 0 or begin_req >= b``
   (its planner's mark is -1, which the former would run), so ``bs`` is idle for both.
 * **Scheduler object** (``SchedLayout.DECODING_SCHED_META``; FlashMLA's current API, the copy
-  vLLM vendors): ``tile_scheduler_metadata`` is a ``FlashMLASchedMeta``; when its
+  vLLM vendors, and ``sgl-flash-mla`` 1.0.0): ``tile_scheduler_metadata`` is a
+  ``FlashMLASchedMeta``; when its
   ``tile_scheduler_metadata`` / ``num_splits`` tensors are set the C++ side uses them instead of
   planning (``csrc/api/dense_decode.h``), after checking ``[num_sm_parts, 8]`` with
   ``num_sm_parts`` from the device's SM count, and the Python side checks ``config`` against the
-  call once ``have_initialized``. Each part is a ``DecodingSchedMeta`` (begin and end request,
+  call once ``have_initialized`` (upstream's; sgl-flash-mla's dense path does not).
+  Each part is a ``DecodingSchedMeta`` (begin and end request,
   begin and end block, begin split, first / last request split, pad); the kernel skips a part
   with ``begin_req >= b`` (``b`` = the call's batch, padded rows included, so the pool writes
   ``bs`` there, never -1), and takes whether a request is split from the part's flags, not from
   ``num_splits``. The combine kernel returns early for a row of exactly one split; a padded row
   (0 splits) combines nothing: output 0, log-sum-exp ``+inf``.
+
+  Builds of that API differ in two ways, both resolved once (per class, per entry point) from
+  what the installed package declares. Its ``FlashMLASchedMeta.Config`` may declare more fields:
+  ``sgl-flash-mla`` 1.0.0 requires ``enable_batch_invariant`` (its kernels' batch-invariant
+  mode, off here, as the dense kernel has no such mode), so the config is built from the
+  fields the class declares (a required one this adapter does not know is refused). And
+  ``sgl-flash-mla`` keeps dense decoding only in its legacy extension (upstream removed it; the
+  current kernels are sparse only): its ``flash_mla_with_kvcache`` asserts ``use_legacy=True``
+  when ``indices is None``. So the default entry point is called with ``use_legacy=True`` when
+  its signature has that parameter, never otherwise (other builds have no legacy side and no
+  such parameter); a package whose ``has_legacy()`` is False (the legacy extension was not
+  built, or did not load) is refused with its loader's reason before any call. A custom ``fn``
+  of such a build must bind ``use_legacy=True`` itself (``functools.partial``).
 
 Both kernels write the **natural-log** log-sum-exp ``[b, h_q, s_q]``: the unsplit path stores
 ``log(L) + m / log2(e)`` and the combine kernel ``lse_2 / log2(e)`` (``splitkv_mla.cu`` /
@@ -44,6 +59,9 @@ cache of the same dtype (fp8 is not served here), a head count other than the me
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -159,10 +177,10 @@ def flashmla_kwargs(view: object, q: Tensor, kv_cache: Tensor, shape: MLAShape, 
                           "pass sched_meta_cls, or build the pool with the argument layout for "
                           "the argument-style API")
     _check_sms(f, q4.device)
-    config = sched_meta_cls.Config(
+    config = sched_meta_cls.Config(**_config_fields(sched_meta_cls.Config)(
         b=part.bs, s_q=f.s_q, h_q=q4.shape[2], page_block_size=FLASHMLA_PAGE_SIZE,
         h_k=1, causal=part.causal, is_fp8_kvcache=False, topk=None,
-        extra_page_block_size=None, extra_topk=None)
+        extra_page_block_size=None, extra_topk=None, enable_batch_invariant=False))
     kw["tile_scheduler_metadata"] = sched_meta_cls(
         have_initialized=True, config=config, tile_scheduler_metadata=f.tile_scheduler_metadata,
         num_splits=f.num_splits)
@@ -182,6 +200,41 @@ def _check_sms(f: FlashMLAMetadata, device: torch.device) -> None:
                           f"was built with FlashMLAConfig(num_sms={f.config.num_sms})")
 
 
+#: ``FlashMLASchedMeta.Config`` class -> a function keeping the keywords it declares
+_CONFIGS: dict[type[Any], Callable[..., dict[str, Any]]] = {}
+#: (entry point, ``has_legacy``, ``FlashMLASchedMeta``) -> the entry point to call
+_ENTRIES: dict[tuple[Any, Any, Any], Callable[..., Any]] = {}
+
+
+def _config_fields(config_cls: type[Any]) -> Callable[..., dict[str, Any]]:
+    """The keywords of ``config_cls`` (a ``FlashMLASchedMeta.Config``) among those the adapter
+    knows, resolved once per class: builds declare different fields (``sgl-flash-mla`` adds
+    ``enable_batch_invariant``)."""
+    keep = _CONFIGS.get(config_cls)
+    if keep is None:
+        if dataclasses.is_dataclass(config_cls):
+            fields = {x.name: x.default is dataclasses.MISSING
+                      and x.default_factory is dataclasses.MISSING
+                      for x in dataclasses.fields(config_cls) if x.init}
+        else:
+            fields = {p.name: p.default is p.empty
+                      for p in inspect.signature(config_cls).parameters.values()
+                      if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        known = {"b", "s_q", "h_q", "page_block_size", "h_k", "causal", "is_fp8_kvcache", "topk",
+                 "extra_page_block_size", "extra_topk", "enable_batch_invariant"}
+        unknown = sorted(n for n, required in fields.items() if required and n not in known)
+        if unknown:
+            raise LayoutError(f"the installed FlashMLA's FlashMLASchedMeta.Config requires "
+                              f"fields this adapter does not know: {unknown}")
+        names = frozenset(fields)
+
+        def keep(**kw: Any) -> dict[str, Any]:
+            return {k: v for k, v in kw.items() if k in names}
+
+        _CONFIGS[config_cls] = keep
+    return keep
+
+
 def _default(layout: SchedLayout) -> tuple[Callable[..., Any], type[Any] | None]:
     import flash_mla  # lazy: importing attnpool never imports FlashMLA
     from flash_mla import flash_mla_interface as api
@@ -193,7 +246,23 @@ def _default(layout: SchedLayout) -> tuple[Callable[..., Any], type[Any] | None]
                           f"metadata in the layout {layout}; build the pool with "
                           f"FlashMLAConfig(layout=SchedLayout."
                           f"{'DECODING_SCHED_META' if cls is not None else 'ARGUMENTS'})")
-    return flash_mla.flash_mla_with_kvcache, cls
+    fn = flash_mla.flash_mla_with_kvcache
+    has_legacy = getattr(flash_mla, "has_legacy", None)
+    key = (fn, has_legacy, cls)
+    entry = _ENTRIES.get(key)
+    if entry is None:
+        if has_legacy is not None and not has_legacy():
+            why = getattr(getattr(flash_mla, "_loader", None), "_LEGACY_UNAVAILABLE", None)
+            raise LayoutError("the installed FlashMLA has no legacy extension (flash_mla."
+                              "has_legacy() is False), the only one with its dense decode "
+                              f"kernel: {why or 'no reason given'}")
+        try:
+            legacy = "use_legacy" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):  # no signature to read: a build without that keyword
+            legacy = False
+        entry = functools.partial(fn, use_legacy=True) if legacy else fn
+        _ENTRIES[key] = entry
+    return entry, cls
 
 
 def attention(view: object, q: Tensor, kv_cache: Tensor, shape: MLAShape, *,
@@ -209,7 +278,8 @@ def attention(view: object, q: Tensor, kv_cache: Tensor, shape: MLAShape, *,
         kv_cache: ``KVCachePool.kv_cache(layer)``, ``[num_pages, 64, 1, 576]``, q's dtype.
         shape: the layer's :class:`MLAShape`; ``softmax_scale`` defaults to its unabsorbed one.
         fn: the kernel entry point (default ``flash_mla.flash_mla_with_kvcache``, imported on
-            first call; the installed API must match the metadata's layout).
+            first call, with ``use_legacy=True`` where it takes that keyword; the installed API
+            must match the metadata's layout).
         sched_meta_cls: ``FlashMLASchedMeta`` for a custom ``fn`` of the scheduler-object API.
     """
     cls = sched_meta_cls
