@@ -396,7 +396,7 @@ class Backends:
 
 def _fa_kernel(given: Any, loader: str) -> Any:
     from attnpool.adapters import flash_attn as fa
-    from attnpool.adapters import flash_attn_load as fal
+    from attnpool.adapters.flash_attn import load as fal
 
     if given is not None:
         return given

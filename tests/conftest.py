@@ -86,10 +86,11 @@ def install(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, Any], No
 
 # ---- compile coverage ----------------------------------------------------------------------------
 # `attnpool kernels` compiles, for a GPU target, every kernel specialization its enumeration of pool
-# configs launches (tests/update/test_kernels_compile.py). So that no launch escapes that check, every
-# specialization a pool launches during this pytest run (the interpreter runs them) is recorded,
-# and the run fails at its end if the enumeration lacks one: a new phase part, flag or argument
-# type then needs a config in attnpool/tools/kernel_cases.py. Checked at the end, whatever ran.
+# configs launches (tests/update/triton/test_kernels_compile.py). So that no launch escapes that
+# check, every specialization a pool launches during this pytest run (the interpreter runs them)
+# is recorded, and the run fails at its end if the enumeration lacks one: a new phase part, flag
+# or argument type then needs a config in attnpool/tools/kernel_cases.py. Checked at the end,
+# whatever ran.
 _POOL_LAUNCHES: Any = None
 _REGISTERED = contextlib.ExitStack()
 

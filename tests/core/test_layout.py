@@ -116,7 +116,10 @@ def test_public_paths_import() -> None:
         "attnpool.lora": ("LoRABatchPool", "LoRAConfig"),
         "attnpool.graphs": ("GraphRunner",),
         "attnpool.adapters.sdpa": ("attention", "paged_attention"),
-        "attnpool.adapters.flash_attn": ("attention",),
+        "attnpool.adapters.flash_attn": ("attention", "FlashAttnVersion", "load_fa4",
+                                         "clear_kernel_cache", "FA3_MODULES"),
+        "attnpool.adapters.mla": ("attention",),
+        "attnpool.adapters.binding": ("Run", "bind"),
         "attnpool.adapters.flashinfer": ("GraphWrappers",),
         "attnpool.integrations.transformers": ("PagedGenerator",),
         "attnpool.tools.cli": ("main",),
@@ -124,6 +127,19 @@ def test_public_paths_import() -> None:
         m = importlib.import_module(mod)
         for name in names:
             assert hasattr(m, name), f"{mod}.{name}"
+
+
+def test_engine_integrations_import_no_other_integration() -> None:
+    """Each engine's package under integrations/ (transformers, vllm, ...) imports only itself
+    below integrations/: what they share (the adapter binding) lives in adapters/."""
+    for mod, deps in _graph().items():
+        parts = mod.split(".")
+        if len(parts) < 3 or parts[1] != "integrations":
+            continue
+        for dep in deps:
+            them = dep.split(".")
+            if len(them) > 2 and them[1] == "integrations":
+                assert them[2] == parts[2], f"{mod} imports {dep}"
 
 
 def test_core_never_loads_the_tools() -> None:

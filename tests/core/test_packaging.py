@@ -132,7 +132,7 @@ def test_fused_path_tests_skip_cleanly_without_triton() -> None:
     with the reason, none failing or erroring (collection included)."""
     # modules marked whole (one imports attnpool.update.triton at the top) and one marking
     # single parameters
-    paths = ["tests/update/test_triton_update.py", "tests/update/test_opcount.py",
+    paths = ["tests/update/triton/test_launches.py", "tests/update/test_opcount.py",
              "tests/kv/test_kv_fp8.py"]
     env = _env(PYTHONPATH=os.pathsep.join([str(HIDE_TRITON), str(ROOT / "src")]))
     probe = subprocess.run([sys.executable, "-c", "import importlib.util as u, attnpool; "

@@ -11,9 +11,9 @@ for q, k and v, fp16 / bf16 (fp8 only on Blackwell); ``learnable_sink`` ``(num_h
 bf16 / fp32; on Hopper ``8 <= d, dv <= 256`` and multiples of ``16 // element_size``; ``num_head %
 h_kv == 0``; ``max_seqlen_q`` a host int when given. ``window_size=(left, 0)`` with ``causal`` is
 its local mask, ``softcap`` 0 is off; on Hopper (the default arch 90) only ``num_splits=1``.
-Computed in float32 by the SDPA adapter (whose correctness
-``test_adapter_sdpa.py`` checks against dense attention); returns ``(out, lse [num_head,
-total_q])``, output rows past ``cu_seqlens_q[-1]`` NaN (left as allocated by the kernel).
+Computed in float32 by the SDPA adapter (whose correctness ``tests/adapters/sdpa/test_paged.py``
+checks against dense attention); returns ``(out, lse [num_head, total_q])``, output rows past
+``cu_seqlens_q[-1]`` NaN (left as allocated by the kernel).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnpool import CapacityError, InputError
-from attnpool.adapters.mla_absorb import absorb_q, expand_kv, split_kv_b_proj, unabsorb_out
+from attnpool.adapters.mla.absorb import absorb_q, expand_kv, split_kv_b_proj, unabsorb_out
 from attnpool.integrations.vllm.mla_step import (
     LatentFiller,
     MLAPrefill,

@@ -111,6 +111,6 @@ def test_host_cost_table_covers_every_part_and_restores_the_kernels() -> None:
     table = bench_host.table(rows)
     assert table.count("\n") == len(rows) + 1 and "reference / classic" in table
     if triton:
-        from attnpool.update import triton_paged_kernels
+        from attnpool.update.triton import paged_kernels
 
-        assert not isinstance(triton_paged_kernels.paged_kernel, bench_host._NoLaunch)
+        assert not isinstance(paged_kernels.paged_kernel, bench_host._NoLaunch)

@@ -220,7 +220,7 @@ def test_readme_names_the_two_commands() -> None:
 
 def test_demo_kernel_name_follows_the_resolved_backend() -> None:
     from attnpool import Layout
-    from attnpool.integrations.hf_attention import Backend
+    from attnpool.adapters.backends import Backend
     from attnpool.tools.demo_hf import kernel_name
 
     assert kernel_name(Backend.SDPA, Layout.FLASH_ATTN) == (

@@ -111,8 +111,8 @@ def test_demo_progress_counts_exactly_the_generated_tokens() -> None:
     with answers ending early at an end token."""
     import torch
 
-    from attnpool.integrations.tiny import random_prompts, tiny_llama
     from attnpool.integrations.transformers import PagedGenerator
+    from attnpool.integrations.transformers.tiny import random_prompts, tiny_llama
     from attnpool.tools.bench_e2e import Workload, run_hf_generate
     from attnpool.tools.demo_hf import counting
 
@@ -153,7 +153,7 @@ def test_checkpoint_demo_output_reads_as_english(monkeypatch: pytest.MonkeyPatch
     end with their progress line on stderr."""
     import torch
 
-    from attnpool.integrations.tiny import tiny_llama
+    from attnpool.integrations.transformers.tiny import tiny_llama
     from attnpool.tools import checkpoint, demo_hf
 
     model = tiny_llama(layers=1, hidden=64, heads=4, kv_heads=2, intermediate=64, vocab=97,

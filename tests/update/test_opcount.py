@@ -16,6 +16,7 @@ from torch import Tensor
 
 from attnpool.update import reference as ref
 from attnpool.update import triton as tt
+from attnpool.update.parts import FlashMLAPart
 from attnpool.update.reference import PagedBuffers
 
 from tests.helpers.batches import tree_mask
@@ -285,8 +286,8 @@ def _flashmla_args(bs: int, n: int, parts: int, device_n: bool) -> tuple[PagedBu
 @pytest.mark.parametrize("device_n", [False, True])
 def test_fused_flashmla_is_one_launch_and_no_aten_op(device_n: bool) -> None:
     b, args = _flashmla_args(8, 5, 12, device_n)
-    tt.flashmla_launch(b, **args)()
-    c = count(lambda: tt.flashmla_launch(b, **args)())
+    tt.flashmla_launch(b, FlashMLAPart(**args))()
+    c = count(lambda: tt.flashmla_launch(b, FlashMLAPart(**args))())
     assert c.launches == 1 and c.kernels == ["flashmla_sched_kernel"]
     assert c.num_ops == 0, c.ops
 
@@ -296,7 +297,7 @@ def test_reference_flashmla_ops_grow_with_parts_not_rows() -> None:
     in ``num_sm_parts``, the launches the fused kernel saves."""
     def ops(bs: int, parts: int) -> int:
         b, args = _flashmla_args(bs, bs - 1, parts, False)
-        c = count(lambda: ref.flashmla_launch(b, **args)())
+        c = count(lambda: ref.flashmla_launch(b, FlashMLAPart(**args))())
         assert c.launches == 0
         return c.num_ops
 

@@ -15,8 +15,9 @@ from hypothesis import given
 
 from attnpool.update import reference as ref
 from attnpool.update import triton as triton_update
+from attnpool.update.parts import PagedPart
 
-from tests.update.test_triton_update import SETTINGS, Case, assert_read_region_equal, cases, pair, tt
+from tests.update.triton.test_launches import SETTINGS, Case, assert_read_region_equal, cases, pair, tt
 
 PARTS = ("paged", "tree_expand", "draft_tree_expand", "local")
 PHASES_DIR = Path(ref.__file__).resolve().parent.parent / "phases"
@@ -47,8 +48,9 @@ def test_keep_flags_take_the_same_arguments_and_the_reference_path_keeps_nothing
 
 
 def _branches_on_path(tree: ast.AST) -> list[str]:
-    """Reads of ``.fused`` / ``.impl`` / ``Impl``, and imports from an update module of anything
-    but the part buffers' type (a phase reaches the update functions through ``ops`` only)."""
+    """Reads of ``.fused`` / ``.impl`` / ``Impl``, and imports from an update module other than
+    the part buffers' and records' (both paths take them: a phase reaches the update functions
+    through ``ops`` only)."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in ("fused", "impl", "_tt"):
@@ -56,6 +58,7 @@ def _branches_on_path(tree: ast.AST) -> list[str]:
         if isinstance(node, ast.Name) and node.id == "Impl":
             found.append(f"line {node.lineno}: Impl")
         if (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("update")
+                and node.module not in ("update.buffers", "update.parts")
                 and [a.name for a in node.names] != ["PagedBuffers"]):
             found.append(f"line {node.lineno}: from ..{node.module} import "
                          f"{', '.join(a.name for a in node.names)}")
@@ -117,7 +120,7 @@ def test_a_bound_reference_call_replays_with_new_inputs(c: Case) -> None:
     zeros = {k: torch.zeros_like(v) for k, v in _kwargs(c).items()  # ok: a stale first input
              if k in names and isinstance(v, torch.Tensor)}
     values = _Values(_Shared(c.seq, c.rpi, c.table), c.off)
-    call = ref.paged_launch(a, **{**_kwargs(c), **zeros}).take(values)
+    call = ref.paged_launch(a, PagedPart(**{**_kwargs(c), **zeros})).take(values)
     call(values)
     tt.paged_update_(b, **_kwargs(c))
     assert_read_region_equal(a, b, c.bs, c.page)

@@ -26,13 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError, LayoutError
-from .flash_attn import (
-    FA2_PAGE_MULTIPLE,
-    FA3_HEAD_DIMS,
-    FA4_HEAD_MULTIPLE,
-    FA4_MAX_HEAD,
-    FA4_MIN_HEAD,
-)
+from .flash_attn.cute import FA4_HEAD_MULTIPLE, FA4_MAX_HEAD, FA4_MIN_HEAD
+from .flash_attn.paged import FA2_PAGE_MULTIPLE, FA3_HEAD_DIMS
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _FLOAT = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -198,7 +193,7 @@ CAPABILITIES: dict[Backend, Capabilities] = {
         frozenset({KVLayout.NHD, KVLayout.HND}), True, True, True, True, True, None,
         "PyTorch's scaled_dot_product_attention over gathered pages; the CPU backend. An HND "
         "(or any strided) cache is given as an NHD-shaped view: pages are gathered where they "
-        "lie (adapters.sdpa_gather)"),
+        "lie (adapters.sdpa.gather)"),
     Backend.FA3: Capabilities(
         Backend.FA3, frozenset({"cuda"}), _HALF, frozenset({torch.float8_e4m3fn}),
         FA3_HEAD_DIMS, 256, 1, frozenset({KVLayout.NHD}), True, True, True, True, True,

@@ -17,6 +17,7 @@ from ..errors import InputError, PoolError
 from ..inputs import check_bs
 from ..update.buffers import PagedBuffers
 from ..update.launch_cache import LaunchCache
+from ..update.parts import FlashMLAPart, PagedPart
 from ..update.paths import Replay, UpdatePath, update_path
 from ..views import FlashMLAMetadata, PagedView
 from ._validate import Values, validate
@@ -145,19 +146,24 @@ class PhaseBase(Generic[ViewT]):
         for replay in plan:
             replay(values)
 
+    @staticmethod
+    def _rows(bs: int, x: Inputs) -> dict[str, Any]:
+        """The :class:`attnpool.update.parts.RowsPart` fields every part of an update shares:
+        ``bs`` rows over the shared inputs ``x`` (keywords of any part record)."""
+        return {"bs": bs, "seq_lens": x.seq_lens, "req_pool_indices": x.req_pool_indices,
+                "req_to_token": x.req_to_token, "num_real": x.num_real,
+                "block_size": x.block_size}
+
     def _paged_launch(self, ops: UpdatePath, b: PagedBuffers, bs: int, x: Inputs,
                       **kw: Any) -> Replay:
         """One ``paged_launch`` of ``ops`` for part ``b`` over the shared inputs ``x``, with this
-        pool's padding and bounds (other keywords pass through)."""
+        pool's padding and bounds (other :class:`PagedPart` fields pass through)."""
         cfg = self.cfg
-        args: dict[str, Any] = {"extra": 0, "page_size": cfg.page_size,
-                                "pad_seq_len": cfg.pad_seq_len, "pad_page": cfg.pad_page,
-                                "max_len": cfg.max_context_len, "block_size": x.block_size,
-                                "num_real": x.num_real}
-        args.update(kw)
-        return ops.paged_launch(b, bs=bs, seq_lens=x.seq_lens,
-                                req_pool_indices=x.req_pool_indices, req_to_token=x.req_to_token,
-                                **args)
+        fields: dict[str, Any] = {**self._rows(bs, x), "page_size": cfg.page_size,
+                                  "pad_seq_len": cfg.pad_seq_len, "pad_page": cfg.pad_page,
+                                  "max_len": cfg.max_context_len}
+        fields.update(kw)
+        return ops.paged_launch(b, PagedPart(**fields))
 
     def _flashmla_launch(self, ops: UpdatePath, b: PagedBuffers, bs: int, x: Inputs
                          ) -> tuple[Replay, ...]:
@@ -167,9 +173,9 @@ class PhaseBase(Generic[ViewT]):
         if self._sched is None or fm is None:
             return ()
         md, ns = self._sched
-        return (ops.flashmla_launch(b, bs=bs, n=x.n, tile_scheduler_metadata=md, num_splits=ns,
-                                    num_parts=md.shape[0], num_real=x.num_real,
-                                    layout=fm.layout),)
+        return (ops.flashmla_launch(b, FlashMLAPart(
+            bs=bs, n=x.n, tile_scheduler_metadata=md, num_splits=ns, num_parts=md.shape[0],
+            num_real=x.num_real, layout=fm.layout)),)
 
     def _flashmla_view(self, bs: int, s_q: int) -> FlashMLAMetadata | None:
         """The metadata's view for ``bs`` rows (``s_q`` query rows per request), else None."""

@@ -14,6 +14,7 @@ from ..config import Phase
 from ..errors import InputError
 from ..specs import draft_expand_width
 from ..update.buffers import PagedBuffers
+from ..update.parts import DraftExpandPart
 from ..views import DraftStepView, DraftView, PagedView
 from ._views import part_view
 from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
@@ -151,11 +152,9 @@ class DraftPhase(PhaseBase[DraftView]):
                                        **self._window(x)),)
         prefix = self._paged_launch(ops, self._prefix, bs, x, full_pages=True,
                                     width=values.width)
-        expand = ops.draft_tree_expand_launch(
-            self._expand_all, bs=bs, seq_lens=x.seq_lens, req_pool_indices=x.req_pool_indices,
-            req_to_token=x.req_to_token, out_cache_loc=values.out_cache_loc,
-            page_size=cfg.page_size, pad_len=self._expand_pad,
-            pad_id=cfg.pad_page * cfg.page_size, num_real=x.num_real, block_size=x.block_size)
+        expand = ops.draft_tree_expand_launch(self._expand_all, DraftExpandPart(
+            **self._rows(bs, x), out_cache_loc=values.out_cache_loc, page_size=cfg.page_size,
+            pad_len=self._expand_pad, pad_id=cfg.pad_page * cfg.page_size))
         return prefix, expand
 
     def _capture_values(self) -> DraftValues:

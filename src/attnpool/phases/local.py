@@ -12,6 +12,7 @@ from ..config import Phase
 from ..errors import CapacityError, InputError
 from ..inputs import check_bs
 from ..specs import local_extend_rows, local_rows_per_request
+from ..update.parts import LocalExtendPart, LocalPart
 from ..views import LocalView
 from ._views import part_view
 from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
@@ -180,19 +181,15 @@ class LocalPhase(PhaseBase[LocalView]):
         """One part of ``bs * rows_per_request`` virtual rows, ``cu_seqlens_q`` included."""
         x, cfg = values.inputs, self.cfg
         if values.extend_lens is not None:  # the prefill shape: torch ops on both paths
-            return (ops.local_extend_launch(
-                self._b, cu_seqlens_q=self._cu_q, rows=local_extend_rows(cfg, bs),
-                seq_lens=x.seq_lens, extend_lens=values.extend_lens,
-                req_pool_indices=x.req_pool_indices, req_to_token=x.req_to_token,
-                chunk=self.chunk, page_size=cfg.page_size, pad_len=self._pad,
-                pad_page=cfg.pad_page, block_size=x.block_size),)
+            return (ops.local_extend_launch(self._b, LocalExtendPart(
+                **self._rows(local_extend_rows(cfg, bs), x), extend_lens=values.extend_lens,
+                cu_seqlens_q=self._cu_q, chunk=self.chunk, page_size=cfg.page_size,
+                pad_len=self._pad, pad_page=cfg.pad_page)),)
         q, extra, per = self._shape(values.for_phase)
-        return (ops.local_launch(
-            self._b, cu_seqlens_q=self._cu_q, bs=bs, seq_lens=x.seq_lens,
-            req_pool_indices=x.req_pool_indices, req_to_token=x.req_to_token, extra=extra,
-            num_queries=q, rows_per_request=per, chunk=self.chunk, page_size=cfg.page_size,
-            pad_len=self._pad, pad_page=cfg.pad_page, num_real=x.num_real,
-            block_size=x.block_size),)
+        return (ops.local_launch(self._b, LocalPart(
+            **self._rows(bs, x), cu_seqlens_q=self._cu_q, extra=extra, num_queries=q,
+            rows_per_request=per, chunk=self.chunk, page_size=cfg.page_size, pad_len=self._pad,
+            pad_page=cfg.pad_page)),)
 
     def _capture_values(self) -> LocalValues:
         return LocalValues(inputs=self._capture_inputs(), for_phase=self._for, extend_lens=None)

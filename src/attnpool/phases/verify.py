@@ -13,6 +13,7 @@ from torch import Tensor
 from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
+from ..update.parts import TreeExpandPart
 from ..views import PagedView, VerifyView
 from ._views import part_view
 from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
@@ -109,11 +110,9 @@ class VerifyPhase(PhaseBase[VerifyView]):
                                   width=values.width, **self._window(x)),
                *self._flashmla_launch(ops, self._p, bs, x)]
         if self._e is not None and values.tree_mask is not None:
-            out.append(ops.tree_expand_launch(
-                self._e, bs=bs, tree_mask=values.tree_mask, seq_lens=x.seq_lens,
-                req_pool_indices=x.req_pool_indices, req_to_token=x.req_to_token,
-                pad_len=self._expand_pad, pad_id=self.cfg.pad_page * self.cfg.page_size,
-                num_real=x.num_real, block_size=x.block_size))
+            out.append(ops.tree_expand_launch(self._e, TreeExpandPart(
+                **self._rows(bs, x), tree_mask=values.tree_mask, pad_len=self._expand_pad,
+                pad_id=self.cfg.pad_page * self.cfg.page_size)))
         return tuple(out)
 
     def _capture_values(self) -> VerifyValues:

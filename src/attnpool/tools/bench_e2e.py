@@ -22,7 +22,7 @@ for a core on a shared machine), and the metadata-preparation host time per forw
 where each method prepares its attention inputs:
 
 * ``attnpool``: page/slot bookkeeping, the step's input tensors, the pool's ``update_``, the KV
-  slot mapping and the SDPA gather plan (:class:`~attnpool.integrations.hf_state.GenerationStats`).
+  slot mapping and the SDPA gather plan (:class:`~attnpool.integrations.transformers.GenerationStats`).
 * ``hf-generate``: ``prepare_inputs_for_generation`` plus the model's ``create_causal_mask``
   (timed by wrapping them for the run).
 * ``hf-continuous-batching``: ``ContinuousBatchProcessor.prepare_next_batch`` (scheduling, block
@@ -51,7 +51,6 @@ from typing import Any
 import torch
 
 from ..config import ceil_div
-from ..integrations.tiny import random_prompts, tiny_llama
 from .bench import device_of, machine_info
 from .words import plural, span
 
@@ -107,6 +106,8 @@ class E2ECase:
     page_size: int = 16
 
     def workload(self, seed: int = 0) -> Workload:
+        from ..integrations.transformers.tiny import random_prompts  # imports transformers
+
         ps = random_prompts(self.prompts, self.lo, self.hi, self.vocab, seed)
         return Workload(self.name, tuple(map(tuple, ps)), self.new_tokens, self.max_bs,
                         self.page_size, about=f"random token ids, lengths uniform in "
@@ -122,7 +123,10 @@ ROUNDS = 5
 
 def tiny_model(case: E2ECase, device: torch.device, dtype: torch.dtype = torch.float32,
                seed: int = 0) -> Any:
-    """A random Llama of ``case``'s sizes (:func:`attnpool.integrations.tiny.tiny_llama`)."""
+    """A random Llama of ``case``'s sizes
+    (:func:`attnpool.integrations.transformers.tiny.tiny_llama`)."""
+    from ..integrations.transformers.tiny import tiny_llama
+
     return tiny_llama(layers=case.layers, hidden=case.hidden, heads=case.heads,
                       kv_heads=case.kv_heads, intermediate=case.intermediate, vocab=case.vocab,
                       max_positions=case.hi + case.new_tokens + 8, device=device, dtype=dtype,

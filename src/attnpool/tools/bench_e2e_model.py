@@ -143,8 +143,8 @@ def _set(obj: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def _attnpool_parts(model: Any, wl: Workload) -> dict[str, float]:
-    from ..integrations import hf_attention as ha
-    from ..integrations.hf_runner import ModelRunner
+    from ..integrations.transformers.attention import StepContext
+    from ..integrations.transformers.runner import ModelRunner
     from ..views import DecodeView
     from .bench_e2e import generator
 
@@ -153,7 +153,7 @@ def _attnpool_parts(model: Any, wl: Workload) -> dict[str, float]:
     step, meta = Timer(), Timer()
 
     def context(self: ModelRunner, view: object, num_q: int, *a: Any, **k: Any
-                ) -> ha.StepContext:
+                ) -> StepContext:
         c = orig_ctx(self, view, num_q, *a, **k)  # whatever options the runner takes
         return dataclasses.replace(c, run=parts.timed("attention", c.run),
                                    store=parts.timed("kv_store", c.store))

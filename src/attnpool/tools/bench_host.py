@@ -106,14 +106,14 @@ def _noop(*args: object, **kw: object) -> None:
 @contextlib.contextmanager
 def stubbed_launches(device: torch.device) -> Iterator[None]:
     """Every fused kernel replaced by :class:`_NoLaunch` (restored on exit)."""
-    from ..update import triton_draft_kernels, triton_kernels, triton_paged_kernels
+    from ..update.triton import draft_kernels, kernels, paged_kernels
 
     saved: list[tuple[object, str, object]] = []
     env = os.environ.get("TRITON_INTERPRET")
     if device.type != "cuda":
         os.environ["TRITON_INTERPRET"] = "1"  # lets a CPU pool pick the (stubbed) fused path
     try:
-        for mod in (triton_kernels, triton_paged_kernels, triton_draft_kernels):
+        for mod in (kernels, paged_kernels, draft_kernels):
             for name in [n for n in dir(mod) if n.endswith("_kernel")]:
                 saved.append((mod, name, getattr(mod, name)))
                 setattr(mod, name, _NoLaunch(getattr(mod, name)))

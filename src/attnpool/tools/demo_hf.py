@@ -29,7 +29,7 @@ import torch
 from ..adapters.backends import Backend
 from ..config import Layout
 from ..errors import InputError
-from ..integrations.tiny import random_prompts, tiny_llama
+from ..integrations.transformers.tiny import random_prompts, tiny_llama
 from . import fetch
 from .bench import device_of
 from .progress import GenerateCounter, TokenProgress

@@ -76,7 +76,7 @@ def tiers() -> list[int]:
     warp count and whether its scan takes one chunk or loops over several (the widest block,
     ``MAX_BLOCK`` rows, in one pass; MAX_ROWS rows in many). Smaller blocks hold fewer values
     per thread than the widest."""
-    from ..update.tuning import scan_block, warps
+    from ..update.triton.tuning import scan_block, warps
 
     top: dict[tuple[int, bool], int] = {}
     rows = 16

@@ -33,7 +33,7 @@ so), while ``-1``, the mark of vLLM's FlashMLA build (which skips both), would r
 ``num_splits[n]`` when a longer buffer is filled (so padded rows have no split).
 
 **The pool's buffers** (``PoolConfig(flashmla=...)``; :func:`flashmla_part_`, the reference
-path's part, and :mod:`.triton_flashmla`, the fused one, write the same bytes) schedule the
+path's part, and :mod:`.triton.flashmla`, the fused one, write the same bytes) schedule the
 ``n`` real rows only, never the padded ones, although those hold a valid ``pad_seq_len``: a
 padded row that took blocks would take SM time from real rows in every replay of a graph
 captured for more rows than the step has, and its splits would shift every later row's. So
@@ -55,6 +55,7 @@ from ..config import FLASHMLA_PAGE_SIZE, SchedLayout, is_int
 from ..config import num_sm_parts as num_sm_parts
 from ..errors import InputError
 from .buffers import PagedBuffers
+from .parts import FlashMLAPart
 
 __all__ = ["BLOCK_N", "FIXED_OVERHEAD_BLOCKS", "METADATA_SIZE", "SchedLayout", "flashmla_part_",
            "get_mla_metadata", "idle_row_", "num_sm_parts"]
@@ -168,30 +169,28 @@ def idle_row_(tile_scheduler_metadata: Tensor, layout: SchedLayout = SchedLayout
         md[:, 1] = -1
 
 
-def flashmla_part_(b: PagedBuffers, *, bs: int, n: int, tile_scheduler_metadata: Tensor,
-                   num_splits: Tensor, num_parts: int, num_real: Tensor | None = None,
-                   layout: SchedLayout = SchedLayout.ARGUMENTS) -> None:
+def flashmla_part_(b: PagedBuffers, part: FlashMLAPart) -> None:
     """The reference path's FlashMLA part: the schedule of the first ``n`` rows of the part's
     ``cache_seqlens`` (written by the paged part just before, in stream order) into
     ``tile_scheduler_metadata [num_parts, 8]`` and ``num_splits[: bs + 1]`` (see the module
     docstring: padded rows get no work), in ``layout`` (an idle part's begin request in the
     struct layout is ``bs``, the call's batch). ``num_real`` is refused (capturable updates are
     the fused path's)."""
-    if num_real is not None:
+    bs, n, md, layout = part.bs, part.n, part.tile_scheduler_metadata, part.layout
+    if part.num_real is not None:
         raise InputError("num_real (a capturable update) needs the fused path, impl=TRITON; "
                          "the reference path reads the real count n on the host")
     if not (is_int(n) and is_int(bs) and 0 <= n <= bs):
         raise InputError(f"n must be an int in [0, bs={bs}], got {n!r}")
-    md = tile_scheduler_metadata
-    if md.shape[0] != num_parts:
-        raise InputError(f"tile_scheduler_metadata must have num_parts={num_parts} rows, got "
-                         f"{tuple(md.shape)}")
-    ns = num_splits[: bs + 1]
+    if md.shape[0] != part.num_parts:
+        raise InputError(f"tile_scheduler_metadata must have num_parts={part.num_parts} rows, "
+                         f"got {tuple(md.shape)}")
+    ns = part.num_splits[: bs + 1]
     if n == 0:
         idle_row_(md, layout, bs)
         ns.zero_()
         return
-    get_mla_metadata(b.cache_seqlens[:n], num_parts, layout=layout, tile_scheduler_metadata=md,
+    get_mla_metadata(b.cache_seqlens[:n], part.num_parts, layout=layout, tile_scheduler_metadata=md,
                      num_splits=ns, batch=bs)
 
 

@@ -1,6 +1,6 @@
 """One fused kernel launch, assembled by argument name once and replayed with new inputs.
 
-A fused wrapper (:mod:`.triton`, :mod:`.triton_paged`, :mod:`.triton_draft`) checks a part's
+A fused wrapper (:mod:`.triton.paged`, :mod:`.triton.tree`, :mod:`.triton.draft`, ...) checks a part's
 buffers and inputs and names every argument of its kernel; :class:`Launch` puts them in the
 kernel's own parameter order (read from the jit function's ``arg_names`` on the first assembly of
 each kernel, then cached), so no wrapper spells a position. A phase keeps the launch per batch

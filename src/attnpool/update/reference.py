@@ -1,13 +1,14 @@
 """Reference update path: the part updates of :mod:`.triton`, in plain torch (any device).
 
 This module and :mod:`.triton` expose the same functions with the same signatures, one per kind
-of part: :func:`paged_update_` (decode, verify chain, draft chain steps, a draft tree's prefix
-pass, draft extend and extend with their query parts, encoder cross and decoder rows),
-:func:`tree_expand_update_` (verify tree), :func:`draft_tree_expand_update_` (every step of a
-draft tree round), :func:`local_update_` (chunked local attention) and ``flashmla_launch``
-(FlashMLA's scheduler metadata, :mod:`.flashmla_sched`), each with a ``*_launch``
-twin that binds every argument once and is replayed per update with new inputs (see
-:class:`Call`). A phase picks the module once (``pool.impl``) and has no other branch: both write
+of part, each taking the part's buffers and its record (:mod:`.parts`): ``paged_launch``
+(decode, verify chain, draft chain steps, a draft tree's prefix pass, draft extend and extend
+with their query parts, encoder cross and decoder rows), ``tree_expand_launch`` (verify tree),
+``draft_tree_expand_launch`` (every step of a draft tree round), ``local_launch`` (chunked local
+attention) and ``flashmla_launch`` (FlashMLA's scheduler metadata, :mod:`.flashmla_sched`). Each
+binds its record once and is replayed per update with new inputs (see :class:`Call`); the
+``*_update_(b, **fields)`` forms build the record and run it once. A phase picks the module once
+(``pool.impl``) and has no other branch: both write
 the same bytes in every read region (docs/design.md, The contract).
 
 What differs is only how: the reference path is vectorised torch (a few small ops per part, no
@@ -26,14 +27,16 @@ The parts themselves are in :mod:`.reference_parts`, over the row layouts of
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
-from typing import Any, ParamSpec
+from typing import Any, TypeVar
 
 from ..errors import CapacityError
 from .buffers import PagedBuffers, table_width
 from .flashmla_sched import flashmla_part_
 from .launch import RecordPaths, record_paths
+from .parts import DraftExpandPart, LocalPart, PagedPart, TreeExpandPart
 from .reference_parts import (
     draft_tree_expand_part_,
     local_extend_part_,
@@ -77,68 +80,80 @@ __all__ = [
     "tree_expand_update_",
 ]
 
-P = ParamSpec("P")
+R = TypeVar("R")
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A record class's field names (worked out once per class)."""
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 class Call:
-    """One reference part update with its arguments bound, replayable with new inputs.
+    """One reference part update with its record bound, replayable with new inputs.
 
     The same replay protocol as :class:`attnpool.update.launch.Launch` (``take``, ``__call__``,
-    ``bound``: :class:`attnpool.update.protocol.Replay`), so a phase caches and replays either
+    ``bound``: :class:`attnpool.update.paths.Replay`), so a phase caches and replays either
     path's parts the same way. ``inputs`` are the per-update inputs (tensors and host hints), by
-    parameter name.
+    the record's field names; each call builds the record afresh with the current ones.
     """
 
-    __slots__ = ("b", "fn", "inputs", "kw", "paths", "replay")
+    __slots__ = ("b", "cls", "fn", "inputs", "kw", "paths", "replay")
 
-    def __init__(self, fn: Callable[..., None], b: PagedBuffers, kw: dict[str, Any],
+    def __init__(self, fn: Callable[[PagedBuffers, Any], None], b: PagedBuffers, part: Any,
                  inputs: tuple[str, ...]) -> None:
-        self.fn, self.b, self.kw = fn, b, kw
-        self.inputs = tuple(k for k in inputs if kw.get(k) is not None)
+        self.fn, self.b, self.cls = fn, b, type(part)
+        self.kw: dict[str, Any] = {k: getattr(part, k) for k in _field_names(self.cls)}
+        self.inputs = tuple(k for k in inputs if self.kw.get(k) is not None)
         self.paths = RecordPaths((), ())
         #: the per-update call (the same as calling the part with values)
         self.replay: Callable[[tuple[Any, ...]], None] = self.__call__
 
     def take(self, values: tuple[Any, ...], **alias: str) -> Call:
-        """Read the inputs from value records shaped like ``values`` (``alias``: parameter ->
-        the name it has there); the binding call's tensors are released, as a launch's are."""
+        """Read the inputs from value records shaped like ``values`` (``alias``: field -> the
+        name it has there); the binding call's tensors are released, as a launch's are."""
         self.paths = record_paths(values, [(k, k) for k in self.inputs], alias)
         for k in self.inputs:
             self.kw[k] = None
         return self
 
-    def _kw(self, values: tuple[Any, ...]) -> dict[str, Any]:
+    def _part(self, values: tuple[Any, ...] | None) -> Any:
+        if values is None:
+            return self.cls(**self.kw)
         kw = self.kw.copy()
         inputs = values[0]
         for k, i in self.paths.from_inputs:
             kw[k] = inputs[i]
         for k, i in self.paths.from_record:
             kw[k] = values[i]
-        return kw
+        return self.cls(**kw)
 
     def __call__(self, values: tuple[Any, ...] | None = None) -> None:
         """Run the update, with the inputs of :meth:`take` read from ``values`` (None: as built)."""
-        self.fn(self.b, **(self.kw if values is None else self._kw(values)))
+        self.fn(self.b, self._part(values))
 
     def bound(self, values: tuple[Any, ...]) -> Callable[[], object]:
         """The update with ``values`` fixed: a no-argument callable."""
-        return partial(self.fn, self.b, **self._kw(values))
+        return partial(self.fn, self.b, self._part(values))
 
 
-def _launcher(name: str, part: Callable[P, None], inputs: tuple[str, ...]
-              ) -> Callable[P, Call]:
-    """The reference ``*_launch`` of ``part``: its arguments (keywords, exactly those of
-    :mod:`.triton`'s launch of the same name, which ``inspect.signature`` shows: it follows
-    ``__wrapped__`` to the part; the type checker sees ``part``'s signature) bound in a
-    :class:`Call`. ``inputs``: the per-update inputs."""
-    def launch(b: PagedBuffers, **kw: Any) -> Call:
-        return Call(part, b, kw, inputs)
+def _launcher(name: str, part: Callable[[PagedBuffers, R], None], inputs: tuple[str, ...]
+              ) -> Callable[[PagedBuffers, R], Call]:
+    """The reference ``*_launch`` of ``part`` (the fused module's name and arguments: the
+    buffers and the record), bound in a :class:`Call`. ``inputs``: the per-update fields."""
+    def launch(b: PagedBuffers, record: R) -> Call:
+        return Call(part, b, record, inputs)
 
     launch.__name__ = launch.__qualname__ = name
     launch.__doc__ = (f"Bind one update of the part (:func:`{part.__name__}` says what it "
                       f"writes); the same arguments as :func:`attnpool.update.triton.{name}`.")
-    launch.__wrapped__ = part  # type: ignore[attr-defined]
-    return launch  # type: ignore[return-value]
+    launch.__wrapped__ = part  # type: ignore[attr-defined]  # (inspect.signature shows part's)
+    return launch
 
 
 #: the ``*_launch`` functions, one per kind of part (the fused module's names and arguments)
@@ -161,23 +176,23 @@ flashmla_launch = _launcher("flashmla_launch", flashmla_part_, ("n", "num_real")
 
 
 def paged_update_(b: PagedBuffers, **kw: Any) -> None:
-    """:func:`paged_launch` with the same arguments, run once."""
-    paged_launch(b, **kw)()
+    """:func:`paged_launch` of ``PagedPart(**kw)``, run once."""
+    paged_launch(b, PagedPart(**kw))()
 
 
 def tree_expand_update_(e: PagedBuffers, **kw: Any) -> None:
-    """:func:`tree_expand_launch` with the same arguments, run once."""
-    tree_expand_launch(e, **kw)()
+    """:func:`tree_expand_launch` of ``TreeExpandPart(**kw)``, run once."""
+    tree_expand_launch(e, TreeExpandPart(**kw))()
 
 
 def draft_tree_expand_update_(e: PagedBuffers, **kw: Any) -> None:
-    """:func:`draft_tree_expand_launch` with the same arguments, run once."""
-    draft_tree_expand_launch(e, **kw)()
+    """:func:`draft_tree_expand_launch` of ``DraftExpandPart(**kw)``, run once."""
+    draft_tree_expand_launch(e, DraftExpandPart(**kw))()
 
 
 def local_update_(b: PagedBuffers, **kw: Any) -> None:
-    """:func:`local_launch` with the same arguments, run once."""
-    local_launch(b, **kw)()
+    """:func:`local_launch` of ``LocalPart(**kw)``, run once."""
+    local_launch(b, LocalPart(**kw))()
 
 
 def keep_flags(prev_ids: Sequence[Hashable] | None, ids: Sequence[Hashable], bs: int

@@ -11,6 +11,7 @@ from torch import Tensor
 from ..config import ceil_div
 from ..errors import InputError, LayoutError
 from .buffers import PagedBuffers, table_width, window_width
+from .parts import DraftExpandPart, LocalExtendPart, LocalPart, PagedPart, TreeExpandPart
 from .row_layouts import (
     draft_expand,
     extend_tokens,
@@ -45,39 +46,9 @@ def _step(b: PagedBuffers, d: int, table: bool) -> PagedBuffers:
                         at(b.kv_indptr), at(b.kv_indices), at(b.kv_last_page_len), b.arange)
 
 
-def paged_part_(
-    b: PagedBuffers,
-    *,
-    bs: int,
-    seq_lens: Tensor,
-    req_pool_indices: Tensor,
-    req_to_token: Tensor,
-    extra: int,
-    page_size: int,
-    pad_seq_len: int,
-    pad_page: int,
-    token_offset: Tensor | None = None,
-    num_real: Tensor | None = None,
-    keep: Tensor | None = None,
-    q_lens: Tensor | None = None,
-    cu_seqlens_q: Tensor | None = None,
-    pad_q: int = 1,
-    steps: int = 1,
-    full_pages: bool = False,
-    max_len: int | None = None,
-    max_q: int | None = None,
-    q_total: int | None = None,
-    positions: Tensor | None = None,
-    out_slots: Tensor | None = None,
-    block_size: int | None = None,
-    width: int | None = None,
-    window: PagedBuffers | None = None,
-    window_size: int | None = None,
-    window_table: Tensor | None = None,
-    window_out_slots: Tensor | None = None,
-) -> None:
-    """Write one paged part's read region for ``bs`` rows: :func:`attnpool.update.triton.
-    paged_update_`'s semantics (every argument as documented there), in torch.
+def paged_part_(b: PagedBuffers, part: PagedPart) -> None:
+    """Write one paged part's read region for ``part.bs`` rows: what :class:`PagedPart` says,
+    the fused :func:`attnpool.update.triton.paged_launch`'s bytes, in torch.
 
     A window part is the same paged part again over the window table, with each row's lengths
     shifted by its window start (:func:`_window_`), before anything of the full part is written.
@@ -87,77 +58,76 @@ def paged_part_(
     part has one; nothing here can fail on values (rows and columns are clamped into the table),
     so that first write is safe.
     """
-    _no_num_real(num_real)
-    if window is not None or window_size is not None or window_out_slots is not None:
-        _window_(window, window_size, window_table, window_out_slots, bs=bs, seq_lens=seq_lens,
-                 req_pool_indices=req_pool_indices, req_to_token=req_to_token, extra=extra,
-                 page_size=page_size, pad_seq_len=pad_seq_len, pad_page=pad_page,
-                 token_offset=token_offset, q_lens=q_lens, steps=steps, max_len=max_len,
-                 max_q=max_q, block_size=block_size, b=b)
-    p, pt = page_size, b.page_table
+    _no_num_real(part.num_real)
+    if part.window is not None or part.window_size is not None or (
+            part.window_out_slots is not None):
+        _window_(b, part)
+    p, pt, bs, seq_lens = part.page_size, b.page_table, part.bs, part.seq_lens
+    max_len, extra, pad_len = part.max_len, part.extra, part.pad_seq_len
     if max_len is None:
-        cols = pt.shape[1] if pt is not None else ceil_div(table_width(req_to_token, block_size), p)
+        cols = pt.shape[1] if pt is not None else ceil_div(
+            table_width(part.req_to_token, part.block_size), p)
         max_len = cols * p
     cap = pt.shape[1] if pt is not None else ceil_div(max_len, p)
-    w = cap if width is None else min(width, cap)
+    w = cap if part.width is None else min(part.width, cap)
     n = seq_lens.shape[0]
     out = None if pt is None else pt[:n, :w]
-    pages = gather_pages(req_to_token, req_pool_indices, p, w, token_offset, out, block_size)
-    if steps > 1:
-        _steps_(b, bs, seq_lens, pages, extra, steps, p, pad_seq_len, pad_page, max_len)
+    pages = gather_pages(part.req_to_token, part.req_pool_indices, p, w, part.token_offset, out,
+                         part.block_size)
+    if part.steps > 1:
+        _steps_(b, bs, seq_lens, pages, extra, part.steps, p, pad_len, part.pad_page, max_len)
         return
-    lengths_(b.cache_seqlens, seq_lens, extra, bs, pad_seq_len, max_len)
-    if full_pages and n:  # a draft tree's prefix pass: whole pages only
+    lengths_(b.cache_seqlens, seq_lens, extra, bs, pad_len, max_len)
+    if part.full_pages and n:  # a draft tree's prefix pass: whole pages only
         real = b.cache_seqlens[:n]
         real.div_(p, rounding_mode="floor").mul_(p)
-    if q_lens is not None and cu_seqlens_q is not None:
-        _queries_(b, bs, q_lens, cu_seqlens_q, pad_q, max_q, q_total)
-    if positions is not None or out_slots is not None:
-        _tokens_(seq_lens, extra, q_lens, req_pool_indices, req_to_token, block_size,
-                 token_offset, positions, out_slots)
-    paged_(b, bs=bs, pages=pages, page_size=p, pad_page=pad_page,
-           pad_pages=ceil_div(pad_seq_len, p), arange=_arange(b, max(w, bs) + 1, seq_lens))
+    if part.q_lens is not None and part.cu_seqlens_q is not None:
+        _queries_(b, bs, part.q_lens, part.cu_seqlens_q, part.pad_q, part.max_q, part.q_total)
+    if part.positions is not None or part.out_slots is not None:
+        _tokens_(seq_lens, extra, part.q_lens, part.req_pool_indices, part.req_to_token,
+                 part.block_size, part.token_offset, part.positions, part.out_slots)
+    paged_(b, bs=bs, pages=pages, page_size=p, pad_page=part.pad_page,
+           pad_pages=ceil_div(pad_len, p), arange=_arange(b, max(w, bs) + 1, seq_lens))
 
 
 INT32_MAX = 2**31 - 1
 
 
-def _window_(w: PagedBuffers | None, window_size: int | None, window_table: Tensor | None,
-             window_out_slots: Tensor | None, *, bs: int, seq_lens: Tensor,
-             req_pool_indices: Tensor, req_to_token: Tensor, extra: int, page_size: int,
-             pad_seq_len: int, pad_page: int, token_offset: Tensor | None, q_lens: Tensor | None,
-             steps: int, max_len: int | None, max_q: int | None, block_size: int | None,
-             b: PagedBuffers) -> None:
+def _window_(b: PagedBuffers, part: PagedPart) -> None:
     """The window part of a paged part (the fused kernel's programs ``bs..2bs-1``): row ``i``
     of length ``L`` (clamped as the part's) with ``q`` queries starts ``shift = floor(max(0,
     L - q - W + 1) / P) * P`` tokens into its request, so it is the part's own update over
     lengths ``min(L - shift, window width in tokens)`` and token offset ``shift``."""
+    w, window_size, q_lens = part.window, part.window_size, part.q_lens
     if w is None or window_size is None:
         raise LayoutError("window_size, window_table and window_out_slots need a window part "
                           f"and a window_size, got window={w is not None}, "
                           f"window_size={window_size!r}")
-    if window_out_slots is not None and q_lens is None:
+    if part.window_out_slots is not None and q_lens is None:
         raise InputError("window_out_slots needs q_lens (the extend query part)")
-    p = page_size
-    table = req_to_token if window_table is None else window_table
+    p, steps, max_len, extra = part.page_size, part.steps, part.max_len, part.extra
+    table = part.req_to_token if part.window_table is None else part.window_table
     if max_len is None:
         cols = b.page_table.shape[1] if b.page_table is not None else -(
-            -table_width(req_to_token, block_size) // p)
+            -table_width(part.req_to_token, part.block_size) // p)
         max_len = cols * p
     cap = window_width(w)
     # (int64: a window start computed from an out-of-contract length cannot wrap around)
-    total = (seq_lens.to(torch.int64) + extra).clamp(0, max(max_len - (steps - 1), 0))
-    qc = None if q_lens is None else q_lens.clamp(0, INT32_MAX if max_q is None else max_q)
+    total = (part.seq_lens.to(torch.int64) + extra).clamp(0, max(max_len - (steps - 1), 0))
+    qc = None if q_lens is None else q_lens.clamp(0, INT32_MAX if part.max_q is None
+                                                    else part.max_q)
     q: Tensor | int = max(extra, 1) if qc is None else qc
     first = (total - q - (window_size - 1)).clamp_(min=0)
     shift = floor_div(first, p).mul_(p)
     lens = (total - shift).clamp_(0, max(cap * p - (steps - 1), 0))
-    off = shift if token_offset is None else shift + token_offset
-    paged_part_(w, bs=bs, seq_lens=lens, req_pool_indices=req_pool_indices, req_to_token=table,
-                extra=0, page_size=p, pad_seq_len=pad_seq_len, pad_page=pad_page,
-                token_offset=off, steps=steps, max_len=cap * p, block_size=block_size)
-    if window_out_slots is not None:
-        _tokens_(lens, 0, qc, req_pool_indices, table, block_size, off, None, window_out_slots)
+    off = shift if part.token_offset is None else shift + part.token_offset
+    paged_part_(w, PagedPart(bs=part.bs, seq_lens=lens, req_pool_indices=part.req_pool_indices,
+                             req_to_token=table, page_size=p, pad_seq_len=part.pad_seq_len,
+                             pad_page=part.pad_page, token_offset=off, steps=steps,
+                             max_len=cap * p, block_size=part.block_size))
+    if part.window_out_slots is not None:
+        _tokens_(lens, 0, qc, part.req_pool_indices, table, part.block_size, off, None,
+                 part.window_out_slots)
 
 
 def _steps_(b: PagedBuffers, bs: int, seq_lens: Tensor, pages: Tensor, extra: int, steps: int,
@@ -213,96 +183,55 @@ def _tokens_(seq_lens: Tensor, extra: int, q_lens: Tensor | None, req_pool_indic
         out_slots.copy_(slots[: out_slots.shape[0]])
 
 
-def tree_expand_part_(
-    e: PagedBuffers,
-    *,
-    bs: int,
-    tree_mask: Tensor,
-    seq_lens: Tensor,
-    req_pool_indices: Tensor,
-    req_to_token: Tensor,
-    pad_len: int,
-    pad_id: int,
-    num_real: Tensor | None = None,
-    block_size: int | None = None,
-) -> None:
-    """The verify tree *expand* part: :func:`attnpool.update.triton.tree_expand_update_`'s
-    semantics, from :func:`tree_expand` written with page size 1."""
-    _no_num_real(num_real)
-    nd = tree_mask.shape[1]
-    lens, slots = tree_expand(tree_mask, seq_lens, req_pool_indices, req_to_token, block_size)
-    rows = bs * nd
-    lengths_(e.cache_seqlens, lens, 0, rows, pad_len, nd)
-    paged_(e, bs=rows, pages=slots, page_size=1, pad_page=pad_id, pad_pages=pad_len,
-           arange=_arange(e, max(nd, rows) + 1, seq_lens))
+def tree_expand_part_(e: PagedBuffers, part: TreeExpandPart) -> None:
+    """The verify tree *expand* part: what :class:`TreeExpandPart` says, from
+    :func:`tree_expand` written with page size 1."""
+    _no_num_real(part.num_real)
+    nd = part.tree_mask.shape[1]
+    lens, slots = tree_expand(part.tree_mask, part.seq_lens, part.req_pool_indices,
+                              part.req_to_token, part.block_size)
+    rows = part.bs * nd
+    lengths_(e.cache_seqlens, lens, 0, rows, part.pad_len, nd)
+    paged_(e, bs=rows, pages=slots, page_size=1, pad_page=part.pad_id, pad_pages=part.pad_len,
+           arange=_arange(e, max(nd, rows) + 1, part.seq_lens))
 
 
-def draft_tree_expand_part_(
-    e: PagedBuffers,
-    *,
-    bs: int,
-    seq_lens: Tensor,
-    req_pool_indices: Tensor,
-    req_to_token: Tensor,
-    out_cache_loc: Tensor,
-    page_size: int,
-    pad_len: int,
-    pad_id: int,
-    num_real: Tensor | None = None,
-    block_size: int | None = None,
-) -> None:
-    """Every step's draft tree expand rows: :func:`attnpool.update.triton.
-    draft_tree_expand_update_`'s semantics (``e`` stacked ``[S, ...]`` per step, one shared
-    table), from :func:`draft_expand`: step ``d`` (1-based) reads ``partial + d`` keys."""
-    _no_num_real(num_real)
-    _, part, slots = draft_expand(seq_lens, req_pool_indices, req_to_token, out_cache_loc,
-                                  page_size, block_size)
-    steps, topk = out_cache_loc.shape[1], out_cache_loc.shape[2]
-    rows, width = bs * topk, slots.shape[1]
-    arange = _arange(e, max(width, rows) + 1, seq_lens)
+def draft_tree_expand_part_(e: PagedBuffers, part: DraftExpandPart) -> None:
+    """Every step's draft tree expand rows: what :class:`DraftExpandPart` says (``e`` stacked
+    ``[S, ...]`` per step, one shared table), from :func:`draft_expand`: step ``d`` (1-based)
+    reads ``partial + d`` keys."""
+    _no_num_real(part.num_real)
+    loc, pad_len = part.out_cache_loc, part.pad_len
+    _, partial, slots = draft_expand(part.seq_lens, part.req_pool_indices, part.req_to_token,
+                                     loc, part.page_size, part.block_size)
+    steps, topk = loc.shape[1], loc.shape[2]
+    rows, width = part.bs * topk, slots.shape[1]
+    arange = _arange(e, max(width, rows) + 1, part.seq_lens)
     for d in range(steps):
         last = d == steps - 1
         step = _step(e, d, table=last)
-        lengths_(step.cache_seqlens, part, d + 1, rows, pad_len, width)
+        lengths_(step.cache_seqlens, partial, d + 1, rows, pad_len, width)
         # (every step's CSR lists the slots; the shared table is written once, by the last)
-        paged_(step, bs=rows, pages=slots, page_size=1, pad_page=pad_id, pad_pages=pad_len,
+        paged_(step, bs=rows, pages=slots, page_size=1, pad_page=part.pad_id, pad_pages=pad_len,
                arange=arange)
 
 
-def local_part_(
-    b: PagedBuffers,
-    *,
-    cu_seqlens_q: Tensor,
-    bs: int,
-    seq_lens: Tensor,
-    req_pool_indices: Tensor,
-    req_to_token: Tensor,
-    extra: int,
-    num_queries: int,
-    rows_per_request: int,
-    chunk: int,
-    page_size: int,
-    pad_len: int,
-    pad_page: int,
-    num_real: Tensor | None = None,
-    block_size: int | None = None,
-) -> None:
-    """Chunked local attention's virtual rows: :func:`attnpool.update.triton.local_update_`'s
-    semantics, from :func:`local_rows` (pages gathered from each row's chunk start; rows past a
-    request's last chunk read the pad page)."""
-    _no_num_real(num_real)
-    per, q, p = rows_per_request, num_queries, page_size
-    kv = seq_lens + extra if extra else seq_lens
-    q_lens, kv_lens, off, valid = local_rows(kv, q, chunk, per, pad_len)
-    if b.page_table is not None:
-        width = b.page_table.shape[1]
-    else:
-        width = ceil_div(min(chunk, table_width(req_to_token, block_size)), p)
-    pages = gather_pages(req_to_token, req_pool_indices.repeat_interleave(per), p, width, off,
-                         block_size=block_size)
+def local_part_(b: PagedBuffers, part: LocalPart) -> None:
+    """Chunked local attention's virtual rows: what :class:`LocalPart` says, from
+    :func:`local_rows` (pages gathered from each row's chunk start; rows past a request's last
+    chunk read the pad page)."""
+    _no_num_real(part.num_real)
+    per, q, p = part.rows_per_request, part.num_queries, part.page_size
+    seq_lens, pad_len, pad_page, cu_seqlens_q = (part.seq_lens, part.pad_len, part.pad_page,
+                                                 part.cu_seqlens_q)
+    kv = seq_lens + part.extra if part.extra else seq_lens
+    q_lens, kv_lens, off, valid = local_rows(kv, q, part.chunk, per, pad_len)
+    width = _local_width(b, part)
+    pages = gather_pages(part.req_to_token, part.req_pool_indices.repeat_interleave(per), p,
+                         width, off, block_size=part.block_size)
     pages = torch.where(valid[:, None], pages, pad_page)
     # --- writes start here ---
-    rows, real = bs * per, q_lens.shape[0]
+    rows, real = part.bs * per, q_lens.shape[0]
     arange = _arange(b, max(width, rows) + 1, seq_lens)
     cumsum_(cu_seqlens_q, q_lens)
     # Padded requests: their first row takes the q queries, the others none, so request
@@ -314,38 +243,29 @@ def local_part_(
            arange=arange)
 
 
-def local_extend_part_(
-    b: PagedBuffers,
-    *,
-    cu_seqlens_q: Tensor,
-    rows: int,
-    seq_lens: Tensor,
-    extend_lens: Tensor,
-    req_pool_indices: Tensor,
-    req_to_token: Tensor,
-    chunk: int,
-    page_size: int,
-    pad_len: int,
-    pad_page: int,
-    block_size: int | None = None,
-) -> None:
-    """Chunked local attention for a prefill (extend or draft extend): ``rows`` virtual rows from
-    :func:`local_extend_rows`, one per chunk each request's new tokens touch, laid out request
-    after request; padded rows read the pad page and take no query."""
-    p = page_size
-    q_lens, kv_lens, off, valid, req = local_extend_rows(seq_lens, extend_lens, chunk, rows,
-                                                         pad_len)
+def _local_width(b: PagedBuffers, part: LocalPart | LocalExtendPart) -> int:
+    """Page columns of a local part's rows: the page table's, else one chunk's (CSR only)."""
     if b.page_table is not None:
-        width = b.page_table.shape[1]
-    else:
-        width = ceil_div(min(chunk, table_width(req_to_token, block_size)), p)
-    row_requests = (req_pool_indices[req] if req_pool_indices.shape[0]
-                    else req_pool_indices.new_zeros(rows))
-    pages = gather_pages(req_to_token, row_requests, p, width, off, block_size=block_size)
-    pages = torch.where(valid[:, None], pages, pad_page)
+        return int(b.page_table.shape[1])
+    return ceil_div(min(part.chunk, table_width(part.req_to_token, part.block_size)),
+                    part.page_size)
+
+
+def local_extend_part_(b: PagedBuffers, part: LocalExtendPart) -> None:
+    """Chunked local attention for a prefill (extend or draft extend): what
+    :class:`LocalExtendPart` says, from :func:`local_extend_rows`."""
+    _no_num_real(part.num_real)
+    p, rows, rpi, pad_len = part.page_size, part.bs, part.req_pool_indices, part.pad_len
+    q_lens, kv_lens, off, valid, req = local_extend_rows(part.seq_lens, part.extend_lens,
+                                                         part.chunk, rows, pad_len)
+    width = _local_width(b, part)
+    row_requests = rpi[req] if rpi.shape[0] else rpi.new_zeros(rows)
+    pages = gather_pages(part.req_to_token, row_requests, p, width, off,
+                         block_size=part.block_size)
+    pages = torch.where(valid[:, None], pages, part.pad_page)
     # --- writes start here ---
-    arange = _arange(b, max(width, rows) + 1, seq_lens)
-    cumsum_(cu_seqlens_q, q_lens)
+    arange = _arange(b, max(width, rows) + 1, part.seq_lens)
+    cumsum_(part.cu_seqlens_q, q_lens)
     lengths_(b.cache_seqlens, kv_lens, 0, rows, pad_len, width * p)
-    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=pad_page, pad_pages=ceil_div(pad_len, p),
-           arange=arange)
+    paged_(b, bs=rows, pages=pages, page_size=p, pad_page=part.pad_page,
+           pad_pages=ceil_div(pad_len, p), arange=arange)

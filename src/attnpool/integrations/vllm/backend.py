@@ -259,9 +259,9 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         return self.build(0, common_attn_metadata)
 
 
-class AttnpoolCPUBackend(CPUAttentionBackend):
-    """vLLM's ``CPU_ATTN`` slot, served by attnpool (same name: the CPU platform looks the
-    backend up by it)."""
+class _AttnpoolClasses:
+    """The impl and builder every attnpool backend class hands vLLM (listed first among a
+    backend's bases, so these win over the vLLM base class's)."""
 
     @staticmethod
     def get_impl_cls() -> type[AttnpoolImpl]:
@@ -272,7 +272,12 @@ class AttnpoolCPUBackend(CPUAttentionBackend):
         return AttnpoolMetadataBuilder
 
 
-class AttnpoolBackend(AttentionBackend):
+class AttnpoolCPUBackend(_AttnpoolClasses, CPUAttentionBackend):
+    """vLLM's ``CPU_ATTN`` slot, served by attnpool (same name: the CPU platform looks the
+    backend up by it)."""
+
+
+class AttnpoolBackend(_AttnpoolClasses, AttentionBackend):
     """vLLM's ``CUSTOM`` backend on CUDA (``attention_backend="CUSTOM"``)."""
 
     forward_includes_kv_cache_update: bool = False
@@ -286,11 +291,3 @@ class AttnpoolBackend(AttentionBackend):
     @classmethod
     def supports_sliding_window(cls) -> bool:
         return True
-
-    @staticmethod
-    def get_impl_cls() -> type[AttnpoolImpl]:
-        return AttnpoolImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttnpoolMetadataBuilder]:
-        return AttnpoolMetadataBuilder

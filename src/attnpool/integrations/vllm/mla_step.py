@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ...adapters import mla
-from ...adapters.sdpa_plan import Plan
+from ...adapters.sdpa.planning import Plan
 from ...errors import CapacityError, InputError
 from ...kv.mla_shape import MLAShape
 from ...pool import BufferPool

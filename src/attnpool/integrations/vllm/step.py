@@ -33,11 +33,11 @@ import torch
 from torch import Tensor
 
 from ...adapters.backends import Backend
+from ...adapters.binding import Run, bind
 from ...config import Layout, PoolConfig
 from ...errors import CapacityError, LayoutError
 from ...pool import BufferPool
 from ...views import DecodeView, ExtendView, PagedView
-from ..hf_attention import Run, bind
 from .cache import slot_index_
 from .cpu_kernel import CPUKernel, KernelStep
 from .decode_cpu import BlockPlan, plan_blocks

@@ -1,0 +1,108 @@
+"""The adapter call every engine integration binds once per forward and calls per layer.
+
+An engine's attention layer (transformers' attention function, vLLM's backend) stores
+the step's K/V and then attends over the paged cache through one callable, :class:`Run`, bound to
+the step's view by :func:`bind`: it picks the view's part for the layer (full, sliding-window,
+chunked local), computes SDPA's gather plan once per forward and part instead of once per layer,
+and calls the chosen adapter (SDPA on any device, flash-attn FA3 / FA4 / FA2 on CUDA). Which
+backend runs is chosen before, through :func:`attnpool.adapters.backends.select`; a binding only
+checks that it is one it drives (:data:`DRIVEN`).
+
+Nothing here knows an engine: this module is plain torch plus the adapters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..errors import InputError, LayoutError
+from ..views import DraftExtendView, DraftStepView, ExtendView, LocalView, PagedView, VerifyView
+from .backends import Backend
+from .sdpa.paged import attention_out, plan, run_plan
+from .sdpa.planning import Plan
+
+#: The backends a :class:`Run` calls per layer, in :data:`attnpool.adapters.backends.AUTO_ORDER`.
+#: FlashInfer's wrappers need a plan per step and part, which a bound forward does not make: it
+#: is not among them.
+DRIVEN = (Backend.FA3, Backend.FA4, Backend.FA2, Backend.SDPA)
+
+
+class Run:
+    """The adapter call of one forward, for every layer: ``run(q, k_cache, v_cache, scale,
+    window=False, softcap=0.0, sinks=None) -> out``.
+
+    ``window`` picks the view's sliding-window part (the layers the model runs with a sliding
+    window), ``local`` the forward's chunked-local-attention view (``pool.local`` updated for
+    the same step; chunked layers), else the full part. SDPA: each part's gather
+    plan (token slots, masks, query lanes) is computed once per forward, the first time a layer
+    reads that part, instead of once per layer. flash-attn reads the view's tensors directly,
+    so there is nothing to prepare (FA2 only runs parts with one query count for every row;
+    prefill and draft extend parts go through SDPA).
+    """
+
+    __slots__ = ("_args", "_plans", "backend", "local", "view")
+
+    def __init__(self, backend: Backend, view: object, num_q: int, num_heads: int,
+                 num_kv_heads: int, dtype: torch.dtype, prefix_free: bool,
+                 local: LocalView | None = None) -> None:
+        self.backend, self.view, self.local = backend, view, local
+        self._args = (num_q, num_heads, num_kv_heads, dtype, prefix_free)
+        self._plans: dict[int, Plan] = {}
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None, *,
+                 window: bool = False, softcap: float = 0.0, sinks: Tensor | None = None,
+                 local: bool = False) -> Tensor:
+        view = self.view
+        if local:
+            if self.local is None:
+                raise LayoutError("a chunked attention layer needs the step's pool.local view "
+                                  "(the forward was bound without one)")
+            view = self.local
+        elif window:
+            view = getattr(view, "window", None)
+            if view is None:
+                raise LayoutError("a sliding-window layer needs a pool with sliding_window "
+                                  "(the view has no window part)")
+        part = _single_pass(view)
+        backend = self.backend
+        if backend is Backend.FA2 and (isinstance(part, (ExtendView, DraftExtendView)) or (
+                isinstance(part, LocalView) and not part.rows_per_request)):
+            backend = Backend.SDPA  # FA2 takes the same query count for every row: not these
+        if backend is Backend.SDPA:
+            if part is None:  # a tree view: two passes merged by log-sum-exp, per layer
+                return attention_out(view, q, k, v, softmax_scale=scale, softcap=softcap,
+                                     sinks=sinks)
+            key = 2 if local else int(window)
+            pl = self._plans.get(key)
+            if pl is None:
+                num_q, heads, kv_heads, dtype, prefix_free = self._args
+                pl = self._plans[key] = plan(
+                    part, num_q=num_q, num_heads=heads, num_kv_heads=kv_heads, dtype=dtype,
+                    prefix_free=prefix_free and not local)
+            return run_plan(pl, q, k, v, softmax_scale=scale, softcap=softcap, sinks=sinks)
+        from . import flash_attn as fa  # lazy: CUDA-only kernels
+
+        ver = fa.FlashAttnVersion[backend.name]
+        return fa.attention(view, q, k, v, version=ver, softmax_scale=scale, softcap=softcap,
+                            sinks=sinks).out
+
+
+def _single_pass(view: object) -> PagedView | None:
+    """The one paged part of a single-pass view (chain verify and draft steps included)."""
+    if isinstance(view, PagedView):
+        return view
+    if isinstance(view, (VerifyView, DraftStepView)) and view.expand is None:
+        return view.prefix
+    return None
+
+
+def bind(backend: Backend, view: object, num_q: int, num_heads: int, num_kv_heads: int,
+         dtype: torch.dtype, prefix_free: bool = False, local: LocalView | None = None) -> Run:
+    """:class:`Run` for every layer of one forward over ``view`` (``backend`` resolved).
+    ``prefix_free``: the view is a prefill with nothing cached (see
+    :func:`attnpool.adapters.sdpa.plan`); a model with softcapping or sinks must not pass it
+    (those need the plan's mask)."""
+    if backend not in DRIVEN:
+        raise InputError(f"resolve the backend first, got {backend}")
+    return Run(backend, view, num_q, num_heads, num_kv_heads, dtype, prefix_free, local)

@@ -1,0 +1,33 @@
+"""Paged attention over any :class:`attnpool.PagedView` with PyTorch SDPA (CPU and CUDA): the
+library's CPU backend and the oracle the kernel adapters are checked against.
+
+* :mod:`.paged`: the adapter (:func:`attention`, :func:`paged_attention`, their ``_out`` forms,
+  and :func:`plan` / :func:`run_plan` for a forward over many layers),
+* :mod:`.planning`: the layer-independent half of a pass (:class:`~.planning.Plan`: where each
+  row's keys and queries are),
+* :mod:`.gather`: the copy of each layer's key lanes out of the paged cache, and
+  :func:`cache_as_pages` (how every adapter reads a cache in pages of another size).
+"""
+
+from __future__ import annotations
+
+from ..merge import Attn, merge_by_lse, passes, run_passes
+from .gather import cache_as_pages
+from .paged import (
+    AttnOptions,
+    attention,
+    attention_out,
+    check_qkv,
+    paged_attention,
+    paged_attention_out,
+    pick_layout,
+    plan,
+    run_plan,
+    softmax_scale_of,
+)
+
+__all__ = [
+    "Attn", "AttnOptions", "attention", "attention_out", "cache_as_pages", "check_qkv",
+    "merge_by_lse", "paged_attention", "paged_attention_out", "passes", "pick_layout", "plan",
+    "run_passes", "run_plan", "softmax_scale_of",
+]
