@@ -30,6 +30,8 @@ class ExtendValues(NamedTuple):
         out_slots: ``[L]`` int device slot mapping to write, else None.
         width: page columns the real rows need (host bound; the reference path's gather).
         window_out_slots: ``[L]`` int device slot mapping of the window table, else None.
+        tokens: the real query tokens from ``extend_lens_cpu`` (host), else None: the reference
+            path's token buffers are computed over those alone (``PagedPart.tokens``).
     """
 
     inputs: Inputs
@@ -37,6 +39,7 @@ class ExtendValues(NamedTuple):
     out_slots: Tensor | None
     width: int
     window_out_slots: Tensor | None
+    tokens: int | None
 
 
 class ExtendPhase(PhaseBase[ExtendView]):
@@ -131,7 +134,8 @@ class ExtendPhase(PhaseBase[ExtendView]):
         # --- writes start here ---
         self._run((bs, x.launch_key, None if slots is None else slots.shape[0],
                    None if window_slots is None else window_slots.shape[0]), bs,
-                  new_record(ExtendValues, (x, ext, slots, self._width(host), window_slots)))
+                  new_record(ExtendValues, (x, ext, slots, self._width(host), window_slots,
+                                            total)))
         self._mark(bs)
         max_q = t_max
         if ehost is not None:
@@ -175,11 +179,12 @@ class ExtendPhase(PhaseBase[ExtendView]):
         return (self._paged_launch(ops, self._b, bs, x, q_lens=values.q_lens,
                                    max_q=self.max_tokens, cu_seqlens_q=self._cu_q,
                                    q_total=self.max_tokens, positions=self._pos,
-                                   out_slots=values.out_slots, width=values.width, **window),)
+                                   out_slots=values.out_slots, width=values.width,
+                                   tokens=values.tokens, **window),)
 
     def _capture_values(self) -> ExtendValues:
         return ExtendValues(inputs=self._capture_inputs(), q_lens=self._arange[:0],
-                            out_slots=None, width=0, window_out_slots=None)
+                            out_slots=None, width=0, window_out_slots=None, tokens=0)
 
     def _view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
         key = (bs, max_q, max_k)

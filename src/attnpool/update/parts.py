@@ -88,6 +88,11 @@ class PagedPart(RowsPart):
             position]``; every later element gets 0 / -1.
         width: a host bound on the page columns any real row needs; only the reference path
             uses it (to gather fewer columns): each fused program loops over its own row's pages.
+        tokens: the real query tokens (``sum(q_lens)``) when the caller knows it on the host;
+            only the reference path uses it: it computes the token buffers (``positions``,
+            ``out_slots``) over those tokens alone and writes the tail with one fill each, the
+            same bytes as over the whole buffer (a CPU step of a few tokens then costs what its
+            tokens cost, not ``T``'s). The fused programs walk their own row's tokens.
         window: the part's sliding-window twin (docs/design.md, Sliding windows), written by
             the same launch: row ``i`` of length ``L`` with ``q`` queries (``q_lens[i]``, else
             ``max(extra, 1)``) starts ``shift = floor(max(0, L - q - window_size + 1) / P) * P``
@@ -117,6 +122,7 @@ class PagedPart(RowsPart):
     positions: Tensor | None = None
     out_slots: Tensor | None = None
     width: int | None = None
+    tokens: int | None = None
     window: PagedBuffers | None = None
     window_size: int | None = None
     window_table: Tensor | None = None

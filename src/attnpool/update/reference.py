@@ -159,7 +159,7 @@ def _launcher(name: str, part: Callable[[PagedBuffers, R], None], inputs: tuple[
 #: the ``*_launch`` functions, one per kind of part (the fused module's names and arguments)
 paged_launch = _launcher("paged_launch", paged_part_, (
     "seq_lens", "req_pool_indices", "req_to_token", "token_offset", "num_real", "keep", "q_lens",
-    "out_slots", "width", "window_table", "window_out_slots"))
+    "out_slots", "width", "tokens", "window_table", "window_out_slots"))
 tree_expand_launch = _launcher("tree_expand_launch", tree_expand_part_, (
     "tree_mask", "seq_lens", "req_pool_indices", "req_to_token", "num_real"))
 draft_tree_expand_launch = _launcher("draft_tree_expand_launch", draft_tree_expand_part_, (

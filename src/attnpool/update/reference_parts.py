@@ -85,7 +85,7 @@ def paged_part_(b: PagedBuffers, part: PagedPart) -> None:
         _queries_(b, bs, part.q_lens, part.cu_seqlens_q, part.pad_q, part.max_q, part.q_total)
     if part.positions is not None or part.out_slots is not None:
         _tokens_(seq_lens, extra, part.q_lens, part.req_pool_indices, part.req_to_token,
-                 part.block_size, part.token_offset, part.positions, part.out_slots)
+                 part.block_size, part.token_offset, part.positions, part.out_slots, part.tokens)
     paged_(b, bs=bs, pages=pages, page_size=p, pad_page=part.pad_page,
            pad_pages=ceil_div(pad_len, p), arange=_arange(b, max(w, bs) + 1, seq_lens))
 
@@ -127,7 +127,7 @@ def _window_(b: PagedBuffers, part: PagedPart) -> None:
                              max_len=cap * p, block_size=part.block_size))
     if part.window_out_slots is not None:
         _tokens_(lens, 0, qc, part.req_pool_indices, table, part.block_size, off, None,
-                 part.window_out_slots)
+                 part.window_out_slots, part.tokens)
 
 
 def _steps_(b: PagedBuffers, bs: int, seq_lens: Tensor, pages: Tensor, extra: int, steps: int,
@@ -166,21 +166,27 @@ def _queries_(b: PagedBuffers, bs: int, q_lens: Tensor, cu: Tensor, pad_q: int,
 
 
 def _tokens_(seq_lens: Tensor, extra: int, q_lens: Tensor | None, req_pool_indices: Tensor,
-             table: Tensor,
-             block_size: int | None, token_offset: Tensor | None, positions: Tensor | None,
-             out_slots: Tensor | None) -> None:
-    """Packed query tokens' positions and KV slots (:func:`extend_tokens`), then their pads."""
+             table: Tensor, block_size: int | None, token_offset: Tensor | None,
+             positions: Tensor | None, out_slots: Tensor | None, tokens: int | None) -> None:
+    """Packed query tokens' positions and KV slots (:func:`extend_tokens`), then their pads.
+
+    With ``tokens`` (the host count of real tokens) only those are computed, and each buffer's
+    tail gets its pad value in one fill: the bytes :func:`extend_tokens` gives past the real
+    tokens (position 0, slot -1), without its per-token work over the whole buffer."""
     if q_lens is None:
         raise InputError("positions / out_slots need q_lens and q_total (the extend query part)")
     size = max(0 if positions is None else positions.shape[0],
                0 if out_slots is None else out_slots.shape[0])
+    live = size if tokens is None else min(tokens, size)
     lens = seq_lens + extra if extra else seq_lens
-    pos, slots = extend_tokens(lens, q_lens, req_pool_indices, table, size, block_size,
+    pos, slots = extend_tokens(lens, q_lens, req_pool_indices, table, live, block_size,
                                token_offset)
-    if positions is not None:
-        positions.copy_(pos[: positions.shape[0]])
-    if out_slots is not None:
-        out_slots.copy_(slots[: out_slots.shape[0]])
+    for buf, got, pad in ((positions, pos, 0), (out_slots, slots, -1)):
+        if buf is not None:
+            m = min(live, buf.shape[0])
+            buf[:m].copy_(got[:m])
+            if m < buf.shape[0]:
+                buf[m:].fill_(pad)
 
 
 def tree_expand_part_(e: PagedBuffers, part: TreeExpandPart) -> None:

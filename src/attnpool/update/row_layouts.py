@@ -58,6 +58,15 @@ def gather_pages(
     page-level block table (module docstring).
     """
     rows = req_pool_indices.clamp(0, req_to_token.shape[0] - 1)
+    if token_offset is None and block_size == page_size and req_to_token.shape[1] >= width:
+        # a block table of the part's own pages (vLLM's): page p of a row is column p itself,
+        # the bytes of slot // P with slot = id * B (no multiply, shift and divide per page)
+        cols = req_to_token[:, :width]
+        if out is None:
+            return cols.index_select(0, rows)
+        if out.dtype == cols.dtype:
+            return torch.index_select(cols, 0, rows, out=out)
+        return out.copy_(cols.index_select(0, rows))
     if token_offset is None and block_size is None:
         cols = req_to_token[:, : width * page_size : page_size]
         if page_size == 1 and out is not None and out.dtype == cols.dtype:

@@ -1,0 +1,96 @@
+"""The reference path's refill costs what the step's real rows and tokens cost, not the pool's
+capacity: the op budget of an engine step (vLLM's block table, host lengths) and token work that
+follows the real tokens, with the same bytes as the full-size computation."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnpool import BufferPool, Impl, Layout, PoolConfig
+
+from tests.helpers.opcount import count
+
+PAGE = 16
+#: aten ops of one reference decode update from a block table with host lengths (what an
+#: engine's builder calls per step and KV-cache group); the engine's own CPU builder runs
+#: about 36-39 small ops for the same step
+DECODE_BUDGET = 15
+
+
+def _pool(t: int) -> BufferPool:
+    cfg = PoolConfig(max_bs=16, max_context_len=1024, page_size=PAGE, device="cpu",
+                     layout=Layout.FLASH_ATTN, max_extend_tokens=t, pad_page=0, num_pages=512,
+                     impl=Impl.REFERENCE)
+    return BufferPool(cfg, poison=True)
+
+
+def _step(n: int, seed: int) -> dict[str, Any]:
+    """A vLLM-shaped mixed step: ``n`` requests (decode rows and a prefill chunk) on a block
+    table of the pool's own pages."""
+    rng = random.Random(seed)
+    ext = [1] * n
+    ext[rng.randrange(n)] = 5
+    seq = [rng.randint(e, 900) for e in ext]
+    g = torch.Generator().manual_seed(seed)
+    table = (torch.randint(0, 511, (16, 64), generator=g) + 1).to(torch.int32)  # page 0: pad
+    return {"seq_lens": torch.tensor(seq, dtype=torch.int32),
+            "extend_lens": torch.tensor(ext, dtype=torch.int32), "block_table": table[:n]}
+
+
+def test_decode_from_a_block_table_is_within_the_op_budget() -> None:
+    pool = _pool(64)
+    s = _step(8, 1)
+    seq = s["seq_lens"]
+
+    def update() -> None:
+        pool.decode.update_(8, seq_lens=seq, block_table=s["block_table"], seq_lens_cpu=seq)
+
+    update()
+    c = count(update)
+    assert c.num_ops <= DECODE_BUDGET, c.ops
+
+
+class _Sizes(TorchDispatchMode):
+    """The element count of every ``searchsorted`` (the per-token row lookup) dispatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if "searchsorted" in str(func):
+            self.sizes.append(out.numel())
+        return out
+
+
+def test_extend_token_work_follows_the_real_tokens() -> None:
+    """With ``extend_lens_cpu`` the per-token work runs over the step's real tokens: the same
+    ops whatever ``max_extend_tokens`` is, and the same bytes as without the host copies."""
+    ops = []
+    for t in (64, 2048):
+        pool, ref = _pool(t), _pool(t)
+        s = _step(6, 2)
+        total = int(s["extend_lens"].sum())
+        slots, ref_slots = (torch.empty(t, dtype=torch.int64) for _ in range(2))
+
+        def update(p: BufferPool = pool, sl: torch.Tensor = slots, s: dict[str, Any] = s,
+                   ) -> None:
+            p.extend.update_(6, **s, seq_lens_cpu=s["seq_lens"],
+                             extend_lens_cpu=s["extend_lens"], out_slots=sl)
+
+        update()
+        with _Sizes() as seen:
+            update()
+        assert seen.sizes == [total], seen.sizes
+        ops.append(count(update).num_ops)
+        view = ref.extend.update_(6, **s, out_slots=ref_slots)  # no host copies: all T tokens
+        assert torch.equal(pool.extend.view(6).positions.view(torch.uint8),
+                           view.positions.view(torch.uint8))
+        assert torch.equal(slots.view(torch.uint8), ref_slots.view(torch.uint8))
+        assert torch.equal(slots[total:], torch.full((t - total,), -1))
+    assert ops[0] == ops[1], ops
