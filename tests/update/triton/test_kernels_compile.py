@@ -22,7 +22,7 @@ import torch
 from attnpool.errors import InputError
 from attnpool.tools import kernels as K
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 TARGET = "sm_90"
 I32, I64 = torch.int32, torch.int64
 
