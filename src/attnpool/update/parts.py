@@ -7,8 +7,11 @@ paths (:mod:`.reference`, :mod:`.triton`) read the fields by name, so an input i
 once, documented once, and a new one is one field plus the code that reads it.
 
 Records are built when a batch shape is first seen (a launch is cached per shape and replayed
-with new inputs after, :mod:`.launch_cache`), so their cost is not on the per-step path of the
-fused update; the reference path rebuilds one per call (:class:`attnpool.update.reference.Call`).
+with new inputs after, :mod:`.launch_cache`), so their cost is not on the per-step path. They
+are slotted keyword-only dataclasses, not frozen: the reference path's
+:class:`attnpool.update.reference.Call` owns the record it was bound with and sets its
+per-update fields in place for each call (then clears them), instead of rebuilding a record of
+up to 28 fields per update; a phase keeps no reference to a record it handed over.
 The caller's inputs are checked by the phases; the fused launchers check what the kernels
 assume (shapes, dtypes, devices, capacities) before any write.
 """
@@ -23,7 +26,7 @@ from ..config import SchedLayout
 from .buffers import PagedBuffers
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class RowsPart:
     """What every per-request part reads: the rows and the request table.
 
@@ -48,7 +51,7 @@ class RowsPart:
     block_size: int | None = None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class PagedPart(RowsPart):
     """One paged part: decode, verify chain, draft extend and extend (with their query parts),
     encoder cross and decoder rows (``token_offset``), all chain draft steps of a round
@@ -129,7 +132,7 @@ class PagedPart(RowsPart):
     window_out_slots: Tensor | None = None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class TreeExpandPart(RowsPart):
     """A verify tree's *expand* part: ``bs*N`` token-slot rows (page size 1). Row ``i*N + j``
     lists the slots ``req_to_token[r_i, seq_lens[i] + k]`` of the drafts ``k`` that
@@ -147,7 +150,7 @@ class TreeExpandPart(RowsPart):
     pad_id: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class DraftExpandPart(RowsPart):
     """A draft tree round's expand rows of all ``S`` steps (``e`` stacked ``[S, ...]``, one
     shared table): step ``d`` (1-based) has ``cache_seqlens = part + d`` with ``part = seq_lens
@@ -167,7 +170,7 @@ class DraftExpandPart(RowsPart):
     pad_id: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class LocalPart(RowsPart):
     """Chunked local attention's virtual rows (``bs * rows_per_request``): ``seq_lens + extra``
     with ``num_queries`` queries per request, pages gathered from each row's chunk start (rows
@@ -191,7 +194,7 @@ class LocalPart(RowsPart):
     pad_page: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class LocalExtendPart(RowsPart):
     """Chunked local attention for a prefill (extend or draft extend): ``bs`` virtual rows, one
     per chunk each request's new tokens touch, laid out request after request; padded rows read
@@ -213,7 +216,7 @@ class LocalExtendPart(RowsPart):
     pad_page: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class FlashMLAPart:
     """FlashMLA's schedule of the first ``n`` rows of a part's ``cache_seqlens`` (``num_real``'s
     count with ``num_real``: then ``n`` is ``bs``), run after that part in stream order.

@@ -27,7 +27,6 @@ The parts themselves are in :mod:`.reference_parts`, over the row layouts of
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -83,33 +82,24 @@ __all__ = [
 R = TypeVar("R")
 
 
-_FIELDS: dict[type, tuple[str, ...]] = {}
-
-
-def _field_names(cls: type) -> tuple[str, ...]:
-    """A record class's field names (worked out once per class)."""
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    return names
-
-
 class Call:
     """One reference part update with its record bound, replayable with new inputs.
 
     The same replay protocol as :class:`attnpool.update.launch.Launch` (``take``, ``__call__``,
     ``bound``: :class:`attnpool.update.paths.Replay`), so a phase caches and replays either
     path's parts the same way. ``inputs`` are the per-update inputs (tensors and host hints), by
-    the record's field names; each call builds the record afresh with the current ones.
+    the record's field names. The record is the Call's own (the phase built it for this launch
+    and keeps no reference): each call sets those fields from the value record in place, runs
+    the part and clears them again, as a launch clears its stored inputs, so no step's tensors
+    stay referenced and no 28-field record is rebuilt per update.
     """
 
-    __slots__ = ("b", "cls", "fn", "inputs", "kw", "paths", "replay")
+    __slots__ = ("b", "fn", "inputs", "part", "paths", "replay")
 
     def __init__(self, fn: Callable[[PagedBuffers, Any], None], b: PagedBuffers, part: Any,
                  inputs: tuple[str, ...]) -> None:
-        self.fn, self.b, self.cls = fn, b, type(part)
-        self.kw: dict[str, Any] = {k: getattr(part, k) for k in _field_names(self.cls)}
-        self.inputs = tuple(k for k in inputs if self.kw.get(k) is not None)
+        self.fn, self.b, self.part = fn, b, part
+        self.inputs = tuple(k for k in inputs if getattr(part, k) is not None)
         self.paths = RecordPaths((), ())
         #: the per-update call (the same as calling the part with values)
         self.replay: Callable[[tuple[Any, ...]], None] = self.__call__
@@ -119,27 +109,28 @@ class Call:
         name it has there); the binding call's tensors are released, as a launch's are."""
         self.paths = record_paths(values, [(k, k) for k in self.inputs], alias)
         for k in self.inputs:
-            self.kw[k] = None
+            setattr(self.part, k, None)
         return self
-
-    def _part(self, values: tuple[Any, ...] | None) -> Any:
-        if values is None:
-            return self.cls(**self.kw)
-        kw = self.kw.copy()
-        inputs = values[0]
-        for k, i in self.paths.from_inputs:
-            kw[k] = inputs[i]
-        for k, i in self.paths.from_record:
-            kw[k] = values[i]
-        return self.cls(**kw)
 
     def __call__(self, values: tuple[Any, ...] | None = None) -> None:
         """Run the update, with the inputs of :meth:`take` read from ``values`` (None: as built)."""
-        self.fn(self.b, self._part(values))
+        if values is None:
+            self.fn(self.b, self.part)
+            return
+        part, inputs, paths = self.part, values[0], self.paths
+        for k, i in paths.from_inputs:
+            setattr(part, k, inputs[i])
+        for k, i in paths.from_record:
+            setattr(part, k, values[i])
+        try:
+            self.fn(self.b, part)
+        finally:
+            for k in self.inputs:
+                setattr(part, k, None)
 
     def bound(self, values: tuple[Any, ...]) -> Callable[[], object]:
         """The update with ``values`` fixed: a no-argument callable."""
-        return partial(self.fn, self.b, self._part(values))
+        return partial(self.__call__, values)
 
 
 def _launcher(name: str, part: Callable[[PagedBuffers, R], None], inputs: tuple[str, ...]
