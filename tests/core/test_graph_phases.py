@@ -23,7 +23,6 @@ import importlib.util
 import os
 import random
 import sys
-import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -341,12 +340,7 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setitem(sys.modules, "flash_attn_interface", FA3().module("flash_attn_interface"))
     monkeypatch.setitem(sys.modules, "flash_attn", FA2().module())
     monkeypatch.setitem(sys.modules, "flash_attn.cute", FA4().module())
-    fi_mod = types.ModuleType("flashinfer")
-    fi_mod.BatchDecodeWithPagedKVCacheWrapper = (  # type: ignore[attr-defined]
-        fakes_flashinfer.BatchDecodeWithPagedKVCacheWrapper)
-    fi_mod.BatchPrefillWithPagedKVCacheWrapper = (  # type: ignore[attr-defined]
-        fakes_flashinfer.BatchPrefillWithPagedKVCacheWrapper)
-    monkeypatch.setitem(sys.modules, "flashinfer", fi_mod)
+    monkeypatch.setitem(sys.modules, "flashinfer", fakes_flashinfer.module())
     fa.clear_kernel_cache()
     yield
     fa.clear_kernel_cache()

@@ -45,6 +45,7 @@ the log-sum-exp is base 2, and output rows past the computed ones are NaN (unwri
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import torch
@@ -393,3 +394,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                                 self._causal, sm_scale, self._window(kw), self._softcap)
         return _written(_scale_out(res, v_scale), res_lse, out, lse,
                         int(self._qo_indptr_buf[-1]), return_lse)
+
+
+def module() -> types.ModuleType:
+    """A ``flashinfer`` module of these fakes (the two paged wrappers), to put in
+    ``sys.modules`` in place of the real library."""
+    mod = types.ModuleType("flashinfer")
+    mod.BatchDecodeWithPagedKVCacheWrapper = (  # type: ignore[attr-defined]
+        BatchDecodeWithPagedKVCacheWrapper)
+    mod.BatchPrefillWithPagedKVCacheWrapper = (  # type: ignore[attr-defined]
+        BatchPrefillWithPagedKVCacheWrapper)
+    return mod

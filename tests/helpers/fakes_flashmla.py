@@ -252,28 +252,13 @@ class SchedMetaAPI:
 
 
 @dataclasses.dataclass
-class SglFlashMLASchedMeta:
-    """``sgl-flash-mla`` 1.0.0's scheduler object: its config requires
+class SglFlashMLASchedMeta(FlashMLASchedMeta):
+    """``sgl-flash-mla`` 1.0.0's scheduler object: its config also requires
     ``enable_batch_invariant``."""
 
     @dataclasses.dataclass
-    class Config:
-        b: int
-        s_q: int
-        h_q: int
-        page_block_size: int
-        h_k: int
-        causal: bool
-        is_fp8_kvcache: bool
-        topk: int | None
-        extra_page_block_size: int | None
-        extra_topk: int | None
+    class Config(FlashMLASchedMeta.Config):
         enable_batch_invariant: bool
-
-    have_initialized: bool = False
-    config: Config | None = None
-    tile_scheduler_metadata: Tensor | None = None
-    num_splits: Tensor | None = None
 
 
 class SglSchedMetaAPI(SchedMetaAPI):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import random
 import sys
-import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -211,12 +210,7 @@ def fake_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[FA4]:
     fake = FA4()
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", fake.module())
-    fi_mod = types.ModuleType("flashinfer")
-    fi_mod.BatchDecodeWithPagedKVCacheWrapper = (  # type: ignore[attr-defined]
-        fakes_flashinfer.BatchDecodeWithPagedKVCacheWrapper)
-    fi_mod.BatchPrefillWithPagedKVCacheWrapper = (  # type: ignore[attr-defined]
-        fakes_flashinfer.BatchPrefillWithPagedKVCacheWrapper)
-    monkeypatch.setitem(sys.modules, "flashinfer", fi_mod)
+    monkeypatch.setitem(sys.modules, "flashinfer", fakes_flashinfer.module())
     fa.clear_kernel_cache()
     yield fake
     fa.clear_kernel_cache()
