@@ -32,6 +32,8 @@ class ExtendValues(NamedTuple):
         window_out_slots: ``[L]`` int device slot mapping of the window table, else None.
         tokens: the real query tokens from ``extend_lens_cpu`` (host), else None: the reference
             path's token buffers are computed over those alone (``PagedPart.tokens``).
+        exact_tokens: ``extend_lens_cpu`` is ``extend_lens`` itself (a CPU pool given its own
+            input as the host copy), so ``tokens`` is exact (``PagedPart.exact_tokens``).
     """
 
     inputs: Inputs
@@ -40,6 +42,7 @@ class ExtendValues(NamedTuple):
     width: int
     window_out_slots: Tensor | None
     tokens: int | None
+    exact_tokens: bool
 
 
 class ExtendPhase(PhaseBase[ExtendView]):
@@ -131,11 +134,12 @@ class ExtendPhase(PhaseBase[ExtendView]):
             self._check_values(x, cfg.max_context_len, [("extend_lens", ext, 1, cfg.max_context_len)],
                                [("extend_lens_cpu", extend_lens_cpu, "extend_lens")],
                                at_most=[("extend_lens", "seq_lens")], sum_at_most=("extend_lens", t_max))
+        exact = ehost is not None and _same_tensor(extend_lens_cpu, ext)
         # --- writes start here ---
         self._run((bs, x.launch_key, None if slots is None else slots.shape[0],
-                   None if window_slots is None else window_slots.shape[0]), bs,
+                   None if window_slots is None else window_slots.shape[0], exact), bs,
                   new_record(ExtendValues, (x, ext, slots, self._width(host), window_slots,
-                                            total)))
+                                            total, exact)))
         self._mark(bs)
         max_q = t_max
         if ehost is not None:
@@ -180,11 +184,13 @@ class ExtendPhase(PhaseBase[ExtendView]):
                                    max_q=self.max_tokens, cu_seqlens_q=self._cu_q,
                                    q_total=self.max_tokens, positions=self._pos,
                                    out_slots=values.out_slots, width=values.width,
-                                   tokens=values.tokens, **window),)
+                                   tokens=values.tokens, exact_tokens=values.exact_tokens,
+                                   **window),)
 
     def _capture_values(self) -> ExtendValues:
         return ExtendValues(inputs=self._capture_inputs(), q_lens=self._arange[:0],
-                            out_slots=None, width=0, window_out_slots=None, tokens=0)
+                            out_slots=None, width=0, window_out_slots=None, tokens=0,
+                            exact_tokens=False)
 
     def _view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
         key = (bs, max_q, max_k)
@@ -202,3 +208,11 @@ def _overlap(a: Tensor, b: Tensor) -> bool:
     """Whether two 1-D contiguous tensors share any byte."""
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _same_tensor(host: object, t: Tensor) -> bool:
+    """Whether a host copy is the device input itself (a CPU pool's caller passing one tensor
+    as both): then the host checks read the very values the update writes from."""
+    return host is t or (isinstance(host, Tensor) and host.device == t.device
+                         and host.data_ptr() == t.data_ptr() and host.dtype == t.dtype
+                         and host.shape == t.shape and host.stride() == t.stride())

@@ -96,6 +96,11 @@ class PagedPart(RowsPart):
             ``out_slots``) over those tokens alone and writes the tail with one fill each, the
             same bytes as over the whole buffer (a CPU step of a few tokens then costs what its
             tokens cost, not ``T``'s). The fused programs walk their own row's tokens.
+        exact_tokens: the host copy behind ``tokens`` is ``q_lens`` itself (a CPU pool given its
+            own input as the host copy, which the phase checked value by value), so ``tokens``
+            is exactly ``sum(q_lens)`` and every ``q_lens`` value is in contract: the reference
+            path may size a per-token temporary from it (:mod:`.reference_lean`). Static for a
+            launch (part of the phase's launch key).
         window: the part's sliding-window twin (docs/design.md, Sliding windows), written by
             the same launch: row ``i`` of length ``L`` with ``q`` queries (``q_lens[i]``, else
             ``max(extra, 1)``) starts ``shift = floor(max(0, L - q - window_size + 1) / P) * P``
@@ -126,6 +131,7 @@ class PagedPart(RowsPart):
     out_slots: Tensor | None = None
     width: int | None = None
     tokens: int | None = None
+    exact_tokens: bool = False
     window: PagedBuffers | None = None
     window_size: int | None = None
     window_table: Tensor | None = None

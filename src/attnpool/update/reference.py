@@ -36,6 +36,7 @@ from .buffers import PagedBuffers, table_width
 from .flashmla_sched import flashmla_part_
 from .launch import RecordPaths, record_paths
 from .parts import DraftExpandPart, LocalPart, PagedPart, TreeExpandPart
+from .reference_lean import LeanPaged, lean_fits
 from .reference_parts import (
     draft_tree_expand_part_,
     local_extend_part_,
@@ -147,10 +148,25 @@ def _launcher(name: str, part: Callable[[PagedBuffers, R], None], inputs: tuple[
     return launch
 
 
-#: the ``*_launch`` functions, one per kind of part (the fused module's names and arguments)
-paged_launch = _launcher("paged_launch", paged_part_, (
-    "seq_lens", "req_pool_indices", "req_to_token", "token_offset", "num_real", "keep", "q_lens",
-    "out_slots", "width", "tokens", "window_table", "window_out_slots"))
+#: the per-update fields of a paged part
+_PAGED_INPUTS = ("seq_lens", "req_pool_indices", "req_to_token", "token_offset", "num_real",
+                 "keep", "q_lens", "out_slots", "width", "tokens", "window_table",
+                 "window_out_slots")
+_paged_general = _launcher("paged_launch", paged_part_, _PAGED_INPUTS)
+
+
+def paged_launch(b: PagedBuffers, part: PagedPart) -> Call:
+    """Bind one paged part update (:func:`paged_part_` says what it writes); the same
+    arguments as :func:`attnpool.update.triton.paged_launch`. A part of the shape engines step
+    with (:func:`.reference_lean.lean_fits`) binds the lean part, the same bytes in fewer
+    ops."""
+    if lean_fits(b, part):
+        return Call(LeanPaged(), b, part, _PAGED_INPUTS)
+    return _paged_general(b, part)
+
+
+#: the other ``*_launch`` functions, one per kind of part (the fused module's names and
+#: arguments)
 tree_expand_launch = _launcher("tree_expand_launch", tree_expand_part_, (
     "tree_mask", "seq_lens", "req_pool_indices", "req_to_token", "num_real"))
 draft_tree_expand_launch = _launcher("draft_tree_expand_launch", draft_tree_expand_part_, (

@@ -145,8 +145,12 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
                          self.softcap, sinks)
             output[:t].copy_(out.view(output[:t].shape))
             return output
+        run = attn_metadata.run
+        if run is None:
+            raise LayoutError("this step's metadata was built for vLLM's CPU kernel, which "
+                              "this layer does not attend with")
         k_cache, v_cache = self._views(kv_cache)
-        out = attn_metadata.run(query[:t], k_cache, v_cache, self.scale,
+        out = run(query[:t], k_cache, v_cache, self.scale,
                                 window=self.sliding_window is not None, softcap=self.softcap,
                                 sinks=sinks)
         output[:t].copy_(out.view(output[:t].shape))

@@ -92,7 +92,9 @@ class CPUKernel:
         the work split is shared by every layer, as vLLM's builder shares it)."""
         if view.page_table is None:
             raise LayoutError("vLLM's CPU kernel reads page tables (Layout.FLASH_ATTN)")
-        qsl, lens, table = view.cu_seqlens_q[: n + 1], view.cache_seqlens[:n], view.page_table[:n]
+        qsl, lens, table = view.cu_seqlens_q, view.cache_seqlens, view.page_table
+        if lens.shape[0] != n:  # (a view of the step's own rows needs no slicing)
+            qsl, lens, table = qsl[: n + 1], lens[:n], table[:n]
         sched = self._ops.get_scheduler_metadata(
             n, self.num_heads, self.num_kv_heads, self.head_size, lens, self.dtype, qsl, True,
             self.window, self.isa, self.split_kv, None, "auto")

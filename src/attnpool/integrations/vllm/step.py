@@ -85,7 +85,8 @@ class StepMetadata:
     Fields:
         view: the refilled :class:`attnpool.DecodeView` or :class:`attnpool.ExtendView`.
         run: the adapter call bound to ``view`` for every layer of the step (SDPA plans are
-            computed by the first layer that reads a part and reused by the others).
+            computed by the first layer that reads a part and reused by the others); None
+            when vLLM's kernel attends (``kernel``).
         blocks, offsets: ``[num_tokens]`` int64 views of staging buffers: each new token's
             cache block and offset (padded tokens: block 0, vLLM's null block); empty when
             vLLM's kernel attends (its store op takes the slots themselves).
@@ -98,7 +99,7 @@ class StepMetadata:
     """
 
     view: DecodeView | ExtendView
-    run: Run
+    run: Run | None
     blocks: Tensor
     offsets: Tensor
     num_actual_tokens: int
@@ -130,6 +131,7 @@ class StepFiller:
         self._q_lens = torch.empty(sizes.max_num_seqs, dtype=torch.int32, device=dev)
         self._blocks = torch.empty(t, dtype=torch.int64, device=dev)
         self._offsets = torch.empty(t, dtype=torch.int64, device=dev)
+        self._none = self._blocks[:0]  # (no block/offset pair: vLLM's kernel stores by slot)
         #: vLLM's CPU kernel, when the group attends with it (set by the builder)
         self.kernel: CPUKernel | None = None
 
@@ -138,13 +140,18 @@ class StepFiller:
              slot_mapping: Tensor) -> StepMetadata:
         """Refill the pool from one step of vLLM's batch (``CommonAttentionMetadata``'s
         fields: ``query_start_loc [>= num_reqs + 1]``, ``seq_lens [>= num_reqs]``,
-        ``block_table [>= num_reqs, >= max_pages]``, ``slot_mapping [num_tokens]``)."""
+        ``block_table [>= num_reqs, >= max_pages]``, ``slot_mapping [num_tokens]``).
+
+        This is the builder's whole per-step cost, run between two forwards: inputs vLLM
+        already sliced to the step's rows are not sliced again, and with vLLM's kernel
+        attending no adapter call is bound (the kernel reads the pool's buffers itself)."""
         n = num_reqs
         if n > self.sizes.max_num_seqs or num_actual_tokens > self.sizes.max_num_batched_tokens:
             raise CapacityError(f"a step of {n} requests and {num_actual_tokens} tokens is past "
                                 f"the pool's max_num_seqs={self.sizes.max_num_seqs}, "
                                 f"max_num_batched_tokens={self.sizes.max_num_batched_tokens}")
-        lens, table = seq_lens[:n], block_table[:n]
+        lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
+        table = block_table if block_table.shape[0] == n else block_table[:n]
         host = lens if self.host else None
         view: DecodeView | ExtendView
         if max_query_len == 1:
@@ -160,11 +167,11 @@ class StepFiller:
         if tokens > self._blocks.shape[0]:
             raise CapacityError(f"slot_mapping has {tokens} tokens, more than "
                                 f"max_num_batched_tokens={self._blocks.shape[0]}")
+        if self.kernel is not None:  # vLLM's kernel stores by slot itself: no block/offset pair
+            return StepMetadata(view, None, self._none, self._none, num_actual_tokens,
+                                self.kernel.step(view, n))
         run = bind(self.backend, view, num_actual_tokens, self.num_heads, self.num_kv_heads,
                    self.dtype)
-        if self.kernel is not None:  # vLLM's kernel stores by slot itself: no block/offset pair
-            return StepMetadata(view, run, self._blocks[:0], self._offsets[:0],
-                                num_actual_tokens, self.kernel.step(view, n))
         slot_index_(slot_mapping, self.sizes.block_size, self._blocks, self._offsets)
         return StepMetadata(view, run, self._blocks[:tokens], self._offsets[:tokens],
                             num_actual_tokens)

@@ -1,0 +1,150 @@
+"""The refill per step: attnpool's metadata builder against vLLM's own, on the same steps.
+
+Run in the vLLM environment (``.ci/vllm`` builds one)::
+
+    python benchmarks/vllm_builders.py [--models smollm2,mistral] [--rounds 3]
+
+One engine per model runs attnpool's backend (vLLM's CPU kernel over the pool's buffers,
+``max_num_seqs=64``, eager). Every KV-cache group's attnpool builder gets a twin: vLLM's own
+``CPUAttentionMetadataBuilder``, built with the same arguments (and the group's window, which
+vLLM's builder reads from vLLM's own layers). Each step's ``CommonAttentionMetadata`` goes to
+both, in alternating order, each timed with ``time.perf_counter``; the engine goes on with
+attnpool's metadata. So both builders see the same steps, in the same process, with the same
+caches in between (the model's forward).
+
+Workloads: 1 request, 8 requests, 64 requests (prompts of 20-120 tokens, 24 new tokens each,
+``max_num_batched_tokens=256`` so that prefill chunks share steps with decode rows). A step is
+``decode`` (every row one query) or ``mixed`` (any row more: prefill chunks, with or without
+decode rows). Prints, per model, step kind and requests in the step (1, 8, 64), the medians of
+both builders in microseconds and in small torch ops (``torch.add`` of two 8-element tensors,
+timed in the same process), and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+from tests.helpers import vllm_engine as ve
+
+#: (model, kind, requests) -> ([native seconds], [attnpool seconds])
+TIMES: dict[tuple[str, str, int], tuple[list[float], list[float]]] = collections.defaultdict(
+    lambda: ([], []))
+MODEL = [""]
+REQUESTS = (1, 8, 64)
+
+
+def _twin_builders() -> None:
+    """Give every attnpool builder vLLM's own builder as a twin, and time both per step."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    from attnpool.integrations.vllm.backend import AttnpoolMetadataBuilder
+
+    init, build = AttnpoolMetadataBuilder.__init__, AttnpoolMetadataBuilder.build
+
+    def twin_init(self: Any, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any,
+                  device: Any) -> None:
+        init(self, kv_cache_spec, layer_names, vllm_config, device)
+        twin = CPUAttentionMetadataBuilder(kv_cache_spec, layer_names, vllm_config, device)
+        window = self.filler.sizes.sliding_window
+        twin.window_size = -1 if window is None else window  # (vLLM reads its own layers')
+        self._twin, self._turn = twin, 0
+
+    def timed_build(self: Any, common_prefix_len: int, cm: Any, fast_build: bool = False
+                    ) -> Any:
+        kind = "decode" if cm.max_query_len == 1 else "mixed"
+        native, ours = TIMES[(MODEL[0], kind, cm.num_reqs)]
+        self._turn ^= 1
+        if self._turn:
+            t = time.perf_counter()
+            self._twin.build(common_prefix_len, cm, fast_build)
+            t1 = time.perf_counter()
+            out = build(self, common_prefix_len, cm, fast_build)
+            t2 = time.perf_counter()
+            native.append(t1 - t)
+            ours.append(t2 - t1)
+        else:
+            t = time.perf_counter()
+            out = build(self, common_prefix_len, cm, fast_build)
+            t1 = time.perf_counter()
+            self._twin.build(common_prefix_len, cm, fast_build)
+            t2 = time.perf_counter()
+            ours.append(t1 - t)
+            native.append(t2 - t1)
+        return out
+
+    AttnpoolMetadataBuilder.__init__ = twin_init  # type: ignore[method-assign]
+    AttnpoolMetadataBuilder.build = timed_build  # type: ignore[method-assign]
+
+
+def _small_op_s() -> float:
+    import torch
+
+    a, b = torch.ones(8), torch.ones(8)
+    for _ in range(1000):
+        torch.add(a, b)
+    t = time.perf_counter()
+    for _ in range(20000):
+        torch.add(a, b)
+    return (time.perf_counter() - t) / 20000
+
+
+def _model(name: str) -> Path:
+    if name == "smollm2":
+        from attnpool.tools.vllm_folder import float32_folder
+
+        return float32_folder("smollm2")
+    return ve.save_tiny(name, Path("/tmp/attnpool-vllm-bench"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="smollm2,mistral")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    _twin_builders()
+    from vllm import LLM, SamplingParams
+
+    from attnpool.integrations.vllm import CPU_KERNEL
+
+    os.environ[CPU_KERNEL] = "vllm"
+    rng = random.Random(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for name in args.models.split(","):
+        MODEL[0] = name
+        with ve.attnpool_backend(True):
+            llm = LLM(model=str(_model(name)), **ve.engine_args(
+                max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=64,
+                skip_tokenizer_init=True))
+            for _ in range(args.rounds):
+                for reqs in REQUESTS:
+                    prompts = [{"prompt_token_ids": [rng.randrange(1, 400)
+                                                     for _ in range(rng.randint(20, 120))]}
+                               for _ in range(reqs)]
+                    llm.generate(prompts, sp, use_tqdm=False)
+            del llm
+    op = _small_op_s()
+    print(f"one small torch op (torch.add, 8 elements): {op * 1e6:.2f} us\n")
+    print("| model | step | requests | steps | vLLM's builder us | attnpool us | vLLM's in "
+          "small ops | attnpool in small ops | attnpool / vLLM |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for (model, kind, n), (native, ours) in sorted(TIMES.items()):
+        if n not in REQUESTS:
+            continue
+        a, b = sorted(native)[len(native) // 2], sorted(ours)[len(ours) // 2]
+        print(f"| {model} | {kind} | {n} | {len(ours)} | {a * 1e6:.0f} | {b * 1e6:.0f} | "
+              f"{a / op:.0f} | {b / op:.0f} | {b / a:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
