@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -15,16 +16,18 @@ from attnpool import BufferPool, Impl, Layout, PoolConfig
 from tests.helpers.opcount import count
 
 PAGE = 16
-#: aten ops of one reference decode update from a block table with host lengths (what an
-#: engine's builder calls per step and KV-cache group); the engine's own CPU builder runs
-#: about 36-39 small ops for the same step
-DECODE_BUDGET = 15
+#: aten ops of one reference update from a block table with host lengths (what an engine's
+#: builder calls per step and KV-cache group), by step kind and window part: decode runs 5
+#: (15 with a window part), a mixed step 14; a mixed step's window part adds 11 (its rows'
+#: first columns, lengths and gathered pages), past the 15 of the other kinds
+STEP_BUDGET = {("decode", False): 15, ("decode", True): 15, ("extend", False): 15,
+               ("extend", True): 25}
 
 
-def _pool(t: int) -> BufferPool:
+def _pool(t: int, window: int | None = None) -> BufferPool:
     cfg = PoolConfig(max_bs=16, max_context_len=1024, page_size=PAGE, device="cpu",
                      layout=Layout.FLASH_ATTN, max_extend_tokens=t, pad_page=0, num_pages=512,
-                     impl=Impl.REFERENCE)
+                     impl=Impl.REFERENCE, sliding_window=window)
     return BufferPool(cfg, poison=True)
 
 
@@ -41,17 +44,26 @@ def _step(n: int, seed: int) -> dict[str, Any]:
             "extend_lens": torch.tensor(ext, dtype=torch.int32), "block_table": table[:n]}
 
 
-def test_decode_from_a_block_table_is_within_the_op_budget() -> None:
-    pool = _pool(64)
-    s = _step(8, 1)
-    seq = s["seq_lens"]
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("kind", ["decode", "extend"])
+@pytest.mark.parametrize("n", [1, 8, 16])
+def test_an_engine_step_is_within_the_op_budget(kind: str, window: int | None, n: int) -> None:
+    """Decode and mixed steps, with and without a sliding-window part, from a block table with
+    the inputs themselves as host copies (a CPU engine's builder)."""
+    pool = _pool(64, window)
+    s = _step(n, 1)
+    seq, ext = s["seq_lens"], s["extend_lens"]
 
     def update() -> None:
-        pool.decode.update_(8, seq_lens=seq, block_table=s["block_table"], seq_lens_cpu=seq)
+        if kind == "decode":
+            pool.decode.update_(n, seq_lens=seq, block_table=s["block_table"], seq_lens_cpu=seq)
+        else:
+            pool.extend.update_(n, seq_lens=seq, extend_lens=ext, block_table=s["block_table"],
+                                seq_lens_cpu=seq, extend_lens_cpu=ext)
 
     update()
     c = count(update)
-    assert c.num_ops <= DECODE_BUDGET, c.ops
+    assert c.num_ops <= STEP_BUDGET[(kind, window is not None)], c.ops
 
 
 class _Sizes(TorchDispatchMode):

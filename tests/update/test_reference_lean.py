@@ -19,14 +19,15 @@ from attnpool.update.reference_lean import LeanPaged
 P, C, T, MAX_BS, ROWS = 16, 512, 96, 8, 12
 
 
-def _pool(window: int | None = None) -> BufferPool:
+def _pool(window: int | None = None, layout: Layout = Layout.FLASH_ATTN) -> BufferPool:
     cfg = PoolConfig(max_bs=MAX_BS, max_context_len=C, page_size=P, device="cpu",
-                     layout=Layout.FLASH_ATTN, max_extend_tokens=T, pad_page=0,
+                     layout=layout, max_extend_tokens=T, pad_page=0,
                      num_pages=ROWS * (C // P) + 1, impl=Impl.REFERENCE, sliding_window=window)
     return BufferPool(cfg, poison=True)
 
 
-def _step(rng: random.Random, kind: str, dtype: torch.dtype) -> tuple[int, dict[str, Any]]:
+def _step(rng: random.Random, kind: str, dtype: torch.dtype, window: int | None
+          ) -> tuple[int, dict[str, Any]]:
     n = rng.randint(1, MAX_BS)
     bs = rng.randint(n, MAX_BS)
     ext = [1] * n if kind == "decode" else [rng.randint(1, 12) for _ in range(n)]
@@ -40,6 +41,10 @@ def _step(rng: random.Random, kind: str, dtype: torch.dtype) -> tuple[int, dict[
     else:
         kw["block_table"] = table
         kw["req_pool_indices"] = torch.tensor(rng.sample(range(ROWS), n), dtype=dtype)
+    if window and rng.random() < 0.5:  # the sliding-window group's own table
+        other = list(range(1, ROWS * (C // P) + 1))
+        rng.shuffle(other)
+        kw["window_block_table"] = torch.tensor(other, dtype=dtype).view(ROWS, C // P)
     host = rng.random()
     if host < 0.7:  # the inputs themselves as host copies (a CPU engine's step)
         kw["seq_lens_cpu"] = kw["seq_lens"]
@@ -60,12 +65,14 @@ def _bytes(pool: BufferPool) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["decode", "extend"])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("window", [None, 40, 64])
 def test_lean_part_writes_the_general_parts_bytes(kind: str, dtype: torch.dtype,
+                                                  window: int | None,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    lean, general = _pool(), _pool()
-    rng = random.Random(f"{kind}{dtype}")
+    lean, general = _pool(window), _pool(window)
+    rng = random.Random(f"{kind}{dtype}{window}")
     for _ in range(60):
-        bs, kw = _step(rng, kind, dtype)
+        bs, kw = _step(rng, kind, dtype, window)
         other = {k: v.clone() if isinstance(v, torch.Tensor) and k == "out_slots" else v
                  for k, v in kw.items()}
         view = getattr(lean, kind).update_(bs, **kw)
@@ -79,7 +86,8 @@ def test_lean_part_writes_the_general_parts_bytes(kind: str, dtype: torch.dtype,
 
 
 def test_block_table_steps_bind_the_lean_part() -> None:
-    """An engine's step binds the lean part; a token-level table or a window part does not."""
+    """An engine's step binds the lean part (with its window part too); a token-level table or
+    FlashInfer's CSR does not."""
     def bound(pool: BufferPool, **kw: Any) -> list[object]:
         pool.decode.update_(2, seq_lens=torch.tensor([5, 40], dtype=torch.int32), **kw)
         return [r.fn for parts in pool.decode._launches.parts.values() for r in parts]
@@ -89,4 +97,6 @@ def test_block_table_steps_bind_the_lean_part() -> None:
     tokens = (table[:, :, None] * P + torch.arange(P, dtype=torch.int32)).view(2, C)
     assert not any(isinstance(f, LeanPaged) for f in bound(
         _pool(), req_to_token=tokens, req_pool_indices=torch.tensor([0, 1])))
-    assert not any(isinstance(f, LeanPaged) for f in bound(_pool(window=64), block_table=table))
+    assert all(isinstance(f, LeanPaged) for f in bound(_pool(window=64), block_table=table))
+    assert not any(isinstance(f, LeanPaged) for f in bound(
+        _pool(layout=Layout.FLASHINFER | Layout.FLASH_ATTN), block_table=table))

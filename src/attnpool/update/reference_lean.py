@@ -10,7 +10,9 @@ tables); this one serves the shape engines step with and nothing else:
 - a page table and no CSR (``Layout.FLASH_ATTN``),
 - a block table of the part's own pages (``block_size == page_size``: page ``p`` of a row is
   column ``p`` of its table row),
-- one step, no window part, no token offset, no whole-page rounding,
+- one step, no token offset, no length added, no whole-page rounding,
+- a window part when it has a page table too (its rows start at a page of the table: a
+  gather of each row's window columns),
 - the extend query part and ``positions`` when the part has them; ``out_slots`` when given.
 
 :func:`lean_fits` says at bind time (on the record's static fields) whether a part has that
@@ -37,15 +39,19 @@ from torch import Tensor
 from ..config import ceil_div
 from .buffers import PagedBuffers
 from .parts import PagedPart
-from .reference_parts import _queries_, _tokens_, paged_part_
+from .reference_parts import INT32_MAX, _queries_, _tokens_, paged_part_
+from .row_layouts import floor_div
 
 
 def lean_fits(b: PagedBuffers, part: PagedPart) -> bool:
     """Whether ``part`` over ``b`` has the lean shape (see the module docstring)."""
+    w = part.window
     return (b.page_table is not None and b.kv_indptr is None and b.arange is not None
             and part.block_size is not None and part.block_size == part.page_size
-            and part.steps == 1 and not part.full_pages and part.window is None
-            and part.window_size is None and part.window_out_slots is None
+            and part.steps == 1 and not part.full_pages and not part.extra
+            and (w is None or (w.page_table is not None and w.kv_indptr is None
+                               and part.window_size is not None))
+            and part.window_out_slots is None
             and part.token_offset is None and part.num_real is None)
 
 
@@ -72,13 +78,14 @@ class LeanPaged:
     kept: on a CPU a slice is a dispatched op of its own, about as dear as a small write.
     """
 
-    __slots__ = ("_cols", "_queries", "_rows", "_tokens")
+    __slots__ = ("_cols", "_queries", "_rows", "_tokens", "_window")
 
     def __init__(self) -> None:
         self._rows: dict[tuple[int, ...], tuple[Tensor, ...]] = {}
         self._cols: dict[tuple[int, ...], Tensor] = {}
         self._queries: dict[tuple[int, ...], tuple[Tensor, ...]] = {}
         self._tokens: dict[tuple[int, ...], tuple[Tensor, Tensor]] = {}
+        self._window: dict[tuple[int, ...], tuple[Tensor, ...]] = {}
 
     def __call__(self, b: PagedBuffers, part: PagedPart) -> None:
         table, seq_lens, rows = part.req_to_token, part.seq_lens, part.req_pool_indices
@@ -96,10 +103,7 @@ class LeanPaged:
             self._rows, (n, bs, pad_cols), lambda: (
                 cs[:n], cs[:bs], cu[:1], cu[1 : bs + 1], cs[n:bs],
                 pt[n:bs, :pad_cols]))  # type: ignore[index]
-        if part.extra:
-            torch.add(seq_lens, part.extra, out=real)
-            real.clamp_(0, max_len)
-        elif seq_lens.dtype == real.dtype:
+        if seq_lens.dtype == real.dtype:
             torch.clamp(seq_lens, 0, max_len, out=real)
         else:
             real.copy_(seq_lens).clamp_(0, max_len)
@@ -118,6 +122,8 @@ class LeanPaged:
             pad_pages.fill_(part.pad_page)
         cu0.zero_()
         torch.cumsum(lens, 0, dtype=cu_rest.dtype, out=cu_rest)
+        if part.window is not None:
+            self._window_part(b, part, real, n, bs)
         q_lens, cu_q = part.q_lens, part.cu_seqlens_q
         if q_lens is None or cu_q is None:
             return
@@ -138,23 +144,67 @@ class LeanPaged:
             return
         if (part.exact_tokens and tokens is not None and part.out_slots is None
                 and positions is not None and tokens <= positions.shape[0]):
-            self._positions(seq_lens, part.extra, q_lens, cu_q, n, tokens, positions)
+            self._positions(seq_lens, q_lens, cu_q, n, tokens, positions)
             return
-        _tokens_(seq_lens, part.extra, q_lens, rows, table, part.block_size, None, positions,
+        _tokens_(seq_lens, 0, q_lens, rows, table, part.block_size, None, positions,
                  part.out_slots, tokens)
 
-    def _positions(self, seq_lens: Tensor, extra: int, q_lens: Tensor, cu_q: Tensor, n: int,
+    def _window_part(self, b: PagedBuffers, part: PagedPart, total: Tensor, n: int, bs: int
+                     ) -> None:
+        """The window twin (:func:`.reference_parts._window_`'s bytes): row ``i`` of length
+        ``L`` (``total``: the full part's clamped lengths, just written) with ``q`` queries
+        starts ``shift = floor(max(0, L - q - W + 1) / P) * P`` tokens in, that is at column
+        ``shift / P`` of its table row; it reads ``min(L - shift, cap * P)`` tokens from the
+        ``cap`` columns from there (clamped into the table; the column numbers are an int64
+        constant made once, as the gather takes them)."""
+        w = part.window
+        table = part.req_to_token if part.window_table is None else part.window_table
+        pt, cs, cu, p = w.page_table, w.cache_seqlens, w.cu_seqlens_k, part.page_size  # type: ignore[union-attr]
+        cap = pt.shape[1]  # type: ignore[union-attr]
+        pad_cols = ceil_div(part.pad_seq_len, p)
+        real, lens, cu0, cu_rest, pad_lens, pad_pages, out, cols, start, column = _memo(
+            self._window, (n, bs, pad_cols), lambda: (
+                cs[:n], cs[:bs], cu[:1], cu[1 : bs + 1], cs[n:bs], pt[n:bs, :pad_cols],  # type: ignore[index]
+                pt[:n], torch.arange(cap, device=pt.device),  # type: ignore[index,union-attr]
+                *_start_scratch(n, pt.device)))  # type: ignore[union-attr]
+        q_lens, window = part.q_lens, int(part.window_size or 0)  # (lean_fits: one is given)
+        if q_lens is None:
+            first = total - window  # (one query: L - 1 - (W - 1))
+        else:
+            first = total - (q_lens if part.exact_tokens else q_lens.clamp(
+                0, INT32_MAX if part.max_q is None else part.max_q))
+            first -= window - 1
+        first.clamp_(min=0)
+        floor_div(first, p, out=start)  # (each row's first window column, int64)
+        torch.sub(total, start, alpha=p, out=real)  # L - shift
+        real.clamp_(0, cap * p)
+        idx = column + cols
+        idx.clamp_(max=table.shape[1] - 1)
+        rows = part.req_pool_indices
+        if rows.data_ptr() != b.arange.data_ptr() or table.shape[0] < n:  # type: ignore[union-attr]
+            table = table.index_select(0, rows.clamp(0, table.shape[0] - 1))
+        elif table.shape[0] != n:
+            table = table[:n]
+        if table.dtype == out.dtype:
+            torch.gather(table, 1, idx, out=out)
+        else:
+            out.copy_(torch.gather(table, 1, idx))
+        if n < bs:
+            pad_lens.fill_(part.pad_seq_len)
+            pad_pages.fill_(part.pad_page)
+        cu0.zero_()
+        torch.cumsum(lens, 0, dtype=cu_rest.dtype, out=cu_rest)
+
+    def _positions(self, seq_lens: Tensor, q_lens: Tensor, cu_q: Tensor, n: int,
                    tokens: int, positions: Tensor) -> None:
         """Positions of the ``tokens`` real query tokens, 0 after: token ``t = cu_q[i] + j``
-        of row ``i`` sits at ``seq_lens[i] + extra - q_lens[i] + j``, that is its row's
-        ``start[i] = seq_lens[i] + extra - q_lens[i] - cu_q[i]`` plus ``t``; its row is found
+        of row ``i`` sits at ``seq_lens[i] - q_lens[i] + j``, that is its row's
+        ``start[i] = seq_lens[i] - q_lens[i] - cu_q[i]`` plus ``t``; its row is found
         in the query offsets the part has just written (a ``searchsorted``: on a CPU several
         times cheaper than repeating each row's start). ``tokens`` is the exact sum of
         ``q_lens`` (``PagedPart.exact_tokens``), so every token has a real row."""
         starts, ends = _memo(self._queries, (n, -1), lambda: (cu_q[:n], cu_q[1 : n + 1]))
         start = seq_lens - q_lens
-        if extra:
-            start += extra
         start -= starts
         size = positions.shape[0]
         real, tail = _memo(self._tokens, (tokens, size),
@@ -164,3 +214,10 @@ class LeanPaged:
         torch.add(start.index_select(0, row), t, out=real)
         if tokens < size:
             tail.fill_(0)
+
+
+def _start_scratch(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A window part's per-row first columns: an ``[n]`` int64 scratch and its ``[n, 1]`` view
+    (made once per ``n``: the column gather broadcasts it without a view op per step)."""
+    column = torch.empty((n, 1), dtype=torch.int64, device=device)
+    return column.view(n), column
