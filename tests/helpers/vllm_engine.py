@@ -48,6 +48,9 @@ def _configs() -> dict[str, Any]:
                                       layer_types=["sliding_attention", "sliding_attention",
                                                    "full_attention"],
                                       query_pre_attn_scalar=32, tie_word_embeddings=True),
+        # ALiBi instead of rotary positions (vLLM passes the slopes to the attention layer)
+        "bloom": tf.BloomConfig(vocab_size=512, hidden_size=128, n_layer=2, n_head=4,
+                                initializer_range=0.3, tie_word_embeddings=True),
         "gpt_oss": tf.GptOssConfig(**(c | {"intermediate_size": 128}), sliding_window=WINDOW,
                                    num_local_experts=4, num_experts_per_tok=2,
                                    layer_types=["sliding_attention", "full_attention"],

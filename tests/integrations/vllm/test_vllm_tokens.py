@@ -123,10 +123,14 @@ def test_corrupting_the_pool_changes_the_tokens(root: Path, monkeypatch: pytest.
     assert ours != native
 
 
-def test_what_attnpool_does_not_serve_is_refused_at_start(root: Path) -> None:
-    """An fp8 KV cache: the engine does not start, and says why (never a wrong token)."""
+def test_what_attnpool_does_not_serve_is_refused_at_start(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp8 KV cache for attnpool's torch paths (vLLM's kernel takes one: see
+    test_vllm_parity.py): the engine does not start, and says why (never a wrong token)."""
     from attnpool import LayoutError
+    from attnpool.integrations.vllm import CPU_KERNEL
 
+    monkeypatch.setenv(CPU_KERNEL, "attnpool")
     with pytest.raises(Exception) as e:
         ve.generate(ve.save_tiny("llama", root), True, ve.prompts(lengths=(5,), shared=0), 2,
                     kv_cache_dtype="fp8")

@@ -11,9 +11,11 @@
 - :class:`AttnpoolImpl`: one per layer; stores the step's K/V into vLLM's cache tensor at the
   step's slots (:func:`.cache.store_`) and attends through attnpool's adapters.
 
-What attnpool cannot serve (ALiBi, an fp8 cache, encoder or cross attention, a head size or
-variant no adapter of this device takes: :func:`attnpool.adapters.backends.select`) is refused
-when the layer is built, that is when the engine starts, never by a wrong token.
+What attnpool cannot serve (encoder or cross attention; ALiBi and fp8 caches unless vLLM's CPU
+kernel attends; a head size or variant no adapter of this device takes:
+:func:`attnpool.adapters.backends.select`) is refused when the layer is built, that is when the
+engine starts, never by a wrong token: logged at ERROR under vLLM's logger with the setting to
+change (:func:`refuse`), then raised.
 
 CUDA graphs: a batch whose rows all have one query is a ``pool.decode`` update, whose views are
 captured per batch size; mixed batches are ``pool.extend`` updates, which run outside full
@@ -44,9 +46,9 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from ...adapters.backends import Backend, KVLayout, Need, select
 from ...errors import LayoutError
 from ...views import DecodeView
-from . import cpu_kernel_mode
+from . import CPU_KERNEL, SWITCH, cpu_kernel_mode
 from .cache import cpu_views, cuda_views, slot_index_, store_
-from .cpu_kernel import STORE_ISA, CPUKernel, kernel_isa
+from .cpu_kernel import CPUKernel, kernel_isa
 from .decode_cpu import attend
 from .step import EngineSizes, StepFiller, StepMetadata, group_window
 
@@ -70,16 +72,21 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None,
                  sinks: Tensor | None = None, **extra: Any) -> None:
-        refused = [what for what, bad in (
-            ("ALiBi slopes", alibi_slopes is not None),
-            (f"an fp8 KV cache (kv_cache_dtype={kv_cache_dtype!r})", kv_cache_dtype != "auto"),
-            (f"{attn_type} attention (decoder self-attention only)",
-             attn_type != AttentionType.DECODER),
-            (f"arguments {sorted(extra)}", bool(extra))) if bad]
-        if refused:
-            raise LayoutError("attnpool's vLLM backend does not serve " + ", ".join(refused))
         cfg = get_current_vllm_config()
         device = torch.device(cfg.device_config.device)
+        #: vLLM's CPU kernel attends (:mod:`.cpu_kernel`): it takes ALiBi and fp8 caches
+        kernel = device.type == "cpu" and cpu_kernel_mode() == "vllm"
+        only_kernel = "only with vLLM's CPU kernel attending"
+        refuse([what for what, bad in (
+            (f"ALiBi slopes ({only_kernel})", alibi_slopes is not None and not kernel),
+            (f"an fp8 KV cache (kv_cache_dtype={kv_cache_dtype!r}; {only_kernel})",
+             kv_cache_dtype != "auto" and not kernel),
+            (f"{attn_type} attention (decoder self-attention only)",
+             attn_type != AttentionType.DECODER),
+            (f"arguments {sorted(extra)}", bool(extra))) if bad],
+            kernel_fixes=device.type == "cpu" and not kernel)
+        self.alibi_slopes = None if alibi_slopes is None else torch.tensor(
+            alibi_slopes, dtype=torch.float32)
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self.sliding_window = sliding_window
@@ -119,7 +126,7 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
                 output_block_scale: Tensor | None = None) -> Tensor:
         """Attention of the step's ``num_actual_tokens`` queries into ``output[:T]``."""
         if output_scale is not None or output_block_scale is not None:
-            raise LayoutError("attnpool's vLLM backend has no fused output quantization")
+            refuse(["fused output quantization"])
         if attn_metadata is None:  # vLLM's warm-up (no metadata, an empty cache)
             return output
         t = attn_metadata.num_actual_tokens
@@ -133,7 +140,7 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
             shape = (t, self.num_heads, self.head_size)
             self.kernel.attend(attn_metadata.kernel, query[:t].view(shape), kv_cache,
                                output[:t].view(shape), self.scale, self.sliding_window,
-                               self.softcap, sinks)
+                               self.softcap, sinks, self.alibi_slopes, _scales(layer))
             return output
         if self.cpu and isinstance(view, DecodeView):
             # decode on a CPU: straight from the cache blocks (keys stay transposed)
@@ -163,7 +170,7 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
         CPU kernel attending (:mod:`.cpu_kernel`), by its companion store op, one call for K
         and V (the same bytes: the tests compare them)."""
         if self.kernel is not None:
-            self.kernel.store(key, value, kv_cache, slot_mapping)
+            self.kernel.store(key, value, kv_cache, slot_mapping, _scales(layer))
             return
         k_cache, v_cache = self._views(kv_cache)
         t = slot_mapping.shape[0]
@@ -175,6 +182,31 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
             offsets = torch.empty_like(blocks)
             slot_index_(slot_mapping, k_cache.shape[1], blocks, offsets)
         store_(k_cache, v_cache, key[:t], value[:t], blocks, offsets)
+
+
+def refuse(reasons: list[str], kernel_fixes: bool = False) -> None:
+    """Refuse what attnpool does not serve (nothing when ``reasons`` is empty): logged at ERROR
+    under vLLM's logger, so the reason shows in the engine's own output beside vLLM's final
+    error (an engine core process's exception reaches the caller only as "Engine core
+    initialization failed"), then raised as a :class:`attnpool.LayoutError`. The message says
+    which setting to change: ``ATTNPOOL_VLLM`` unset makes vLLM's own backend serve the
+    engine; ``kernel_fixes``: unsetting ``ATTNPOOL_VLLM_CPU_KERNEL`` (vLLM's kernel attending
+    over the pool's buffers) serves it too."""
+    if not reasons:
+        return
+    fix = (f"unset {CPU_KERNEL} (vLLM's CPU kernel then attends over attnpool's buffers) or "
+           if kernel_fixes else "")
+    msg = (f"attnpool's vLLM backend does not serve {', '.join(reasons)}. To run this engine, "
+           f"{fix}unset {SWITCH} (or set it to 0): vLLM's own attention backend then serves "
+           f"it, where it serves the setting.")
+    logger.error(msg)
+    raise LayoutError(msg)
+
+
+def _scales(layer: Any) -> tuple[float, float]:
+    """A layer's K and V scales of an fp8 cache (vLLM keeps them on the layer; 1.0 else)."""
+    return (float(getattr(layer, "_k_scale_float", 1.0)),
+            float(getattr(layer, "_v_scale_float", 1.0)))
 
 
 def group_impls(vllm_config: VllmConfig, layer_cls: type[Any], impl_cls: type[T],
@@ -219,7 +251,8 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         self.filler = StepFiller(sizes, first.backend, first.num_heads,
                                  kv_cache_spec.num_kv_heads, model.dtype)
         if sizes.device.type == "cpu" and cpu_kernel_mode() == "vllm":
-            self._use_cpu_kernel(impls, kv_cache_spec, model.dtype)
+            self._use_cpu_kernel(impls, kv_cache_spec, model.dtype,
+                                 vllm_config.cache_config.cache_dtype)
         logger.info("attnpool serves attention of %d layers (%s): one pool of %d bytes, "
                     "max_bs %d, %d extend tokens, block size %d, window %s",
                     len(impls), "vLLM's CPU kernel" if self.filler.kernel is not None
@@ -227,21 +260,17 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
                     sizes.max_num_seqs, sizes.max_num_batched_tokens, sizes.block_size,
                     sizes.sliding_window)
 
-    def _use_cpu_kernel(self, impls: list[AttnpoolImpl], spec: Any, dtype: torch.dtype
-                        ) -> None:
-        """Attend with vLLM's CPU kernel over the pool's buffers (:mod:`.cpu_kernel`) when it
-        reads the cache layout attnpool's store writes; else keep attnpool's torch paths."""
-        isa = kernel_isa(dtype, spec.block_size, spec.head_size, "auto")
-        if isa != STORE_ISA:
-            logger.info("attnpool: vLLM's CPU kernel would read the %r cache layout; this group "
-                        "attends with attnpool's torch paths", isa)
-            return
+    def _use_cpu_kernel(self, impls: list[AttnpoolImpl], spec: Any, dtype: torch.dtype,
+                        kv_cache_dtype: str) -> None:
+        """Attend with vLLM's CPU kernel over the pool's buffers (:mod:`.cpu_kernel`), in the
+        cache layout vLLM picks for the group (its store op writes it)."""
         from vllm import envs
 
+        isa = kernel_isa(dtype, spec.block_size, spec.head_size, kv_cache_dtype)
         windows = {i.sliding_window for i in impls}
         kernel = CPUKernel(impls[0].num_heads, spec.num_kv_heads, spec.head_size, dtype,
                            next(iter(windows)) if len(windows) == 1 else None, isa,
-                           bool(envs.VLLM_CPU_ATTN_SPLIT_KV))
+                           bool(envs.VLLM_CPU_ATTN_SPLIT_KV), kv_cache_dtype)
         self.filler.kernel = kernel
         for impl in impls:
             impl.kernel = kernel

@@ -14,10 +14,10 @@ blocks per layer before attending (tiny batched matrix products besides), which 
 6-10% behind vLLM's kernel at 8 requests; with the kernel only the per-step refill differs.
 
 The kernel reads the cache in the byte layout of one *ISA* that vLLM picks from the dtype, the
-block size and the head size (:func:`kernel_isa`). attnpool's store writes the ``vec`` layout
-(:mod:`.cache`), so the kernel serves a group only when vLLM picks ``vec`` (float32, or any
-dtype without AMX, with head sizes that are multiples of 32 and blocks of a multiple of 32
-tokens); other groups keep the torch paths, said once in the log.
+block size, the head size and the cache dtype (:func:`kernel_isa`), and its companion store op
+writes that layout, so with the kernel attending every ISA vLLM picks is served, fp8 caches
+(with the layer's K/V scales) and ALiBi slopes included, as vLLM's own backend serves them.
+attnpool's own store (:mod:`.cache`) writes the ``vec`` layout, which its torch paths read.
 
 With the kernel attending, the K/V store is its companion op too (``cpu_attn_reshape_and_cache``,
 one call per layer for K and V; attnpool's store writes the same bytes with two ``index_put_``
@@ -42,7 +42,8 @@ STORE_ISA = "vec"
 
 
 def kernel_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str) -> str:
-    """The ISA vLLM's CPU backend would pick for this group (vLLM's own rule, called)."""
+    """The ISA vLLM's CPU backend would pick for this group (vLLM's own rule, called: what it
+    cannot serve, an fp8 cache on a CPU without AVX-512 say, raises vLLM's own error)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return str(_get_attn_isa(dtype, block_size, head_size, kv_cache_dtype))
@@ -73,18 +74,20 @@ class CPUKernel:
         num_heads, num_kv_heads, head_size, dtype: the group's attention shape.
         window: the sliding window every layer of the group shares, else None (the work split
             then covers whole rows; each layer passes its own window to the kernel).
-        isa: :func:`kernel_isa` of the group; anything but :data:`STORE_ISA` is refused.
+        isa: :func:`kernel_isa` of the group: the cache layout the kernel reads, which its own
+            store op (:meth:`store`) writes.
         split_kv: vLLM's ``VLLM_CPU_ATTN_SPLIT_KV`` (split long rows across threads).
+        kv_cache_dtype: vLLM's ``cache_config.cache_dtype`` (``auto``, or an fp8 spelling:
+            the kernel and its store quantize with the layer's scales).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
-                 window: int | None, isa: str, split_kv: bool) -> None:
-        if isa != STORE_ISA:
-            raise LayoutError(f"vLLM's CPU kernel reads the {isa!r} cache layout here; "
-                              f"attnpool's store writes {STORE_ISA!r}")
+                 window: int | None, isa: str, split_kv: bool,
+                 kv_cache_dtype: str = "auto") -> None:
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.dtype, self.isa, self.split_kv = dtype, isa, split_kv
         self.window = -1 if window is None else window
+        self.kv_cache_dtype = kv_cache_dtype
         self._ops: Any = torch.ops._C
 
     def step(self, view: PagedView, n: int) -> KernelStep:
@@ -97,28 +100,34 @@ class CPUKernel:
             qsl, lens, table = qsl[: n + 1], lens[:n], table[:n]
         sched = self._ops.get_scheduler_metadata(
             n, self.num_heads, self.num_kv_heads, self.head_size, lens, self.dtype, qsl, True,
-            self.window, self.isa, self.split_kv, None, "auto")
+            self.window, self.isa, self.split_kv, None, self.kv_cache_dtype)
         return KernelStep(qsl, lens, table, sched)
 
     def attend(self, step: KernelStep, query: Tensor, kv_cache: Tensor, output: Tensor,
-               scale: float, window: int | None, softcap: float, sinks: Tensor | None) -> None:
+               scale: float, window: int | None, softcap: float, sinks: Tensor | None,
+               alibi_slopes: Tensor | None = None, scales: tuple[float, float] = (1.0, 1.0)
+               ) -> None:
         """Causal attention of ``query [T, H, D]`` into ``output [T, H, D]`` over one layer's
-        cache ``[num_blocks, H_kv, block_size, 2 * D]`` (K then V per block and head)."""
+        cache ``[num_blocks, H_kv, block_size, 2 * D]`` (K then V per block and head).
+        ``alibi_slopes``: ``[H]`` float32 ALiBi slopes, else None; ``scales``: the layer's
+        K and V scales of an fp8 cache (vLLM's ``layer._k_scale_float``, ``_v_scale_float``)."""
         blocks, heads, page, two_d = kv_cache.shape
         halves = kv_cache.view(blocks, heads, 2 * page, two_d // 2)
         self._ops.cpu_attention_with_kv_cache(
             query, halves[:, :, :page], halves[:, :, page:], output, step.query_start_loc,
-            step.seq_lens, scale, True, None, -1 if window is None else window,
-            step.block_table, softcap, step.scheduler_metadata, sinks, None, 1.0, 1.0, "auto")
+            step.seq_lens, scale, True, alibi_slopes, -1 if window is None else window,
+            step.block_table, softcap, step.scheduler_metadata, sinks, None, scales[0],
+            scales[1], self.kv_cache_dtype)
 
-    def store(self, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    def store(self, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+              scales: tuple[float, float] = (1.0, 1.0)) -> None:
         """Store ``key`` / ``value`` ``[T, H_kv, D]`` at ``slot_mapping [T]`` (-1: skipped) into
         one layer's cache, in the layout the kernel reads: vLLM's store op for it, one call
-        (attnpool's own store, :func:`.cache.store_`, writes the same bytes with two
-        ``index_put_``)."""
+        (attnpool's own store, :func:`.cache.store_`, writes the same bytes of the ``vec``
+        layout with two ``index_put_``). An fp8 cache is quantized with ``scales``."""
         blocks, heads, page, two_d = kv_cache.shape
         halves = kv_cache.view(blocks, heads, 2 * page, two_d // 2)
         t = slot_mapping.shape[0]
         self._ops.cpu_attn_reshape_and_cache(key[:t], value[:t], halves[:, :, :page],
-                                             halves[:, :, page:], slot_mapping, self.isa, 1.0,
-                                             1.0, "auto")
+                                             halves[:, :, page:], slot_mapping, self.isa,
+                                             scales[0], scales[1], self.kv_cache_dtype)
