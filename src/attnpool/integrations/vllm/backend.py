@@ -11,8 +11,10 @@
 - :class:`AttnpoolImpl`: one per layer; stores the step's K/V into vLLM's cache tensor at the
   step's slots (:func:`.cache.store_`) and attends through attnpool's adapters.
 
-What attnpool cannot serve (encoder or cross attention; ALiBi and fp8 caches unless vLLM's CPU
-kernel attends; a head size or variant no adapter of this device takes:
+Encoder-only layers (BERT-style embedding models) are an extend step without a cached prefix,
+attended non-causally by vLLM's CPU kernel over a scratch cache of the step
+(:mod:`.encoder_only`). What attnpool cannot serve (cross attention; encoder-only layers, ALiBi
+and fp8 caches unless vLLM's CPU kernel attends; a head size or variant no adapter of this device takes:
 :func:`attnpool.adapters.backends.select`) is refused when the layer is built, that is when the
 engine starts, never by a wrong token: logged at ERROR under vLLM's logger with the setting to
 change (:func:`refuse`), then raised.
@@ -42,6 +44,7 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
 
 from ...adapters.backends import Backend, KVLayout, Need, select
 from ...errors import LayoutError
@@ -50,6 +53,7 @@ from . import CPU_KERNEL, SWITCH, cpu_kernel_mode
 from .cache import cpu_views, cuda_views, slot_index_, store_
 from .cpu_kernel import CPUKernel, kernel_isa
 from .decode_cpu import attend
+from .encoder_only import EncoderOnlySteps, scratch_blocks
 from .step import EngineSizes, StepFiller, StepMetadata, group_window
 
 T = TypeVar("T")
@@ -81,8 +85,10 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
             (f"ALiBi slopes ({only_kernel})", alibi_slopes is not None and not kernel),
             (f"an fp8 KV cache (kv_cache_dtype={kv_cache_dtype!r}; {only_kernel})",
              kv_cache_dtype != "auto" and not kernel),
-            (f"{attn_type} attention (decoder self-attention only)",
-             attn_type != AttentionType.DECODER),
+            (f"{attn_type} attention (decoder self-attention, and encoder-only attention "
+             f"{only_kernel})", attn_type not in (AttentionType.DECODER,
+                                                  AttentionType.ENCODER_ONLY)
+             or (attn_type == AttentionType.ENCODER_ONLY and not kernel)),
             (f"arguments {sorted(extra)}", bool(extra))) if bad],
             kernel_fixes=device.type == "cpu" and not kernel)
         self.alibi_slopes = None if alibi_slopes is None else torch.tensor(
@@ -138,6 +144,11 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
         if attn_metadata.kernel is not None and self.kernel is not None:
             # vLLM's CPU kernel over the pool's buffers (.cpu_kernel)
             shape = (t, self.num_heads, self.head_size)
+            if attn_metadata.encoder_cache is not None and attn_metadata.encoder_slots is not None:
+                # encoder-only: this layer's keys and values into the step's scratch (.encoder_only)
+                kv_cache = attn_metadata.encoder_cache
+                self.kernel.store(key, value, kv_cache, attn_metadata.encoder_slots,
+                                  _scales(layer))
             self.kernel.attend(attn_metadata.kernel, query[:t].view(shape), kv_cache,
                                output[:t].view(shape), self.scale, self.sliding_window,
                                self.softcap, sinks, self.alibi_slopes, _scales(layer))
@@ -169,6 +180,8 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
         block), through the block/offset pair the step's metadata computed once; with vLLM's
         CPU kernel attending (:mod:`.cpu_kernel`), by its companion store op, one call for K
         and V (the same bytes: the tests compare them)."""
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            return  # (no cache between steps: forward stores into the step's scratch)
         if self.kernel is not None:
             self.kernel.store(key, value, kv_cache, slot_mapping, _scales(layer))
             return
@@ -242,17 +255,24 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         impls = group_impls(vllm_config, Attention, AttnpoolImpl, layer_names)
         first = impls[0]
         sched, model = vllm_config.scheduler_config, vllm_config.model_config
+        encoder_only = isinstance(kv_cache_spec, EncoderOnlyAttentionSpec)
         sizes = EngineSizes(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=model.max_model_len, block_size=kv_cache_spec.block_size,
             sliding_window=group_window({i.sliding_window for i in impls}),
-            num_blocks=vllm_config.cache_config.num_gpu_blocks, device=torch.device(device))
+            num_blocks=scratch_blocks(sched.max_num_batched_tokens, kv_cache_spec.block_size,
+                                      sched.max_num_seqs) if encoder_only
+            else vllm_config.cache_config.num_gpu_blocks, device=torch.device(device))
         self.filler = StepFiller(sizes, first.backend, first.num_heads,
                                  kv_cache_spec.num_kv_heads, model.dtype)
         if sizes.device.type == "cpu" and cpu_kernel_mode() == "vllm":
             self._use_cpu_kernel(impls, kv_cache_spec, model.dtype,
-                                 vllm_config.cache_config.cache_dtype)
+                                 vllm_config.cache_config.cache_dtype, not encoder_only)
+        #: an encoder-only group's scratch cache and refill (.encoder_only), else None
+        self.encoder_only = EncoderOnlySteps(self.filler, kv_cache_spec.num_kv_heads,
+                                             kv_cache_spec.head_size, model.dtype) \
+            if encoder_only else None
         logger.info("attnpool serves attention of %d layers (%s): one pool of %d bytes, "
                     "max_bs %d, %d extend tokens, block size %d, window %s",
                     len(impls), "vLLM's CPU kernel" if self.filler.kernel is not None
@@ -261,7 +281,7 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
                     sizes.sliding_window)
 
     def _use_cpu_kernel(self, impls: list[AttnpoolImpl], spec: Any, dtype: torch.dtype,
-                        kv_cache_dtype: str) -> None:
+                        kv_cache_dtype: str, causal: bool) -> None:
         """Attend with vLLM's CPU kernel over the pool's buffers (:mod:`.cpu_kernel`), in the
         cache layout vLLM picks for the group (its store op writes it)."""
         from vllm import envs
@@ -270,7 +290,7 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         windows = {i.sliding_window for i in impls}
         kernel = CPUKernel(impls[0].num_heads, spec.num_kv_heads, spec.head_size, dtype,
                            next(iter(windows)) if len(windows) == 1 else None, isa,
-                           bool(envs.VLLM_CPU_ATTN_SPLIT_KV), kv_cache_dtype)
+                           bool(envs.VLLM_CPU_ATTN_SPLIT_KV), kv_cache_dtype, causal)
         self.filler.kernel = kernel
         for impl in impls:
             impl.kernel = kernel
@@ -278,6 +298,12 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> StepMetadata:
         cm = common_attn_metadata
+        if self.encoder_only is not None:
+            return self.encoder_only.fill(num_reqs=cm.num_reqs,
+                                          num_actual_tokens=cm.num_actual_tokens,
+                                          max_query_len=cm.max_query_len,
+                                          query_start_loc=cm.query_start_loc,
+                                          seq_lens=cm.seq_lens)
         return self.filler.fill(num_reqs=cm.num_reqs, num_actual_tokens=cm.num_actual_tokens,
                                 max_query_len=cm.max_query_len,
                                 query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,

@@ -79,15 +79,16 @@ class CPUKernel:
         split_kv: vLLM's ``VLLM_CPU_ATTN_SPLIT_KV`` (split long rows across threads).
         kv_cache_dtype: vLLM's ``cache_config.cache_dtype`` (``auto``, or an fp8 spelling:
             the kernel and its store quantize with the layer's scales).
+        causal: False for encoder-only layers (each token sees its whole request).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
                  window: int | None, isa: str, split_kv: bool,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", causal: bool = True) -> None:
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.dtype, self.isa, self.split_kv = dtype, isa, split_kv
         self.window = -1 if window is None else window
-        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_dtype, self.causal = kv_cache_dtype, causal
         self._ops: Any = torch.ops._C
 
     def step(self, view: PagedView, n: int) -> KernelStep:
@@ -99,7 +100,8 @@ class CPUKernel:
         if lens.shape[0] != n:  # (a view of the step's own rows needs no slicing)
             qsl, lens, table = qsl[: n + 1], lens[:n], table[:n]
         sched = self._ops.get_scheduler_metadata(
-            n, self.num_heads, self.num_kv_heads, self.head_size, lens, self.dtype, qsl, True,
+            n, self.num_heads, self.num_kv_heads, self.head_size, lens, self.dtype, qsl,
+            self.causal,
             self.window, self.isa, self.split_kv, None, self.kv_cache_dtype)
         return KernelStep(qsl, lens, table, sched)
 
@@ -107,7 +109,8 @@ class CPUKernel:
                scale: float, window: int | None, softcap: float, sinks: Tensor | None,
                alibi_slopes: Tensor | None = None, scales: tuple[float, float] = (1.0, 1.0)
                ) -> None:
-        """Causal attention of ``query [T, H, D]`` into ``output [T, H, D]`` over one layer's
+        """Attention (causal unless the group's is not) of ``query [T, H, D]`` into ``output
+        [T, H, D]`` over one layer's
         cache ``[num_blocks, H_kv, block_size, 2 * D]`` (K then V per block and head).
         ``alibi_slopes``: ``[H]`` float32 ALiBi slopes, else None; ``scales``: the layer's
         K and V scales of an fp8 cache (vLLM's ``layer._k_scale_float``, ``_v_scale_float``)."""
@@ -115,7 +118,7 @@ class CPUKernel:
         halves = kv_cache.view(blocks, heads, 2 * page, two_d // 2)
         self._ops.cpu_attention_with_kv_cache(
             query, halves[:, :, :page], halves[:, :, page:], output, step.query_start_loc,
-            step.seq_lens, scale, True, alibi_slopes, -1 if window is None else window,
+            step.seq_lens, scale, self.causal, alibi_slopes, -1 if window is None else window,
             step.block_table, softcap, step.scheduler_metadata, sinks, None, scales[0],
             scales[1], self.kv_cache_dtype)
 

@@ -94,6 +94,8 @@ class StepMetadata:
             vLLM's padding).
         kernel: vLLM's CPU kernel's inputs for this step (:mod:`.cpu_kernel`), when the
             group attends with it; else None (attnpool's torch paths).
+        encoder_cache, encoder_slots: an encoder-only step's scratch cache and each token's
+            slot in it (:mod:`.encoder_only`), else None.
         block_plans: the CPU decode path's per-part plans (:mod:`.decode_cpu`), made by the
             first layer that reads a part and reused by the step's other layers.
     """
@@ -104,6 +106,8 @@ class StepMetadata:
     offsets: Tensor
     num_actual_tokens: int
     kernel: KernelStep | None = None
+    encoder_cache: Tensor | None = None
+    encoder_slots: Tensor | None = None
     block_plans: dict[tuple[int, int], BlockPlan] = field(default_factory=dict)
 
     def block_plan(self, part: PagedView, num_kv_heads: int) -> BlockPlan:
