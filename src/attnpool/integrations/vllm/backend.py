@@ -46,11 +46,12 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
 
-from ...adapters.backends import Backend, KVLayout, Need, select
+from ...adapters.backends import KVLayout, Need
 from ...errors import LayoutError
 from ...views import DecodeView
 from . import CPU_KERNEL, SWITCH, cpu_kernel_mode
 from .cache import cpu_views, cuda_views, slot_index_, store_
+from .choice import pick
 from .cpu_kernel import CPUKernel, kernel_isa
 from .decode_cpu import attend
 from .encoder_only import EncoderOnlySteps, scratch_blocks
@@ -61,10 +62,6 @@ T = TypeVar("T")
 #: under vLLM's logger hierarchy, so that vLLM's own log handler prints it
 logger = init_logger("vllm.plugins.attnpool")
 
-#: The backends this integration drives per device: SDPA everywhere. The flash-attn and
-#: FlashInfer adapters read NHD pages with their own page strides; reading vLLM's CUDA cache
-#: through them waits for a GPU run that proves it.
-DRIVEN: dict[str, tuple[Backend, ...]] = {"cpu": (Backend.SDPA,), "cuda": (Backend.SDPA,)}
 
 
 class AttnpoolImpl(AttentionImpl[StepMetadata]):
@@ -111,9 +108,12 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
                     sinks=sinks is not None)
         #: vLLM's CPU kernel, set by the group's builder when the group attends with it
         self.kernel: CPUKernel | None = None
-        #: the adapter this layer runs (the same for every layer of a model)
-        self.backend = select(need, Backend.AUTO, DRIVEN.get(device.type, (Backend.SDPA,)),
-                              "attnpool's vLLM backend")
+        #: the adapter this layer runs (the same for every layer of a model: .choice)
+        try:
+            self.backend = pick(need)
+        except LayoutError as e:
+            refuse([f"this layer with the adapters installed ({e})"])
+            raise
 
     def _views(self, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
         """``(k_cache, v_cache)`` of the layer's cache tensor, made once: vLLM allocates it

@@ -1,0 +1,51 @@
+"""Which adapter attends in vLLM, per device: the fastest one installed that serves the model.
+
+On a CPU attnpool's own attention is the SDPA adapter (vLLM's CPU kernel, the default there,
+is chosen by the builder: :mod:`.cpu_kernel`). On CUDA the backend drives flash-attn (FA3
+through ``flash_attn_interface``, FA4 through ``flash_attn.cute``, FA2 through ``flash_attn``)
+and SDPA, in :data:`attnpool.adapters.backends.AUTO_ORDER`, through the one per-layer call every
+integration binds (:mod:`attnpool.adapters.binding`): each reads vLLM's CUDA cache in place
+(``[2, num_blocks, block_size, H_kv, D]``, split into two NHD caches without a copy,
+:func:`.cache.cuda_views`). SDPA runs only when none of the others is installed or can serve
+the model. FlashInfer is not driven: its wrappers need a plan per step and part, which the
+per-layer binding does not make.
+
+``ATTNPOOL_VLLM_KERNEL=<name>`` (``fa3``, ``fa4``, ``fa2``, ``sdpa``) forces one; a forced
+kernel that is not installed, or cannot serve the model, is refused with every reason.
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ...adapters.backends import Backend, Need, select
+from ...errors import LayoutError
+
+#: The environment variable that forces one adapter.
+KERNEL = "ATTNPOOL_VLLM_KERNEL"
+
+#: The adapters this integration drives per device, fastest first.
+DRIVEN: dict[str, tuple[Backend, ...]] = {
+    "cpu": (Backend.SDPA,),
+    "cuda": (Backend.FA3, Backend.FA4, Backend.FA2, Backend.SDPA),
+}
+
+
+def pick(need: Need) -> Backend:
+    """The adapter that attends for a layer of ``need`` (see the module docstring).
+
+    Raises:
+        LayoutError: :data:`KERNEL` names no driven adapter, the one it names cannot run here,
+            or none can.
+    """
+    driven = DRIVEN.get(need.device, (Backend.SDPA,))
+    forced = os.environ.get(KERNEL, "").strip().lower()
+    backend = Backend.AUTO
+    if forced:
+        names = [b.value for b in driven]
+        if forced not in names:
+            raise LayoutError(f"{KERNEL} must name one of {names} on {need.device}, got "
+                              f"{forced!r}")
+        backend = Backend(forced)
+    return select(need, backend, driven, "attnpool's vLLM backend")
