@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, TypeVar
 
 from torch import Tensor
@@ -55,3 +56,28 @@ def window_view(b: PagedBuffers, rows: int, cu_seqlens_q: Tensor, *, max_q: int,
     return part_view(b, rows, cu_seqlens_q, max_q=max_q, max_k=min(max_k, pages * page_size),
                      page_size=page_size, causal=True, stamp=stamp, cls=cls,
                      window_left=window - 1, **extra)
+
+
+#: each view class's field names, read once
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def rebound(view: V, max_q: int, max_k: int, window_k: int) -> V:
+    """``view`` with new host bounds (``max_seqlen_q``, ``max_seqlen_k``; its window part's
+    ``max_seqlen_k`` capped at ``window_k``, the window table's width in tokens) and the same
+    tensors: a step whose longest row grew by one token needs a view of its own, not a fresh set
+    of slices (a decode step's bound changes nearly every step; the slices are what cost).
+    Built field by field: the view classes are frozen and check nothing at construction."""
+    cls = type(view)
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    new: V = object.__new__(cls)
+    for name in names:
+        object.__setattr__(new, name, getattr(view, name))
+    object.__setattr__(new, "max_seqlen_q", max_q)
+    object.__setattr__(new, "max_seqlen_k", max_k)
+    window = view.window
+    if window is not None:
+        object.__setattr__(new, "window", rebound(window, max_q, min(max_k, window_k), window_k))
+    return new

@@ -21,7 +21,7 @@ from ..update.parts import FlashMLAPart, PagedPart
 from ..update.paths import Replay, UpdatePath, update_path
 from ..views import FlashMLAMetadata, PagedView
 from ._validate import Values, validate
-from ._views import window_view
+from ._views import rebound, window_view
 from .bound import BoundUpdate
 from .inputs_pass import InputPass, Inputs, Shared, new_record
 
@@ -87,6 +87,11 @@ class PhaseBase(Generic[ViewT]):
         self._launches = LaunchCache()
         #: views handed out, per phase-specific key (see :meth:`_memo`)
         self._views: dict[Hashable, Any] = {}
+        #: the first view sliced per row count, whose tensors later bounds reuse (_rebound)
+        self._sliced: dict[int, Any] = {}
+        #: a window part's key bound: its table's width in tokens (0 without a window)
+        self._window_k = (self.cfg.window_pages(self.phase) * self.cfg.page_size
+                          if self.cfg.sliding_window else 0)
         #: the config's sizes every update reads (``max_pages`` is a computed property)
         self._max_pages = self.cfg.max_pages
         #: the window part's buffers (a sliding window and a phase that reads the KV cache,
@@ -273,6 +278,16 @@ class PhaseBase(Generic[ViewT]):
                 self._views.clear()
             v = self._views[key] = build()
         return v  # type: ignore[no-any-return]
+
+    def _rebound(self, bs: int, max_q: int, max_k: int, make: Callable[[], T]) -> T:
+        """The view of ``bs`` rows with the host bounds ``max_q`` and ``max_k``: the first one
+        of ``bs`` rows is sliced (``make``), every later one reuses its tensors
+        (:func:`._views.rebound`)."""
+        base = self._sliced.get(bs)
+        if base is None:
+            base = self._sliced[bs] = make()
+            return base
+        return rebound(base, max_q, max_k, self._window_k)  # type: ignore[no-any-return]
 
     def _window_view(self, rows: int, cu_seqlens_q: Tensor, max_q: int, max_k: int,
                      b: PagedBuffers | None = None, cls: type[PagedView] = PagedView,

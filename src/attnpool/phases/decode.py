@@ -172,8 +172,8 @@ class DecodePhase(PhaseBase[DecodeView]):
         return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, max_seqlen_k))
 
     def _make_view(self, bs: int, max_seqlen_k: int) -> DecodeView:
-        return part_view(self._b, bs, self._arange, max_q=1, max_k=max_seqlen_k,
-                         page_size=self.cfg.page_size, causal=True, cls=DecodeView,
-                         stamp=self._stamp, window=self._window_view(
-                             bs, self._arange, 1, max_seqlen_k, cls=DecodeView),
-                         flashmla=self._flashmla_view(bs, 1))
+        return self._rebound(bs, 1, max_seqlen_k, lambda: part_view(
+            self._b, bs, self._arange, max_q=1, max_k=max_seqlen_k,
+            page_size=self.cfg.page_size, causal=True, cls=DecodeView, stamp=self._stamp,
+            window=self._window_view(bs, self._arange, 1, max_seqlen_k, cls=DecodeView),
+            flashmla=self._flashmla_view(bs, 1)))

@@ -197,11 +197,11 @@ class ExtendPhase(PhaseBase[ExtendView]):
         return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, max_q, max_k))
 
     def _make_view(self, bs: int, max_q: int, max_k: int) -> ExtendView:
-        return part_view(self._b, bs, self._cu_q, max_q=max_q, max_k=max_k,
-                         page_size=self.cfg.page_size, causal=True, cls=ExtendView,
-                         positions=self._pos, stamp=self._stamp,
-                         window=self._window_view(bs, self._cu_q, max_q, max_k, cls=ExtendView,
-                                                  positions=self._pos))
+        return self._rebound(bs, max_q, max_k, lambda: part_view(
+            self._b, bs, self._cu_q, max_q=max_q, max_k=max_k, page_size=self.cfg.page_size,
+            causal=True, cls=ExtendView, positions=self._pos, stamp=self._stamp,
+            window=self._window_view(bs, self._cu_q, max_q, max_k, cls=ExtendView,
+                                     positions=self._pos)))
 
 
 def _overlap(a: Tensor, b: Tensor) -> bool:
