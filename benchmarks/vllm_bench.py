@@ -56,7 +56,9 @@ def _time_builds() -> None:
         cls.build = build  # type: ignore[method-assign]
 
 
-def _small_op_s() -> float:
+def small_op_s() -> float:
+    """Seconds of one small torch op (``torch.add`` of two 8-element tensors), the unit of
+    host time both vLLM benchmarks report in."""
     import torch
 
     a, b = torch.ones(8), torch.ones(8)
@@ -155,7 +157,7 @@ def main() -> int:
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.2f}x | "
               f"{r[6]:.2f}x | {'yes' if r[7] else 'NO'} |")
-    op = _small_op_s()
+    op = small_op_s()
     print(f"\none small torch op (torch.add, 8 elements): {op * 1e6:.2f} us\n")
     print("| requests in the step | variant | steps | build us (median) | in small ops |\n"
           "|---|---|---|---|---|")

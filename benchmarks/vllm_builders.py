@@ -34,6 +34,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
+from benchmarks.vllm_bench import small_op_s
+
 from tests.helpers import vllm_engine as ve
 
 #: (model, kind, requests) -> ([native seconds], [attnpool seconds])
@@ -86,18 +88,6 @@ def _twin_builders() -> None:
     AttnpoolMetadataBuilder.build = timed_build  # type: ignore[method-assign]
 
 
-def _small_op_s() -> float:
-    import torch
-
-    a, b = torch.ones(8), torch.ones(8)
-    for _ in range(1000):
-        torch.add(a, b)
-    t = time.perf_counter()
-    for _ in range(20000):
-        torch.add(a, b)
-    return (time.perf_counter() - t) / 20000
-
-
 def _model(name: str) -> Path:
     if name == "smollm2":
         from attnpool.tools.vllm_folder import float32_folder
@@ -132,7 +122,7 @@ def main() -> int:
                                for _ in range(reqs)]
                     llm.generate(prompts, sp, use_tqdm=False)
             del llm
-    op = _small_op_s()
+    op = small_op_s()
     print(f"one small torch op (torch.add, 8 elements): {op * 1e6:.2f} us\n")
     print("| model | step | requests | steps | vLLM's builder us | attnpool us | vLLM's in "
           "small ops | attnpool in small ops | attnpool / vLLM |\n"
