@@ -10,7 +10,9 @@ One engine per model runs attnpool's backend (vLLM's CPU kernel over the pool's 
 vLLM's builder reads from vLLM's own layers). Each step's ``CommonAttentionMetadata`` goes to
 both, in alternating order, each timed with ``time.perf_counter``; the engine goes on with
 attnpool's metadata. So both builders see the same steps, in the same process, with the same
-caches in between (the model's forward).
+caches in between (the model's forward). Likewise every attnpool layer gets vLLM's own
+``CPUAttentionBackendImpl`` as a twin: each layer's K/V store and attention call run both
+(the same kernel and store op writing the same bytes), alternating, timed per call.
 
 Workloads: 1 request, 8 requests, 64 requests (prompts of 20-120 tokens, 24 new tokens each,
 ``max_num_batched_tokens=256`` so that prefill chunks share steps with decode rows). A step is
@@ -42,6 +44,11 @@ from tests.helpers import vllm_engine as ve
 TIMES: dict[tuple[str, str, int], tuple[list[float], list[float]]] = collections.defaultdict(
     lambda: ([], []))
 MODEL = [""]
+#: layer name -> (vLLM's own metadata of the layer's group this step, step kind)
+TWIN_MD: dict[str, tuple[Any, str]] = {}
+#: (model, kind, "store" | "attention") -> ([native seconds], [attnpool seconds]) per layer call
+LAYER_TIMES: dict[tuple[str, str, str], tuple[list[float], list[float]]] = \
+    collections.defaultdict(lambda: ([], []))
 REQUESTS = (1, 8, 64)
 
 
@@ -68,7 +75,7 @@ def _twin_builders() -> None:
         self._turn ^= 1
         if self._turn:
             t = time.perf_counter()
-            self._twin.build(common_prefix_len, cm, fast_build)
+            twin_md = self._twin.build(common_prefix_len, cm, fast_build)
             t1 = time.perf_counter()
             out = build(self, common_prefix_len, cm, fast_build)
             t2 = time.perf_counter()
@@ -78,14 +85,88 @@ def _twin_builders() -> None:
             t = time.perf_counter()
             out = build(self, common_prefix_len, cm, fast_build)
             t1 = time.perf_counter()
-            self._twin.build(common_prefix_len, cm, fast_build)
+            twin_md = self._twin.build(common_prefix_len, cm, fast_build)
             t2 = time.perf_counter()
             ours.append(t1 - t)
             native.append(t2 - t1)
+        for name in self.layer_names:  # (what each layer's twin reads this step)
+            TWIN_MD[name] = (twin_md, kind)
         return out
 
     AttnpoolMetadataBuilder.__init__ = twin_init  # type: ignore[method-assign]
-    AttnpoolMetadataBuilder.build = timed_build  # type: ignore[method-assign]
+    AttnpoolMetadataBuilder.build = timed_build  # type: ignore[method-assign,assignment]
+
+
+def _twin_layers() -> None:
+    """Give every attnpool layer vLLM's own ``CPUAttentionBackendImpl`` as a twin (made with
+    the same arguments while vLLM builds the model), and time both layers' K/V store and
+    attention per call, alternating which goes first. Both write the same bytes (the same
+    kernel and store op over the same values), so the engine's output is unchanged."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from attnpool.integrations.vllm.backend import AttnpoolImpl
+
+    init, forward, store = (AttnpoolImpl.__init__, AttnpoolImpl.forward,
+                            AttnpoolImpl.do_kv_cache_update)
+
+    def twin_init(self: Any, num_heads: int, head_size: int, scale: float,
+                  num_kv_heads: int | None = None, alibi_slopes: list[float] | None = None,
+                  sliding_window: int | None = None, kv_cache_dtype: str = "auto",
+                  logits_soft_cap: float | None = None, attn_type: str = "decoder",
+                  kv_sharing_target_layer_name: str | None = None, sinks: Any = None,
+                  **extra: Any) -> None:
+        init(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+             kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks,
+             **extra)
+        self._twin = CPUAttentionBackendImpl(
+            num_heads, head_size, scale, num_heads if num_kv_heads is None else num_kv_heads,
+            alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
+            kv_sharing_target_layer_name, sinks)
+        self._turn = 0
+
+    def timed(label: str, ours: Any, theirs: Any, self: Any, layer: Any) -> Any:
+        got = TWIN_MD.get(getattr(layer, "layer_name", ""))
+        if got is None:
+            return ours()
+        native, mine = LAYER_TIMES[(MODEL[0], got[1], label)]
+        self._turn ^= 1
+        if self._turn:
+            t = time.perf_counter()
+            theirs(got[0])
+            t1 = time.perf_counter()
+            out = ours()
+            t2 = time.perf_counter()
+            native.append(t1 - t)
+            mine.append(t2 - t1)
+        else:
+            t = time.perf_counter()
+            out = ours()
+            t1 = time.perf_counter()
+            theirs(got[0])
+            t2 = time.perf_counter()
+            mine.append(t1 - t)
+            native.append(t2 - t1)
+        return out
+
+    def timed_forward(self: Any, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
+                      attn_metadata: Any, output: Any, output_scale: Any = None,
+                      output_block_scale: Any = None) -> Any:
+        if attn_metadata is None:
+            return forward(self, layer, query, key, value, kv_cache, attn_metadata, output)
+        return timed("attention", lambda: forward(self, layer, query, key, value, kv_cache,
+                                                  attn_metadata, output),
+                     lambda md: self._twin.forward(layer, query, key, value, kv_cache, md,
+                                                   output), self, layer)
+
+    def timed_store(self: Any, layer: Any, key: Any, value: Any, kv_cache: Any,
+                    slot_mapping: Any) -> None:
+        timed("store", lambda: store(self, layer, key, value, kv_cache, slot_mapping),
+              lambda md: self._twin.do_kv_cache_update(layer, key, value, kv_cache,
+                                                       slot_mapping), self, layer)
+
+    AttnpoolImpl.__init__ = twin_init  # type: ignore[method-assign]
+    AttnpoolImpl.forward = timed_forward  # type: ignore[method-assign]
+    AttnpoolImpl.do_kv_cache_update = timed_store  # type: ignore[method-assign]
 
 
 def _model(name: str) -> Path:
@@ -102,6 +183,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     _twin_builders()
+    _twin_layers()
     from vllm import LLM, SamplingParams
 
     from attnpool.integrations.vllm import CPU_KERNEL
@@ -133,6 +215,13 @@ def main() -> int:
         a, b = sorted(native)[len(native) // 2], sorted(ours)[len(ours) // 2]
         print(f"| {model} | {kind} | {n} | {len(ours)} | {a * 1e6:.0f} | {b * 1e6:.0f} | "
               f"{a / op:.0f} | {b / op:.0f} | {b / a:.2f}x |")
+    print("\nper layer call (medians over every layer of every step):\n\n"
+          "| model | step | part | calls | vLLM's impl us | attnpool us | attnpool / vLLM |\n"
+          "|---|---|---|---|---|---|---|")
+    for (model, kind, part), (native, ours) in sorted(LAYER_TIMES.items()):
+        a, b = sorted(native)[len(native) // 2], sorted(ours)[len(ours) // 2]
+        print(f"| {model} | {kind} | {part} | {len(ours)} | {a * 1e6:.1f} | {b * 1e6:.1f} | "
+              f"{b / a:.2f}x |")
     return 0
 
 

@@ -149,9 +149,11 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
                 kv_cache = attn_metadata.encoder_cache
                 self.kernel.store(key, value, kv_cache, attn_metadata.encoder_slots,
                                   _scales(layer))
-            self.kernel.attend(attn_metadata.kernel, query[:t].view(shape), kv_cache,
-                               output[:t].view(shape), self.scale, self.sliding_window,
-                               self.softcap, sinks, self.alibi_slopes, _scales(layer))
+            q = query if query.shape == shape else query[:t].view(shape)
+            out = output if output.shape == shape else output[:t].view(shape)
+            self.kernel.attend(attn_metadata.kernel, q, kv_cache, out, self.scale,
+                               self.sliding_window, self.softcap, sinks, self.alibi_slopes,
+                               _scales(layer))
             return output
         if self.cpu and isinstance(view, DecodeView):
             # decode on a CPU: straight from the cache blocks (keys stay transposed)

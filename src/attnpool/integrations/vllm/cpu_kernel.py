@@ -90,6 +90,22 @@ class CPUKernel:
         self.window = -1 if window is None else window
         self.kv_cache_dtype, self.causal = kv_cache_dtype, causal
         self._ops: Any = torch.ops._C
+        #: (data_ptr, shape) of a layer's cache -> its K and V halves (see :meth:`halves`)
+        self._halves: dict[tuple[int, torch.Size], tuple[Tensor, Tensor]] = {}
+
+    def halves(self, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
+        """The K and V views ``[num_blocks, H_kv, block_size, D]``-sized of one layer's cache
+        ``[num_blocks, H_kv, block_size, 2 * D]`` (per block and head: the keys' bytes, then
+        the values'), made once per cache: vLLM allocates each layer's cache once, and three
+        view ops per layer and call cost about what the store op itself does on a decode
+        step."""
+        key = (kv_cache.data_ptr(), kv_cache.shape)
+        got = self._halves.get(key)
+        if got is None:
+            blocks, heads, page, two_d = kv_cache.shape
+            both = kv_cache.view(blocks, heads, 2 * page, two_d // 2)
+            got = self._halves[key] = (both[:, :, :page], both[:, :, page:])
+        return got
 
     def step(self, view: PagedView, n: int) -> KernelStep:
         """The kernel inputs of a refilled view's first ``n`` rows (once per step and group:
@@ -114,10 +130,9 @@ class CPUKernel:
         cache ``[num_blocks, H_kv, block_size, 2 * D]`` (K then V per block and head).
         ``alibi_slopes``: ``[H]`` float32 ALiBi slopes, else None; ``scales``: the layer's
         K and V scales of an fp8 cache (vLLM's ``layer._k_scale_float``, ``_v_scale_float``)."""
-        blocks, heads, page, two_d = kv_cache.shape
-        halves = kv_cache.view(blocks, heads, 2 * page, two_d // 2)
+        k_cache, v_cache = self.halves(kv_cache)
         self._ops.cpu_attention_with_kv_cache(
-            query, halves[:, :, :page], halves[:, :, page:], output, step.query_start_loc,
+            query, k_cache, v_cache, output, step.query_start_loc,
             step.seq_lens, scale, self.causal, alibi_slopes, -1 if window is None else window,
             step.block_table, softcap, step.scheduler_metadata, sinks, None, scales[0],
             scales[1], self.kv_cache_dtype)
@@ -128,9 +143,10 @@ class CPUKernel:
         one layer's cache, in the layout the kernel reads: vLLM's store op for it, one call
         (attnpool's own store, :func:`.cache.store_`, writes the same bytes of the ``vec``
         layout with two ``index_put_``). An fp8 cache is quantized with ``scales``."""
-        blocks, heads, page, two_d = kv_cache.shape
-        halves = kv_cache.view(blocks, heads, 2 * page, two_d // 2)
+        k_cache, v_cache = self.halves(kv_cache)
         t = slot_mapping.shape[0]
-        self._ops.cpu_attn_reshape_and_cache(key[:t], value[:t], halves[:, :, :page],
-                                             halves[:, :, page:], slot_mapping, self.isa,
-                                             scales[0], scales[1], self.kv_cache_dtype)
+        if key.shape[0] != t:  # (vLLM's padded tokens past the slots)
+            key, value = key[:t], value[:t]
+        self._ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping,
+                                             self.isa, scales[0], scales[1],
+                                             self.kv_cache_dtype)
