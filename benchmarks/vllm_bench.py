@@ -2,7 +2,7 @@
 
 Run in the vLLM environment (``.ci/vllm`` builds one)::
 
-    python benchmarks/vllm_bench.py [--model smollm2|llama] [--rounds 2] [--compiled]
+    python benchmarks/vllm_bench.py [--model smollm2|llama] [--rounds 2] [--compiled] [--long]
 
 Prints, per engine mode (eager, and compiled with ``--compiled``) and batch (1 request, 8
 requests), the tokens/s of ``LLM.generate`` for each variant (``--variants``: vLLM's native
@@ -102,6 +102,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--compiled", action="store_true")
+    ap.add_argument("--long", action="store_true",
+                    help="the long-prompt workload instead: 8 prompts of 300-900 tokens, "
+                         "max_num_batched_tokens=256 (chunked prefill), --new 32 by default")
     ap.add_argument("--variants", default="native,kernel,torch",
                     help="comma-separated, from " + ", ".join(VARIANTS))
     args = ap.parse_args()
@@ -110,12 +113,23 @@ def main() -> int:
         ap.error(f"--variants must include native and name only {sorted(VARIANTS)}")
     _time_builds()
     path, one, eight = _model(args.model)
+    batched = 1024
+    if args.long:  # prompts of 300-900 token ids, prefilled in chunks of 256 tokens
+        import random
+
+        rng = random.Random(0)
+        eight = [{"prompt_token_ids": [rng.randrange(100, 20000)
+                                       for _ in range(rng.randint(300, 900))]}
+                 for _ in range(8)]
+        one, batched = eight[:1], 256
+        if args.new == 64:
+            args.new = 32
     modes = [True] + ([False] if args.compiled else [])
     rows = []
     from attnpool.integrations.vllm import CPU_KERNEL
 
     for eager in modes:
-        kw = {"enforce_eager": eager, "max_model_len": 1024, "max_num_batched_tokens": 1024,
+        kw = {"enforce_eager": eager, "max_model_len": 1024, "max_num_batched_tokens": batched,
               "max_num_seqs": 8}
         from vllm import LLM, SamplingParams
 
