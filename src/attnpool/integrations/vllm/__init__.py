@@ -11,7 +11,8 @@ with the switch off, vLLM behaves exactly as without attnpool. With it on:
 - on CUDA, it is vLLM's ``CUSTOM`` backend: ``LLM(..., attention_backend="CUSTOM")``.
 
 The classes are in :mod:`.backend` (which imports vLLM); the pool sizing and per-step refill in
-:mod:`.step` and the cache views and store in :mod:`.cache` are plain torch.
+:mod:`.step`, the cache views and store in :mod:`.cache`, the encoder-only steps in
+:mod:`.encoder_only` and which adapter attends per device in :mod:`.choice` are plain torch.
 """
 
 from __future__ import annotations
