@@ -48,8 +48,9 @@ class EncoderOnlySteps:
         self.num_blocks = scratch_blocks(s.max_num_batched_tokens, s.block_size, s.max_num_seqs)
         #: ``[blocks, H_kv, P, 2 * D]``: vLLM's CPU cache layout (K then V per block and head);
         #: zeroed once, so lanes the kernel masks hold numbers, never NaN bit patterns
-        self.cache = torch.zeros(self.num_blocks, num_kv_heads, s.block_size, 2 * head_size,
-                                 dtype=dtype, device=s.device)
+        self.cache = torch.zeros(  # ok: once per engine; masked lanes must hold numbers
+            self.num_blocks, num_kv_heads, s.block_size, 2 * head_size, dtype=dtype,
+            device=s.device)
         self._cols = torch.arange(ceil_div(s.max_model_len, s.block_size), dtype=torch.int32,
                                   device=s.device)
 
