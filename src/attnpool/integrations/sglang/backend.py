@@ -1,0 +1,169 @@
+"""SGLang's attention backend ``attnpool`` (importing this module imports SGLang).
+
+:class:`AttnpoolAttnBackend` owns the model runner's :class:`attnpool.BufferPool`
+(:class:`.step.BatchFiller`), refills it from every ``ForwardBatch`` in
+:meth:`~AttnpoolAttnBackend.init_forward_metadata` and attends each layer through attnpool's
+adapters: K/V go into SGLang's own KV pool (``set_kv_buffer`` at ``out_cache_loc``), and the
+adapter reads that pool's buffers in place as pages (:func:`.step.kv_pages`). On a CPU that is
+PyTorch SDPA, one call per layer for the whole batch (SGLang's ``torch_native`` backend loops
+over the requests in Python).
+
+What the backend does not serve is refused when SGLang builds it, at engine start, with the
+reason and the setting to change (:func:`refusals`): cross attention (encoder-decoder
+models), encoder-only layers, multi-head latent attention, KV caches of another dtype than the
+model's (fp8), hybrid sliding-window KV pools, speculative decoding, more than one sliding
+window, and query/value head sizes that differ. CUDA graphs are not captured through it yet:
+start SGLang with ``disable_cuda_graph=True`` on CUDA (a CPU engine captures none).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+from ...adapters.backends import Backend
+from ...adapters.binding import Run
+from ...errors import LayoutError
+from .step import NAME, BatchFiller, RunnerSizes, kv_pages
+
+logger = logging.getLogger(__name__)
+
+
+def _layers(model_runner: Any) -> list[RadixAttention]:
+    return [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
+
+
+def refusals(model_runner: Any, layers: list[RadixAttention]) -> list[str]:
+    """What in this runner the backend cannot serve, each with the setting to change (empty:
+    everything is served)."""
+    out: list[str] = []
+    if not layers:
+        out.append("the model has no RadixAttention layer")
+    if getattr(model_runner, "use_mla_backend", False):
+        out.append("multi-head latent attention (MLA) models")
+    if any(layer.is_cross_attention for layer in layers):
+        out.append("cross attention (encoder-decoder models)")
+    if any(layer.attn_type == AttentionType.ENCODER_ONLY for layer in layers):
+        out.append("encoder-only attention (embedding models)")
+    if any(layer.qk_head_dim != layer.v_head_dim for layer in layers):
+        out.append("layers whose value head size differs from the query's")
+    windows = {layer.sliding_window_size for layer in layers if layer.sliding_window_size > -1}
+    if len(windows) > 1:
+        out.append(f"more than one sliding window ({sorted(windows)})")
+    kv = model_runner.token_to_kv_pool
+    if type(kv) is not MHATokenToKVPool:
+        out.append(f"the KV pool {type(kv).__name__} (attnpool reads MHATokenToKVPool's "
+                   "buffers: a hybrid sliding-window or quantized pool is not served)")
+    elif layers and kv.get_key_buffer(layers[0].layer_id).dtype != model_runner.dtype:
+        out.append(f"a KV cache of {kv.get_key_buffer(layers[0].layer_id).dtype} with a "
+                   f"{model_runner.dtype} model (kv_cache_dtype)")
+    if getattr(model_runner, "spec_algorithm", None) is not None \
+            and not model_runner.spec_algorithm.is_none():
+        out.append("speculative decoding (speculative_algorithm)")
+    return out
+
+
+def _sizes(model_runner: Any, layers: list[RadixAttention]) -> RunnerSizes:
+    table = model_runner.req_to_token_pool.req_to_token
+    kv = model_runner.token_to_kv_pool
+    page, args = int(model_runner.page_size), model_runner.server_args
+    slots = int(kv.get_key_buffer(layers[0].layer_id).shape[0])
+    requests, width = int(table.shape[0]), int(table.shape[1])
+    # One extend batch: the prefill budget or one whole prompt, plus a mixed chunk's decode
+    # rows; never more new tokens than the KV pool has slots.
+    budget = max(int(getattr(args, "chunked_prefill_size", None) or 0),
+                 int(getattr(args, "max_prefill_tokens", None) or 0), width)
+    windows = {layer.sliding_window_size for layer in layers if layer.sliding_window_size > -1}
+    return RunnerSizes(max_requests=requests, max_context_len=width,
+                       max_extend_tokens=min(budget + requests, slots),
+                       page_size=page,
+                       sliding_window=next(iter(windows)) + 1 if windows else None,
+                       num_pages=slots // page, device=torch.device(model_runner.device))
+
+
+class AttnpoolAttnBackend(AttentionBackend):
+    """SGLang's ``attnpool`` attention backend (see the module doc)."""
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__()
+        layers = _layers(model_runner)
+        reasons = refusals(model_runner, layers)
+        if reasons:
+            msg = (f"attention_backend={NAME!r} does not serve: " + "; ".join(reasons)
+                   + ". Start SGLang with another attention_backend (torch_native on a CPU).")
+            logger.error(msg)
+            raise LayoutError(msg)
+        first = layers[0]
+        self.device = model_runner.device
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        masked = any(layer.logit_cap for layer in layers)
+        self.filler = BatchFiller(_sizes(model_runner, layers), Backend.SDPA,
+                                  first.tp_q_head_num, first.tp_k_head_num, model_runner.dtype,
+                                  masked=masked)
+        self.page_size = self.filler.sizes.page_size
+        self.run: Run | None = None
+        self.loc: KVWriteLoc | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Refill the pool from ``forward_batch`` (SGLang calls this before every forward) and
+        bind the adapter call its layers make."""
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.run = None
+            return
+        if not (mode.is_decode() or mode.is_extend_or_draft_extend_or_mixed()) \
+                or mode.is_split_prefill():
+            raise LayoutError(f"attention_backend={NAME!r} serves decode and extend batches, "
+                              f"got {mode.name}")
+        fb = forward_batch
+        decode = mode.is_decode()
+        self.run = self.filler.fill(
+            decode=decode, req_pool_indices=fb.req_pool_indices, req_to_token=self.req_to_token,
+            seq_lens=fb.seq_lens, seq_lens_cpu=fb.seq_lens_cpu,
+            num_tokens=fb.batch_size if decode else int(fb.extend_num_tokens),
+            extend_seq_lens=None if decode else fb.extend_seq_lens,
+            extend_seq_lens_cpu=None if decode else fb.extend_seq_lens_cpu,
+            extend_prefix_lens_cpu=None if decode else fb.extend_prefix_lens_cpu)
+        self.loc = KVWriteLoc(fb.out_cache_loc)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                layer: RadixAttention, save_kv_cache: bool, **kwargs: Any) -> torch.Tensor:
+        if self.run is None or self.loc is None:
+            raise LayoutError("attention ran before init_forward_metadata refilled the pool")
+        kv = self.token_to_kv_pool
+        if save_kv_cache and k is not None and v is not None:
+            kv.set_kv_buffer(layer, self.loc, k, v)
+        h, d = layer.tp_q_head_num, layer.qk_head_dim
+        out = self.run(q.reshape(-1, h, d),
+                       kv_pages(kv.get_key_buffer(layer.layer_id), self.page_size),
+                       kv_pages(kv.get_value_buffer(layer.layer_id), self.page_size),
+                       layer.scaling, window=layer.sliding_window_size > -1,
+                       softcap=float(layer.logit_cap or 0.0), sinks=kwargs.get("sinks"))
+        return out.reshape(-1, h * layer.v_head_dim)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: RadixAttention, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        return self._attend(q, k, v, layer, save_kv_cache, **kwargs)
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       layer: RadixAttention, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        return self._attend(q, k, v, layer, save_kv_cache, **kwargs)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        raise LayoutError(f"attention_backend={NAME!r} does not capture CUDA graphs yet: start "
+                          "SGLang with disable_cuda_graph=True")
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.filler.pool.cfg.pad_seq_len
+
+    def support_triton(self) -> bool:
+        return False

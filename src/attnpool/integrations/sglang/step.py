@@ -1,0 +1,165 @@
+"""The pool of an SGLang model runner and its refill from one ``ForwardBatch``, without SGLang.
+
+SGLang's scheduler hands its attention backend one ``ForwardBatch`` per forward: the requests'
+rows of the request table (``req_pool_indices`` into ``req_to_token``, each position's token
+slot in the KV pool), their total lengths (``seq_lens``, with a host copy ``seq_lens_cpu``) and,
+for an extend batch, the new tokens per request (``extend_seq_lens`` and its host list
+``extend_seq_lens_cpu``). That is attnpool's own input convention (``req_to_token`` +
+``req_pool_indices``), so the table is read directly, never copied or converted:
+
+- a decode batch (one new token per request) is a :attr:`attnpool.BufferPool.decode` update;
+- an extend batch (prefill, a chunk of a long prompt, or a mixed chunk whose decode rows extend
+  by one token, ``--enable-mixed-chunk``) is a :attr:`attnpool.BufferPool.extend` update. Rows
+  come in SGLang's order; a row with a cached prefix (radix cache, an earlier chunk) reads it
+  from the table like every other key.
+
+On a CPU the host copies SGLang already keeps are passed as the pool's host lengths: bounds are
+checked, ``max_seqlen_*`` are the batch's own (the SDPA adapter gathers only live lanes) and
+pages are written only as far as the longest row reaches. Once a shape's views exist, a refill
+allocates nothing (the pool's arena holds every buffer; the adapter's gather plan is made per
+forward by the first layer that reads a part: :class:`attnpool.adapters.binding.Run`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...adapters.backends import Backend
+from ...adapters.binding import Run, bind
+from ...config import Layout, PoolConfig
+from ...errors import CapacityError, InputError
+from ...pool import BufferPool
+from ...views import DecodeView, ExtendView
+
+#: The backend's name in SGLang's registry and on its command line.
+NAME = "attnpool"
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerSizes:
+    """What a pool is sized from, read once from SGLang's model runner when its attention
+    backend is built.
+
+    Fields:
+        max_requests: rows of the request table (``req_to_token_pool.size``): no batch has
+            more requests. The pool's ``max_bs``.
+        max_context_len: the request table's width (``req_to_token.shape[1]``): every length a
+            batch can carry. The pool's ``max_context_len``.
+        max_extend_tokens: the most new tokens one extend batch packs: the pool's ``T``
+            (prefill budget, chunk size or a whole prompt, plus a mixed chunk's decode rows).
+        page_size: tokens per KV page (``model_runner.page_size``; 1 is SGLang's default).
+        sliding_window: ``W`` keys (itself included) of the sliding-window layers, or None.
+            SGLang's layers carry ``sliding_window_size = W - 1`` (the keys before the query).
+        num_pages: pages of the KV pool (its ``size + page_size`` slots over ``page_size``):
+            the page-id bound of the pool's checks. Page 0 holds SGLang's padding slot, the
+            pool's pad page.
+        device: the model runner's device.
+    """
+
+    max_requests: int
+    max_context_len: int
+    max_extend_tokens: int
+    page_size: int
+    sliding_window: int | None
+    num_pages: int
+    device: torch.device
+
+
+def pool_config(s: RunnerSizes) -> PoolConfig:
+    """The runner's :class:`attnpool.PoolConfig`: page tables (the layout SDPA and flash-attn
+    read), pad page 0, decode and extend phases."""
+    return PoolConfig(max_bs=s.max_requests, max_context_len=s.max_context_len,
+                      page_size=s.page_size, device=s.device, layout=Layout.FLASH_ATTN,
+                      max_extend_tokens=s.max_extend_tokens, sliding_window=s.sliding_window,
+                      num_pages=s.num_pages, pad_page=0)
+
+
+class BatchFiller:
+    """The runner's pool and its per-forward refill (see the module doc).
+
+    Args:
+        sizes: from the model runner (:class:`RunnerSizes`).
+        backend: the adapter that attends (resolved: SDPA on a CPU).
+        num_heads, num_kv_heads: query and KV heads of this rank's attention layers.
+        dtype: the queries' dtype (SDPA's additive masks are built for it once per forward).
+        masked: the layers need the adapter's mask even for a prefill with nothing cached
+            (softcapping or sinks): never take SDPA's prefix-free causal shortcut.
+    """
+
+    def __init__(self, sizes: RunnerSizes, backend: Backend, num_heads: int, num_kv_heads: int,
+                 dtype: torch.dtype, masked: bool = False) -> None:
+        self.sizes = sizes
+        self.pool = BufferPool(pool_config(sizes))
+        self.backend, self.dtype, self.masked = backend, dtype, masked
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.host = sizes.device.type == "cpu"
+
+    def fill(self, *, decode: bool, req_pool_indices: Tensor, req_to_token: Tensor,
+             seq_lens: Tensor, seq_lens_cpu: Tensor | None, num_tokens: int,
+             extend_seq_lens: Tensor | None = None,
+             extend_seq_lens_cpu: Sequence[int] | None = None,
+             extend_prefix_lens_cpu: Sequence[int] | None = None) -> Run:
+        """Refill the pool from one forward's batch and bind the adapter call every layer of
+        the forward makes.
+
+        Args:
+            decode: a decode batch (one query per request), else an extend batch.
+            req_pool_indices, req_to_token, seq_lens, seq_lens_cpu: the batch's fields
+                (``seq_lens_cpu``: SGLang's host copy; on CUDA pass None, no host read).
+            num_tokens: query rows the layers will pass (the batch's new tokens).
+            extend_seq_lens, extend_seq_lens_cpu, extend_prefix_lens_cpu: an extend batch's
+                new tokens per request (device and host) and cached prefix lengths (host; all 0
+                and no mask needed: SDPA's own causal mask serves the forward).
+
+        Raises:
+            CapacityError: more requests or new tokens than the pool was sized for.
+            InputError: an extend batch without its new-token counts.
+        """
+        n = seq_lens.shape[0]
+        if n > self.sizes.max_requests or num_tokens > self.sizes.max_extend_tokens:
+            raise CapacityError(f"a batch of {n} requests and {num_tokens} new tokens is past "
+                                f"the pool's max_requests={self.sizes.max_requests}, "
+                                f"max_extend_tokens={self.sizes.max_extend_tokens}")
+        host = seq_lens_cpu if self.host else None
+        view: DecodeView | ExtendView
+        prefix_free = False
+        if decode:
+            view = self.pool.decode.update_(n, seq_lens=seq_lens,
+                                            req_pool_indices=req_pool_indices,
+                                            req_to_token=req_to_token, seq_lens_cpu=host)
+        else:
+            if extend_seq_lens is None:
+                raise InputError("an extend batch needs extend_seq_lens (new tokens per "
+                                 "request), got None")
+            view = self.pool.extend.update_(
+                n, seq_lens=seq_lens, extend_lens=extend_seq_lens,
+                req_pool_indices=req_pool_indices, req_to_token=req_to_token,
+                seq_lens_cpu=host, extend_lens_cpu=extend_seq_lens_cpu if self.host else None)
+            prefix_free = (not self.masked and extend_prefix_lens_cpu is not None
+                           and not any(extend_prefix_lens_cpu))
+        return bind(self.backend, view, num_tokens, self.num_heads, self.num_kv_heads,
+                    self.dtype, prefix_free=prefix_free)
+
+
+def kv_pages(buffer: Tensor, page_size: int) -> Tensor:
+    """One layer's key or value buffer of SGLang's KV pool, ``[slots, H_kv, D]`` with token
+    slot ``s`` at row ``s``, seen as pages ``[slots / P, P, H_kv, D]`` (page ``s // P``, offset
+    ``s % P``): the adapters' cache shape, never a copy (SGLang writes new K/V into the
+    buffer itself, and a captured graph would bake its address).
+
+    Raises:
+        InputError: the buffer is not ``[slots, H_kv, D]`` with rows back to back and a slot
+            count divisible by ``page_size``.
+    """
+    slots = buffer.shape[0] if buffer.dim() == 3 else -1
+    if (slots < 0 or slots % page_size or buffer.stride(2) != 1
+            or buffer.stride(1) != buffer.shape[2] or buffer.stride(0) != buffer.shape[1] *
+            buffer.shape[2]):
+        raise InputError(f"an SGLang KV buffer must be [slots, H_kv, D], contiguous, slots "
+                         f"divisible by page_size={page_size}; got {tuple(buffer.shape)} with "
+                         f"strides {buffer.stride()}")
+    return buffer.view(slots // page_size, page_size, buffer.shape[1], buffer.shape[2])

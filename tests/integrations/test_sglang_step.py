@@ -1,0 +1,166 @@
+"""attnpool's SGLang backend without SGLang: the pool sized from a runner, the refill from
+SGLang-shaped batches (``req_to_token`` + ``req_pool_indices``, token slots in a
+``[slots, H_kv, D]`` KV buffer), checked against dense attention, and its per-batch cost in
+allocations. (tests/integrations/sglang/ runs SGLang itself, in its own environment.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from attnpool import BufferPool, CapacityError, InputError
+from attnpool.adapters.backends import Backend
+from attnpool.config import Impl
+from attnpool.integrations.sglang.step import BatchFiller, RunnerSizes, kv_pages
+
+from tests.helpers.dense import dense_attention
+from tests.helpers.opcount import count
+
+H, H_KV, D = 4, 2, 32
+REQS, WIDTH = 6, 160
+
+
+def _filler(page: int, window: int | None = None, impl: Impl = Impl.REFERENCE,
+            masked: bool = False) -> BatchFiller:
+    sizes = RunnerSizes(max_requests=REQS, max_context_len=WIDTH, max_extend_tokens=96,
+                        page_size=page, sliding_window=window, num_pages=1024 // page,
+                        device=torch.device("cpu"))
+    f = BatchFiller(sizes, Backend.SDPA, H, H_KV, torch.float64, masked=masked)
+    if impl is not Impl.REFERENCE:
+        f.pool = BufferPool(dataclasses.replace(f.pool.cfg, impl=impl))
+    return f
+
+
+def _table(page: int, lens: list[int], rows: list[int], seed: int = 0) -> torch.Tensor:
+    """SGLang's ``req_to_token``: each request's positions on token slots of its own pages,
+    pages drawn at random from 1.. (page 0 holds SGLang's padding slot), -1 past them."""
+    rng = random.Random(seed)
+    table = torch.full((REQS, WIDTH), -1, dtype=torch.int32)
+    free = list(range(1, 1024 // page))
+    rng.shuffle(free)
+    for r, n in zip(rows, lens, strict=True):
+        for p in range(-(-n // page)):
+            base = free.pop() * page
+            hi = min(n, (p + 1) * page)
+            table[r, p * page:hi] = torch.arange(base, base + hi - p * page)
+    return table
+
+
+def _check_attention(f: BatchFiller, run: object, table: torch.Tensor, rows: list[int],
+                     lens: list[int], q_lens: list[int], window: int | None,
+                     softcap: float = 0.0) -> None:
+    torch.manual_seed(1)
+    k_buf = torch.randn(1024, H_KV, D, dtype=torch.float64)  # SGLang's [slots, H_kv, D]
+    v_buf = torch.randn(1024, H_KV, D, dtype=torch.float64)
+    q = torch.randn(sum(q_lens), H, D, dtype=torch.float64)
+    k, v = kv_pages(k_buf, f.sizes.page_size), kv_pages(v_buf, f.sizes.page_size)
+    assert k.data_ptr() == k_buf.data_ptr()  # read in place
+    out = run(q, k, v, D ** -0.5, window=window is not None, softcap=softcap)  # type: ignore[operator]
+    keys = []
+    for r, n, qn in zip(rows, lens, q_lens, strict=True):
+        for j in range(qn):
+            pos = n - qn + j
+            lo = 0 if window is None else max(0, pos - window + 1)
+            keys.append(table[r, lo:pos + 1].tolist())
+    ref, _ = dense_attention(q, k_buf.unsqueeze(1), v_buf.unsqueeze(1), keys, D ** -0.5,
+                             softcap=softcap)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("window", [None, 24])
+def test_decode_batch_reads_req_to_token(page: int, window: int | None) -> None:
+    rows, lens = [4, 0, 2], [37, 1, 150]
+    table = _table(page, lens, rows)
+    f = _filler(page, window)
+    run = f.fill(decode=True, req_pool_indices=torch.tensor(rows), req_to_token=table,
+                 seq_lens=torch.tensor(lens), seq_lens_cpu=torch.tensor(lens), num_tokens=3)
+    view = run.view
+    assert view.cache_seqlens[:3].tolist() == lens
+    for i, (r, n) in enumerate(zip(rows, lens, strict=True)):
+        pages = -(-n // page)
+        assert view.page_table[i, :pages].tolist() == (table[r, :n:page] // page).tolist()
+    _check_attention(f, run, table, rows, lens, [1, 1, 1], window)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("window", [None, 24])
+def test_mixed_extend_batch(page: int, window: int | None) -> None:
+    """SGLang's mixed chunk: a prefill chunk over a cached prefix (radix hit or an earlier
+    chunk), a fresh prompt and decode rows extending by one, in one extend batch."""
+    rows, lens, q_lens = [1, 3, 5, 0], [70, 13, 41, 120], [30, 13, 1, 1]
+    table = _table(page, lens, rows, seed=3)
+    f = _filler(page, window, masked=True)
+    prefix = [n - q for n, q in zip(lens, q_lens, strict=True)]
+    run = f.fill(decode=False, req_pool_indices=torch.tensor(rows), req_to_token=table,
+                 seq_lens=torch.tensor(lens), seq_lens_cpu=torch.tensor(lens),
+                 num_tokens=sum(q_lens), extend_seq_lens=torch.tensor(q_lens),
+                 extend_seq_lens_cpu=q_lens, extend_prefix_lens_cpu=prefix)
+    assert run.view.cu_seqlens_q[:5].tolist() == [0, 30, 43, 44, 45]
+    _check_attention(f, run, table, rows, lens, q_lens, window, softcap=5.0)
+
+
+def test_prefill_without_prefix_takes_the_causal_shortcut() -> None:
+    """A prefill with nothing cached binds SDPA's own causal mask (no mask built), unless the
+    layers need the adapter's mask (softcap, sinks: ``masked``); a cached prefix never does."""
+    rows, lens = [0, 2], [20, 9]
+    table = _table(1, lens, rows)
+    for masked, prefix, shortcut in ((False, [0, 0], True), (True, [0, 0], False),
+                                     (False, [4, 0], False)):
+        f = _filler(1, masked=masked)
+        q_lens = [n - p for n, p in zip(lens, prefix, strict=True)]
+        run = f.fill(decode=False, req_pool_indices=torch.tensor(rows), req_to_token=table,
+                     seq_lens=torch.tensor(lens), seq_lens_cpu=torch.tensor(lens),
+                     num_tokens=sum(q_lens), extend_seq_lens=torch.tensor(q_lens),
+                     extend_seq_lens_cpu=q_lens, extend_prefix_lens_cpu=prefix)
+        assert run._args[4] is shortcut
+        _check_attention(f, run, table, rows, lens, q_lens, None)
+
+
+def test_refusals_leave_the_pool_unchanged() -> None:
+    f = _filler(16)
+    table = _table(16, [10], [0])
+    before = f.pool.arena.storage.view(torch.uint8).clone()
+    with pytest.raises(CapacityError, match="max_extend_tokens=96"):
+        f.fill(decode=False, req_pool_indices=torch.tensor([0]), req_to_token=table,
+               seq_lens=torch.tensor([100]), seq_lens_cpu=torch.tensor([100]), num_tokens=100,
+               extend_seq_lens=torch.tensor([100]), extend_seq_lens_cpu=[100],
+               extend_prefix_lens_cpu=[0])
+    with pytest.raises(InputError, match="extend_seq_lens"):
+        f.fill(decode=False, req_pool_indices=torch.tensor([0]), req_to_token=table,
+               seq_lens=torch.tensor([10]), seq_lens_cpu=torch.tensor([10]), num_tokens=10)
+    assert torch.equal(f.pool.arena.storage.view(torch.uint8), before)
+
+
+def test_kv_pages_refuses_what_is_not_a_token_buffer() -> None:
+    buf = torch.zeros(48, H_KV, D)
+    assert kv_pages(buf, 16).shape == (3, 16, H_KV, D)
+    with pytest.raises(InputError, match="divisible by page_size=32"):
+        kv_pages(buf, 32)
+    with pytest.raises(InputError, match=r"\[slots, H_kv, D\]"):
+        kv_pages(buf.transpose(1, 2), 16)
+    with pytest.raises(InputError, match=r"\[slots, H_kv, D\]"):
+        kv_pages(buf.view(3, 16, H_KV, D), 16)
+
+
+def test_refill_allocates_nothing_on_the_fused_path() -> None:
+    """Once warm, a decode batch's refill allocates no tensor: SGLang's table is read in
+    place and the fused update writes the arena (the adapter's plan is the forward's, made by
+    its first layer)."""
+    pytest.importorskip("triton")
+    rows, lens = [4, 0, 2], [37, 5, 150]
+    table = _table(16, lens, rows)
+    f = _filler(16, impl=Impl.TRITON)
+    kw = {"decode": True, "req_pool_indices": torch.tensor(rows), "req_to_token": table,
+          "seq_lens": torch.tensor(lens), "seq_lens_cpu": torch.tensor(lens), "num_tokens": 3}
+    f.fill(**kw)  # type: ignore[arg-type]
+    c = count(lambda: f.fill(**kw))  # type: ignore[arg-type]
+    views = {"aten.slice.Tensor", "aten.alias.default", "aten.view.default",
+             "aten.select.int", "aten.as_strided.default"}
+    made = {op for op in c.ops if op not in views and not op.split(".")[1].endswith("_")
+            and "out" not in op.split(".")[2]}
+    assert not made, c.ops
+    assert c.launches == 1
