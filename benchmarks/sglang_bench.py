@@ -9,9 +9,10 @@ Each round starts a fresh engine process per backend, in alternating order (nati
 attnpool, native, ...), warms it up and then times ``Engine.generate`` for 1 request and for 8
 requests (SmolLM2: chat prompts of 30-40 tokens; ``--new`` tokens each, EOS ignored). Prints
 tokens/s per backend and batch, the median of the rounds and attnpool / native, whether the
-tokens are the same, and each backend's ``init_forward_metadata`` host time per forward by
-batch kind and size, in microseconds and as a ratio to one small torch op (``torch.add`` of two
-8-element tensors) timed in the same process. The scheduler's metadata calls are timed by
+tokens are the same, and each backend's host time per decode forward: its
+``init_forward_metadata`` and its layers' K/V store and attention (``forward_decode`` of every
+layer), in microseconds and as a ratio to one small torch op (``torch.add`` of two 8-element
+tensors) timed in the same process. The scheduler's metadata calls are timed by
 ``tests/helpers/sglang_cpu/sitecustomize.py`` (``ATTNPOOL_SGLANG_TIMES``).
 """
 
@@ -82,12 +83,15 @@ def worker(model: Path, backend: str, prompts: list[list[int]], new: int, times:
     try:
         engine.generate(input_ids=prompts[:2], sampling_params=params | {"max_new_tokens": 4})
         for label, batch in (("1", prompts[:1]), ("8", prompts)):
-            times.unlink(missing_ok=True)
+            before = json.loads(times.read_text())
             t = time.perf_counter()
             got = engine.generate(input_ids=batch, sampling_params=params)
             dt = time.perf_counter() - t
+            after = json.loads(times.read_text())
+            spent = {k: [c - before.get(k, [0, 0.0])[0], s - before.get(k, [0, 0.0])[1]]
+                     for k, (c, s) in after.items()}
             out[label] = {"s": dt, "tokens": [g["output_ids"] for g in got],
-                          "metadata": json.loads(times.read_text()) if times.exists() else {}}
+                          "host": {k: v for k, v in spent.items() if v[0]}}
     finally:
         engine.shutdown()
     return out
@@ -135,14 +139,18 @@ def main() -> int:
             + f"; attnpool / native {med[se.NAME] / med['torch_native']:.2f}x; "
             f"same tokens: {same}")
         for b, rs in runs.items():
-            md: dict[str, list[float]] = {}
+            per: dict[str, list[float]] = {}  # seconds per forward, by what and batch
             for run in rs:
-                for key, (calls, secs) in run[label]["metadata"].items():
-                    md.setdefault(key, []).append(secs / calls)
+                host = run[label]["host"]
+                for key, (calls, secs) in host.items():
+                    batch = key.split(" ", 1)[1]
+                    forwards = host.get(f"metadata {batch}", [calls])[0]
+                    per.setdefault(key, []).append(secs / forwards)
             cells = ", ".join(f"{k}: {statistics.median(v) * 1e6:.0f} us "
                               f"({statistics.median(v) / unit:.0f} ops)"
-                              for k, v in sorted(md.items()))
-            print(f"    {b} init_forward_metadata per forward: {cells}")
+                              for k, v in sorted(per.items()) if "decode" in k)
+            print(f"    {b}, per decode forward (metadata; attention: K/V store and "
+                  f"attention of every layer): {cells}")
     return 0
 
 

@@ -6,12 +6,14 @@ imported or changed.
   attnpool's pool is followed by one wrong value, the first row's ``cache_seqlens`` shortened
   by one (its newest key dropped), so that tokens change if and only if attention reads the
   pool.
-- ``ATTNPOOL_SGLANG_TIMES=<file>`` (the benchmark): the host time of the attention backend's
-  ``init_forward_metadata`` (SGLang's ``torch_native`` or attnpool's), per batch: the file
-  holds ``{"<decode|extend> <requests>": [calls, seconds]}``, rewritten after every call (the
-  scheduler process is stopped, not exited, so nothing is left for an exit hook). The classes
-  are wrapped when their modules are first imported (an import hook), so SGLang is not
-  imported any earlier than it would be.
+- ``ATTNPOOL_SGLANG_TIMES=<file>`` (the benchmark): the host time of the attention backend
+  (SGLang's ``torch_native`` or attnpool's) per forward: its ``init_forward_metadata`` and its
+  layers' ``forward_decode`` / ``forward_extend`` (K/V store and attention). The file holds
+  ``{"<metadata|attention> <decode|extend> <requests>": [calls, seconds]}``, totals since the
+  engine started, rewritten after every metadata call (the scheduler process is stopped, not
+  exited, so nothing is left for an exit hook; a reader diffs two readings). The classes are
+  wrapped when their modules are first imported (an import hook), so SGLang is not imported
+  any earlier than it would be.
 """
 
 from __future__ import annotations
@@ -41,24 +43,38 @@ _TIMED = {"sglang.srt.layers.attention.torch_native_backend": "TorchNativeAttnBa
           "attnpool.integrations.sglang.backend": "AttnpoolAttnBackend"}
 
 
-def _time_metadata(cls: Any, path: str) -> None:
-    orig = cls.init_forward_metadata
+def _time_backend(cls: Any, path: str) -> None:
     totals: dict[str, list[float]] = {}
 
-    def timed(self: Any, forward_batch: Any) -> Any:
-        t = time.perf_counter()
-        out = orig(self, forward_batch)
-        dt = time.perf_counter() - t
-        mode = forward_batch.forward_mode
-        kind = "decode" if mode.is_decode() else "extend"
-        row = totals.setdefault(f"{kind} {forward_batch.batch_size}", [0, 0.0])
+    def add(what: str, forward_batch: Any, dt: float) -> None:
+        kind = "decode" if forward_batch.forward_mode.is_decode() else "extend"
+        row = totals.setdefault(f"{what} {kind} {forward_batch.batch_size}", [0, 0.0])
         row[0] += 1
         row[1] += dt
+
+    metadata = cls.init_forward_metadata
+
+    def timed_metadata(self: Any, forward_batch: Any) -> Any:
+        t = time.perf_counter()
+        out = metadata(self, forward_batch)
+        add("metadata", forward_batch, time.perf_counter() - t)
         with open(path, "w") as f:
             json.dump(totals, f)
         return out
 
-    cls.init_forward_metadata = timed
+    cls.init_forward_metadata = timed_metadata
+    def timing(orig: Any) -> Any:
+        def timed_layer(self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
+                        *args: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            out = orig(self, q, k, v, layer, forward_batch, *args, **kw)
+            add("attention", forward_batch, time.perf_counter() - t)
+            return out
+
+        return timed_layer
+
+    for name in ("forward_decode", "forward_extend"):
+        setattr(cls, name, timing(getattr(cls, name)))
 
 
 class _Wrap(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -87,7 +103,7 @@ class _Wrap(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
             def exec_module(self, module: ModuleType) -> None:
                 loader.exec_module(module)
-                _time_metadata(getattr(module, _TIMED[name]), path)
+                _time_backend(getattr(module, _TIMED[name]), path)
 
         spec.loader = Timed()
         return spec

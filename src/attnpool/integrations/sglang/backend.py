@@ -10,10 +10,11 @@ over the requests in Python).
 
 What the backend does not serve is refused when SGLang builds it, at engine start, with the
 reason and the setting to change (:func:`refusals`): cross attention (encoder-decoder
-models), encoder-only layers, multi-head latent attention, KV caches of another dtype than the
-model's (fp8), hybrid sliding-window KV pools, speculative decoding, more than one sliding
-window, and query/value head sizes that differ. CUDA graphs are not captured through it yet:
-start SGLang with ``disable_cuda_graph=True`` on CUDA (a CPU engine captures none).
+models), encoder-only and bidirectional layers, multi-head latent attention, KV caches of
+another dtype than the model's (fp8), hybrid sliding-window KV pools, speculative decoding,
+more than one sliding window, and query/value head sizes that differ. CUDA graphs are not
+captured through it yet: start SGLang with ``disable_cuda_graph=True`` on CUDA (a CPU engine
+captures none).
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ def refusals(model_runner: Any, layers: list[RadixAttention]) -> list[str]:
         out.append("multi-head latent attention (MLA) models")
     if any(layer.is_cross_attention for layer in layers):
         out.append("cross attention (encoder-decoder models)")
-    if any(layer.attn_type == AttentionType.ENCODER_ONLY for layer in layers):
-        out.append("encoder-only attention (embedding models)")
+    kinds = {layer.attn_type for layer in layers} - {AttentionType.DECODER}
+    if kinds:
+        out.append(f"attention types other than causal decoder attention "
+                   f"({', '.join(sorted(k.value for k in kinds))}: encoder-only and "
+                   "bidirectional models)")
     if any(layer.qk_head_dim != layer.v_head_dim for layer in layers):
         out.append("layers whose value head size differs from the query's")
     windows = {layer.sliding_window_size for layer in layers if layer.sliding_window_size > -1}

@@ -1,0 +1,71 @@
+"""What attnpool's SGLang backend does not serve is refused when SGLang builds it (at engine
+start), with every reason and the setting to change, before a pool exists; what it serves
+builds a pool sized from the runner."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import torch
+from torch import nn
+
+from attnpool import LayoutError
+
+
+def _runner(layers: list[Any], **kw: Any) -> SimpleNamespace:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    kv = kw.pop("kv", None) or MHATokenToKVPool(
+        size=256, page_size=16, dtype=kw.pop("kv_dtype", torch.float32), head_num=2,
+        head_dim=32, layer_num=len(layers), device="cpu", enable_memory_saver=False)
+    table = SimpleNamespace(req_to_token=torch.zeros(8, 512, dtype=torch.int32), size=8)
+    base = {"model": nn.ModuleList(layers), "use_mla_backend": False, "token_to_kv_pool": kv,
+            "req_to_token_pool": table, "page_size": 16, "device": "cpu",
+            "dtype": torch.float32, "server_args": SimpleNamespace(chunked_prefill_size=64,
+                                                                   max_prefill_tokens=128),
+            "spec_algorithm": None}
+    return SimpleNamespace(**(base | kw))
+
+
+def _layer(i: int, **kw: Any) -> Any:
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return RadixAttention(4, 32, 32 ** -0.5, num_kv_heads=2, layer_id=i, **kw)
+
+
+def test_served_runner_builds_its_pool() -> None:
+    from attnpool.integrations.sglang.backend import AttnpoolAttnBackend
+
+    b = AttnpoolAttnBackend(_runner([_layer(0, sliding_window_size=47, logit_cap=20.0),
+                                     _layer(1)]))
+    s = b.filler.sizes
+    assert (s.max_requests, s.max_context_len, s.page_size, s.sliding_window) == (8, 512, 16, 48)
+    assert s.max_extend_tokens == min(512 + 8, 256 + 16)  # a whole prompt, capped by the slots
+    assert b.filler.masked  # softcap: the adapter's mask on every prefill
+
+
+def test_unserved_runner_is_refused_with_every_reason(caplog: pytest.LogCaptureFixture) -> None:
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    from attnpool.integrations.sglang.backend import AttnpoolAttnBackend
+
+    layers = [_layer(0, is_cross_attention=True), _layer(1, sliding_window_size=10),
+              _layer(2, sliding_window_size=20, attn_type=AttentionType.ENCODER_ONLY),
+              _layer(3, v_head_dim=16)]
+    spec = SimpleNamespace(is_none=lambda: False)
+    with caplog.at_level(logging.ERROR), pytest.raises(LayoutError) as e:
+        AttnpoolAttnBackend(_runner(layers, kv_dtype=torch.float16, spec_algorithm=spec,
+                                    use_mla_backend=True))
+    msg = str(e.value)
+    for part in ("multi-head latent attention", "cross attention", "encoder_only",
+                 "value head size", "more than one sliding window ([10, 20])",
+                 "torch.float16 with a torch.float32 model", "speculative decoding",
+                 "another attention_backend"):
+        assert part in msg
+    assert msg in caplog.text  # logged at ERROR too, where SGLang's scheduler log shows it
