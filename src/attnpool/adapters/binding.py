@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..errors import InputError, LayoutError
 from ..views import DraftExtendView, DraftStepView, ExtendView, LocalView, PagedView, VerifyView
-from .backends import Backend
+from .backends import Backend, Need, select
 from .sdpa.paged import attention_out, plan, run_plan
 from .sdpa.planning import Plan
 
@@ -26,6 +26,33 @@ from .sdpa.planning import Plan
 #: FlashInfer's wrappers need a plan per step and part, which a bound forward does not make: it
 #: is not among them.
 DRIVEN = (Backend.FA3, Backend.FA4, Backend.FA2, Backend.SDPA)
+
+
+def driven(device: str) -> tuple[Backend, ...]:
+    """The backends a :class:`Run` drives on ``device``, fastest first: :data:`DRIVEN` on
+    CUDA, SDPA elsewhere (the CPU's backend)."""
+    return DRIVEN if device == "cuda" else (Backend.SDPA,)
+
+
+def choose(need: Need, forced: str, who: str, variable: str) -> Backend:
+    """The backend an engine integration binds for layers of ``need``: the fastest of
+    :func:`driven` that is installed and serves ``need``, or the one ``forced`` names (an
+    integration's environment variable ``variable``, lower case; empty: none), for the
+    messages of ``who``.
+
+    Raises:
+        LayoutError: ``forced`` names no driven backend, the one it names cannot run here, or
+            none can (every reason named).
+    """
+    drivable = driven(need.device)
+    backend = Backend.AUTO
+    if forced:
+        names = [b.value for b in drivable]
+        if forced not in names:
+            raise LayoutError(f"{variable} must name one of {names} on {need.device}, got "
+                              f"{forced!r}")
+        backend = Backend(forced)
+    return select(need, backend, drivable, who)
 
 
 class Run:

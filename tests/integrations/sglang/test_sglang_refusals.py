@@ -69,3 +69,26 @@ def test_unserved_runner_is_refused_with_every_reason(caplog: pytest.LogCaptureF
                  "another attention_backend"):
         assert part in msg
     assert msg in caplog.text  # logged at ERROR too, where SGLang's scheduler log shows it
+
+
+def test_the_adapter_is_the_fastest_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the registry's fastest installed flash-attn that serves the layers (SDPA only
+    when none does); on a CPU SDPA; a forced kernel that cannot run is refused with the
+    reason. Installation is simulated by which modules the capability records find."""
+    from attnpool.adapters.backends import Backend, Capabilities
+    from attnpool.integrations.sglang.backend import pick
+    from attnpool.integrations.sglang.step import KERNEL
+
+    monkeypatch.delenv(KERNEL, raising=False)
+    layers = [_layer(0), _layer(1)]
+    assert pick(_runner(layers), layers) is Backend.SDPA
+    monkeypatch.setattr(Capabilities, "importable",
+                        lambda self: self.module in (None, "flash_attn.cute"))
+    cuda = _runner(layers, device="cuda", dtype=torch.bfloat16)
+    assert pick(cuda, layers) is Backend.FA4
+    assert pick(_runner(layers, device="cuda"), layers) is Backend.SDPA  # float32: no flash-attn
+    monkeypatch.setenv(KERNEL, "fa3")
+    with pytest.raises(LayoutError, match=r"FA3 cannot run here"):
+        pick(cuda, layers)
+    with pytest.raises(LayoutError, match=rf"{KERNEL} must name one of \['sdpa'\] on cpu"):
+        pick(_runner(layers), layers)

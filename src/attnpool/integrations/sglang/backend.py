@@ -6,7 +6,9 @@
 adapters: K/V go into SGLang's own KV pool (``set_kv_buffer`` at ``out_cache_loc``), and the
 adapter reads that pool's buffers in place as pages (:func:`.step.kv_pages`). On a CPU that is
 PyTorch SDPA, one call per layer for the whole batch (SGLang's ``torch_native`` backend loops
-over the requests in Python).
+over the requests in Python); on CUDA the fastest installed adapter that serves the model
+(flash-attn FA3, FA4, FA2, then SDPA: :func:`attnpool.adapters.binding.choose`; the choice is
+logged, and ``ATTNPOOL_SGLANG_KERNEL`` forces one).
 
 What the backend does not serve is refused when SGLang builds it, at engine start, with the
 reason and the setting to change (:func:`refusals`): cross attention (encoder-decoder
@@ -20,6 +22,7 @@ captures none).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -28,16 +31,36 @@ from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-from ...adapters.backends import Backend
-from ...adapters.binding import Run
+from ...adapters.backends import Backend, Need
+from ...adapters.binding import Run, choose
 from ...errors import LayoutError
-from .step import NAME, BatchFiller, RunnerSizes, kv_pages
+from .step import KERNEL, NAME, BatchFiller, RunnerSizes, kv_pages
 
 logger = logging.getLogger(__name__)
 
 
 def _layers(model_runner: Any) -> list[RadixAttention]:
     return [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
+
+
+def _need(model_runner: Any, layers: list[RadixAttention]) -> Need:
+    """What the runner's layers ask of the adapter (SGLang's KV buffers read as NHD pages)."""
+    first = layers[0]
+    return Need(device=torch.device(model_runner.device).type, dtype=model_runner.dtype,
+                head_size=first.qk_head_dim, head_size_v=first.v_head_dim,
+                page_size=int(model_runner.page_size), varying_queries=True,
+                window=any(layer.sliding_window_size > -1 for layer in layers),
+                softcap=any(layer.logit_cap for layer in layers))
+
+
+def pick(model_runner: Any, layers: list[RadixAttention]) -> Backend:
+    """The adapter that attends (see the module doc).
+
+    Raises:
+        LayoutError: :data:`.step.KERNEL` names no adapter that runs here, or none can.
+    """
+    return choose(_need(model_runner, layers), os.environ.get(KERNEL, "").strip().lower(),
+                  f"attention_backend={NAME!r}", KERNEL)
 
 
 def refusals(model_runner: Any, layers: list[RadixAttention]) -> list[str]:
@@ -70,6 +93,11 @@ def refusals(model_runner: Any, layers: list[RadixAttention]) -> list[str]:
     if getattr(model_runner, "spec_algorithm", None) is not None \
             and not model_runner.spec_algorithm.is_none():
         out.append("speculative decoding (speculative_algorithm)")
+    if layers and not out:
+        try:
+            pick(model_runner, layers)
+        except LayoutError as e:
+            out.append(f"these layers with the adapters installed ({e})")
     return out
 
 
@@ -108,9 +136,12 @@ class AttnpoolAttnBackend(AttentionBackend):
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         masked = any(layer.logit_cap for layer in layers)
-        self.filler = BatchFiller(_sizes(model_runner, layers), Backend.SDPA,
+        backend = pick(model_runner, layers)
+        self.filler = BatchFiller(_sizes(model_runner, layers), backend,
                                   first.tp_q_head_num, first.tp_k_head_num, model_runner.dtype,
                                   masked=masked)
+        logger.info("attnpool serves attention of %d layers with %s: one pool of %d bytes",
+                    len(layers), backend.name, self.filler.pool.nbytes)
         self.page_size = self.filler.sizes.page_size
         self.run: Run | None = None
         self.loc: KVWriteLoc | None = None

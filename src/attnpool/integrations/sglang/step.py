@@ -37,6 +37,8 @@ from ...views import DecodeView, ExtendView
 
 #: The backend's name in SGLang's registry and on its command line.
 NAME = "attnpool"
+#: The environment variable that forces one adapter (``fa3``, ``fa4``, ``fa2``, ``sdpa``).
+KERNEL = "ATTNPOOL_SGLANG_KERNEL"
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,12 @@
 
 Encoder-only layers (BERT-style embedding models) are an extend step without a cached prefix,
 attended non-causally by vLLM's CPU kernel over a scratch cache of the step
-(:mod:`.encoder_only`). What attnpool cannot serve (cross attention; encoder-only layers, ALiBi
-and fp8 caches unless vLLM's CPU kernel attends; a head size or variant no adapter of this device takes:
+(:mod:`.encoder_only`). Cross-attention layers (encoder-decoder models, e.g. Whisper) are a
+group of their own: vLLM's cross-attention builder, which subclasses the group's builder, hands
+:meth:`AttnpoolMetadataBuilder.build` the encoder's lengths as ``seq_lens`` and the group's
+block table of the encoder's K/V, and vLLM's CPU kernel attends non-causally over the refilled
+view. What attnpool cannot serve (encoder-only and cross attention, ALiBi and fp8 caches unless
+vLLM's CPU kernel attends; a head size or variant no adapter of this device takes:
 :func:`attnpool.adapters.backends.select`) is refused when the layer is built, that is when the
 engine starts, never by a wrong token: logged at ERROR under vLLM's logger with the setting to
 change (:func:`refuse`), then raised.
@@ -44,7 +48,7 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
+from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionSpec
 
 from ...adapters.backends import KVLayout, Need
 from ...errors import LayoutError
@@ -62,6 +66,11 @@ T = TypeVar("T")
 #: under vLLM's logger hierarchy, so that vLLM's own log handler prints it
 logger = init_logger("vllm.plugins.attnpool")
 
+
+
+#: the attention types a layer may have: decoder self-attention everywhere, encoder-only and
+#: cross attention where vLLM's CPU kernel attends (non-causally)
+_SERVED = (AttentionType.DECODER, AttentionType.ENCODER_ONLY, AttentionType.ENCODER_DECODER)
 
 
 class AttnpoolImpl(AttentionImpl[StepMetadata]):
@@ -82,10 +91,9 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
             (f"ALiBi slopes ({only_kernel})", alibi_slopes is not None and not kernel),
             (f"an fp8 KV cache (kv_cache_dtype={kv_cache_dtype!r}; {only_kernel})",
              kv_cache_dtype != "auto" and not kernel),
-            (f"{attn_type} attention (decoder self-attention, and encoder-only attention "
-             f"{only_kernel})", attn_type not in (AttentionType.DECODER,
-                                                  AttentionType.ENCODER_ONLY)
-             or (attn_type == AttentionType.ENCODER_ONLY and not kernel)),
+            (f"{attn_type} attention (decoder self-attention; encoder-only and cross "
+             f"attention {only_kernel})", attn_type not in _SERVED
+             or (attn_type != AttentionType.DECODER and not kernel)),
             (f"arguments {sorted(extra)}", bool(extra))) if bad],
             kernel_fixes=device.type == "cpu" and not kernel)
         self.alibi_slopes = None if alibi_slopes is None else torch.tensor(
@@ -258,10 +266,16 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         first = impls[0]
         sched, model = vllm_config.scheduler_config, vllm_config.model_config
         encoder_only = isinstance(kv_cache_spec, EncoderOnlyAttentionSpec)
+        #: a cross-attention group (encoder-decoder models): vLLM's cross-attention builder,
+        #: a subclass of this one, hands :meth:`build` the encoder's lengths as ``seq_lens``
+        #: and the group's block table of encoder K/V; the kernel attends non-causally
+        cross = isinstance(kv_cache_spec, CrossAttentionSpec)
+        longest = max(model.max_model_len, sched.max_num_encoder_input_tokens) if cross \
+            else model.max_model_len
         sizes = EngineSizes(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=model.max_model_len, block_size=kv_cache_spec.block_size,
+            max_model_len=longest, block_size=kv_cache_spec.block_size,
             sliding_window=group_window({i.sliding_window for i in impls}),
             num_blocks=scratch_blocks(sched.max_num_batched_tokens, kv_cache_spec.block_size,
                                       sched.max_num_seqs) if encoder_only
@@ -270,7 +284,8 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
                                  kv_cache_spec.num_kv_heads, model.dtype)
         if sizes.device.type == "cpu" and cpu_kernel_mode() == "vllm":
             self._use_cpu_kernel(impls, kv_cache_spec, model.dtype,
-                                 vllm_config.cache_config.cache_dtype, not encoder_only)
+                                 vllm_config.cache_config.cache_dtype,
+                                 not (encoder_only or cross))
         #: an encoder-only group's scratch cache and refill (.encoder_only), else None
         self.encoder_only = EncoderOnlySteps(self.filler, kv_cache_spec.num_kv_heads,
                                              kv_cache_spec.head_size, model.dtype) \

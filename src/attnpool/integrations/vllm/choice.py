@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import os
 
-from ...adapters.backends import Backend, Need, select
-from ...errors import LayoutError
+from ...adapters.backends import Backend, Need
+from ...adapters.binding import choose, driven
 
 #: The environment variable that forces one adapter.
 KERNEL = "ATTNPOOL_VLLM_KERNEL"
 
 #: The adapters this integration drives per device, fastest first.
-DRIVEN: dict[str, tuple[Backend, ...]] = {
-    "cpu": (Backend.SDPA,),
-    "cuda": (Backend.FA3, Backend.FA4, Backend.FA2, Backend.SDPA),
-}
+DRIVEN: dict[str, tuple[Backend, ...]] = {"cpu": driven("cpu"), "cuda": driven("cuda")}
 
 
 def pick(need: Need) -> Backend:
@@ -39,13 +36,5 @@ def pick(need: Need) -> Backend:
         LayoutError: :data:`KERNEL` names no driven adapter, the one it names cannot run here,
             or none can.
     """
-    driven = DRIVEN.get(need.device, (Backend.SDPA,))
-    forced = os.environ.get(KERNEL, "").strip().lower()
-    backend = Backend.AUTO
-    if forced:
-        names = [b.value for b in driven]
-        if forced not in names:
-            raise LayoutError(f"{KERNEL} must name one of {names} on {need.device}, got "
-                              f"{forced!r}")
-        backend = Backend(forced)
-    return select(need, backend, driven, "attnpool's vLLM backend")
+    return choose(need, os.environ.get(KERNEL, "").strip().lower(), "attnpool's vLLM backend",
+                  KERNEL)

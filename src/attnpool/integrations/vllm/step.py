@@ -78,9 +78,14 @@ def pool_config(s: EngineSizes) -> PoolConfig:
                       sliding_window=s.sliding_window, num_pages=s.num_blocks, pad_page=0)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepMetadata:
     """What every layer of a group reads in one step (vLLM's ``attn_metadata`` for the group).
+
+    Not frozen, for one field: vLLM's cross-attention builder (a subclass of the group's
+    builder, :mod:`vllm.model_executor.layers.attention.cross_attention`) sets
+    ``slot_mapping`` on the metadata :meth:`StepFiller.fill` returns, and its layers store the
+    encoder's K/V there. Nothing of attnpool's changes a field after ``fill``.
 
     Fields:
         view: the refilled :class:`attnpool.DecodeView` or :class:`attnpool.ExtendView`.
@@ -98,6 +103,8 @@ class StepMetadata:
             slot in it (:mod:`.encoder_only`), else None.
         block_plans: the CPU decode path's per-part plans (:mod:`.decode_cpu`), made by the
             first layer that reads a part and reused by the step's other layers.
+        slot_mapping: ``[tokens]`` the encoder tokens' cache slots of a cross-attention step,
+            set by vLLM's cross-attention builder (see above); None otherwise.
     """
 
     view: DecodeView | ExtendView
@@ -109,6 +116,7 @@ class StepMetadata:
     encoder_cache: Tensor | None = None
     encoder_slots: Tensor | None = None
     block_plans: dict[tuple[int, int], BlockPlan] = field(default_factory=dict)
+    slot_mapping: Tensor | None = None
 
     def block_plan(self, part: PagedView, num_kv_heads: int) -> BlockPlan:
         """The :class:`~.decode_cpu.BlockPlan` of ``part`` (this step's decode view or its

@@ -1,0 +1,136 @@
+"""Cross attention (an encoder-decoder model: a tiny random Whisper) through attnpool's pools
+and vLLM's CPU kernel: the greedy tokens of vLLM's own backend.
+
+vLLM wraps the group's builder for its cross-attention layers (its ``CrossAttentionBuilder``
+subclasses attnpool's): each step's metadata carries the encoder's lengths as ``seq_lens`` and
+the cross group's block table of the encoder's K/V, so the cross group's pool is refilled per
+step like any other (decode steps: ``pool.decode``; the first step of a request:
+``pool.extend``), and the kernel attends non-causally. The decoder's self-attention is an
+ordinary group. A corrupted page id of the cross group's pool changes the tokens.
+
+The model and its processor are built here: Whisper's byte-level tokenizer over 256 byte
+symbols and its special tokens, the default feature extractor; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.helpers import vllm_engine as ve
+
+#: seconds of random audio per request (vLLM pads each to Whisper's 30 s: 1500 encoder tokens)
+SECONDS = (1, 3, 2)
+ENCODER_TOKENS = 1500
+
+
+def _byte_symbols() -> list[str]:
+    """The 256 printable stand-ins of byte-level BPE (GPT-2's mapping)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    table = dict(zip(keep, map(chr, keep), strict=True))
+    table.update({b: chr(256 + i) for i, b in enumerate(extra)})
+    return [table[b] for b in range(256)]
+
+
+def _save(root: Path) -> Path:
+    import torch
+    import transformers as tf
+
+    path = root / "whisper"
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True)
+    (path / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate(_byte_symbols())}))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    end = "<|endoftext|>"
+    tok = tf.WhisperTokenizer(str(path / "vocab.json"), str(path / "merges.txt"), unk_token=end,
+                              bos_token=end, eos_token=end, pad_token=end)
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|startoftranscript|>", "<|en|>", "<|translate|>", "<|transcribe|>", "<|startoflm|>",
+        "<|startofprev|>", "<|nocaptions|>", "<|notimestamps|>"]})
+    start = tok.convert_tokens_to_ids("<|startoftranscript|>")
+    eos = tok.convert_tokens_to_ids(end)
+    cfg = tf.WhisperConfig(vocab_size=len(tok), num_mel_bins=80, d_model=128, encoder_layers=2,
+                           decoder_layers=2, encoder_attention_heads=4,
+                           decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256,
+                           max_source_positions=ENCODER_TOKENS, max_target_positions=448,
+                           init_std=0.3, decoder_start_token_id=start, eos_token_id=eos,
+                           pad_token_id=eos, bos_token_id=eos, begin_suppress_tokens=None,
+                           suppress_tokens=None, forced_decoder_ids=None)
+    torch.manual_seed(0)
+    model = tf.WhisperForConditionalGeneration(cfg).to(torch.float32)
+    model.generation_config.forced_decoder_ids = None
+    model.save_pretrained(path)
+    tf.WhisperProcessor(feature_extractor=tf.WhisperFeatureExtractor(feature_size=80),
+                        tokenizer=tok).save_pretrained(path)
+    return path
+
+
+def _transcribe(model: Path, attnpool: bool) -> list[list[int]]:
+    import numpy as np
+    from vllm import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    reqs = [{"prompt": "<|startoftranscript|>", "multi_modal_data": {
+        "audio": (rng.standard_normal(16000 * s).astype(np.float32), 16000)}} for s in SECONDS]
+    with ve.attnpool_backend(attnpool):
+        llm = LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=448,
+                  max_num_seqs=4, limit_mm_per_prompt={"audio": 1}, seed=0,
+                  distributed_executor_backend="uni")
+        try:
+            outs = llm.generate(reqs, SamplingParams(temperature=0.0, max_tokens=16,
+                                                     ignore_eos=True), use_tqdm=False)
+        finally:
+            del llm
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _save(tmp_path_factory.mktemp("vllm-whisper"))
+
+
+def _cross_steps(monkeypatch: pytest.MonkeyPatch, corrupt: bool) -> list[int]:
+    """Count the cross group's refills (the steps whose lengths are the encoder's); with
+    ``corrupt``, the first row of each reads the second row's first block."""
+    from attnpool.integrations.vllm.step import StepFiller
+
+    seen: list[int] = []
+    fill = StepFiller.fill
+
+    def watched(self: StepFiller, **kw: Any) -> Any:
+        md = fill(self, **kw)
+        lens = kw["seq_lens"][:kw["num_reqs"]]
+        if bool((lens == ENCODER_TOKENS).all()):
+            seen.append(kw["num_reqs"])
+            if corrupt and kw["num_reqs"] > 1:
+                md.view.page_table[0, 0] = md.view.page_table[1, 0]
+        return md
+
+    monkeypatch.setattr(StepFiller, "fill", watched)
+    return seen
+
+
+def test_whisper_tokens_equal_native(whisper: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    native = _transcribe(whisper, False)
+    seen = _cross_steps(monkeypatch, corrupt=False)
+    ours = _transcribe(whisper, True)
+    print(json.dumps({"model": "whisper", "requests": len(SECONDS), "cross_steps": len(seen),
+                      "identical": sum(a == b for a, b in zip(native, ours, strict=True))}))
+    assert seen and max(seen) > 1, seen  # the cross group's pool was refilled, rows batched
+    assert len({tuple(t) for t in native}) > 1  # the audio shows in the tokens
+    assert ours == native
+
+
+def test_corrupting_the_cross_pool_changes_tokens(whisper: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    native = _transcribe(whisper, False)
+    _cross_steps(monkeypatch, corrupt=True)
+    assert _transcribe(whisper, True) != native
