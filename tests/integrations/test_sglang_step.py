@@ -164,3 +164,52 @@ def test_refill_allocates_nothing_on_the_fused_path() -> None:
             and "out" not in op.split(".")[2]}
     assert not made, c.ops
     assert c.launches == 1
+
+
+def test_decode_graph_capture_and_replay_refill_the_same_view() -> None:
+    """What SGLang's decode graph runner relies on (``init_forward_metadata_out_graph``): the
+    captured view's tensors are refilled in place before each replay (the addresses a graph
+    bakes in), its host bounds stay the capture's static ones, padded rows (SGLang's fill
+    value 1, request row 0) read valid pages, nothing is read back from the device and, on
+    the fused path, nothing is allocated."""
+    pytest.importorskip("triton")
+    from attnpool.adapters.binding import bind
+
+    f = _filler(16, impl=Impl.TRITON)
+    captured = f.capture(4).view
+    ptrs = [t.data_ptr() for t in (captured.cache_seqlens, captured.page_table,
+                                   captured.cu_seqlens_k)]
+    rows, lens = [4, 2, 0, 0], [37, 150, 1, 1]  # two real rows, two padded ones
+    table = _table(16, [37, 150], [4, 2])
+    table[0, 0] = 5 * 16  # (row 0 of the request table: whatever request had it, in range)
+    kw = {"req_pool_indices": torch.tensor(rows), "req_to_token": table,
+          "seq_lens": torch.tensor(lens)}
+    f.replay(4, **kw)  # type: ignore[arg-type]
+    c = count(lambda: f.replay(4, **kw))  # type: ignore[arg-type]
+    view = f.replay(4, **kw)  # type: ignore[arg-type]
+    assert [t.data_ptr() for t in (view.cache_seqlens, view.page_table,
+                                   view.cu_seqlens_k)] == ptrs
+    assert view.max_seqlen_k == captured.max_seqlen_k == WIDTH  # static, not the batch's
+    assert view.cache_seqlens[:4].tolist() == lens
+    assert view.page_table[2:, 0].tolist() == [5, 5]
+    assert not [op for op in c.ops if "_local_scalar_dense" in op or "item" in op], c.ops
+    views = {"aten.slice.Tensor", "aten.alias.default", "aten.view.default",
+             "aten.select.int", "aten.as_strided.default"}
+    made = {op for op in c.ops if op not in views and not op.split(".")[1].endswith("_")
+            and "out" not in op.split(".")[2]}
+    assert not made, c.ops
+    # the replayed view attends the real rows as an eager refill would
+    run = bind(f.backend, view, 4, H, H_KV, torch.float64)
+    _check_real_rows(f, run, table, rows[:2], lens[:2])
+
+
+def _check_real_rows(f: BatchFiller, run: object, table: torch.Tensor, rows: list[int],
+                     lens: list[int]) -> None:
+    torch.manual_seed(2)
+    k_buf = torch.randn(1024, H_KV, D, dtype=torch.float64)
+    v_buf = torch.randn(1024, H_KV, D, dtype=torch.float64)
+    q = torch.randn(4, H, D, dtype=torch.float64)
+    out = run(q, kv_pages(k_buf, 16), kv_pages(v_buf, 16), D ** -0.5)  # type: ignore[operator]
+    keys = [table[r, :n].tolist() for r, n in zip(rows, lens, strict=True)]
+    ref, _ = dense_attention(q[:2], k_buf.unsqueeze(1), v_buf.unsqueeze(1), keys, D ** -0.5)
+    torch.testing.assert_close(out[:2], ref, rtol=1e-10, atol=1e-10)

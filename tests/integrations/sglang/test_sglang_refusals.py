@@ -92,3 +92,31 @@ def test_the_adapter_is_the_fastest_installed(monkeypatch: pytest.MonkeyPatch) -
         pick(cuda, layers)
     with pytest.raises(LayoutError, match=rf"{KERNEL} must name one of \['sdpa'\] on cpu"):
         pick(_runner(layers), layers)
+
+
+def test_decode_graph_hooks() -> None:
+    """SGLang's graph runner's calls: ``init_cuda_graph_state`` refuses while SDPA attends
+    (it plans each batch on the host); capture binds the layers to the pool's decode view of
+    the graph's size, and a replay refills that view's tensors in place."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from attnpool.integrations.sglang.backend import AttnpoolAttnBackend
+
+    b = AttnpoolAttnBackend(_runner([_layer(0), _layer(1)]))
+    with pytest.raises(LayoutError, match="only with flash-attn attending"):
+        b.init_cuda_graph_state(4, 4)
+    assert b.get_cuda_graph_seq_len_fill_value() == 1
+    fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=2,
+                         req_pool_indices=torch.tensor([3, 0]), seq_lens=torch.tensor([20, 1]),
+                         out_cache_loc=torch.tensor([19, 0]))
+    b.init_forward_metadata_out_graph(fb, in_capture=True)
+    assert b.run is not None
+    captured = b.run.view
+    b.req_to_token[3, :20] = torch.arange(16, 36)
+    b.init_forward_metadata_out_graph(fb)
+    assert b.run.view is captured  # the replay refilled it; the captured call is unchanged
+    assert captured.cache_seqlens[:2].tolist() == [20, 1]
+    assert captured.page_table[0, :2].tolist() == [1, 2]
+    fb.forward_mode = ForwardMode.EXTEND
+    with pytest.raises(LayoutError, match="decode graphs only"):
+        b.init_forward_metadata_out_graph(fb, in_capture=True)

@@ -14,9 +14,14 @@ What the backend does not serve is refused when SGLang builds it, at engine star
 reason and the setting to change (:func:`refusals`): cross attention (encoder-decoder
 models), encoder-only and bidirectional layers, multi-head latent attention, KV caches of
 another dtype than the model's (fp8), hybrid sliding-window KV pools, speculative decoding,
-more than one sliding window, and query/value head sizes that differ. CUDA graphs are not
-captured through it yet: start SGLang with ``disable_cuda_graph=True`` on CUDA (a CPU engine
-captures none).
+more than one sliding window, and query/value head sizes that differ.
+
+CUDA graphs (decode): :meth:`~AttnpoolAttnBackend.init_forward_metadata_out_graph` binds the
+layers' call to ``pool.decode.view(bs)`` before a capture and refills that view in place before
+each replay (no host read; padded rows carry the fill value
+:meth:`~AttnpoolAttnBackend.get_cuda_graph_seq_len_fill_value` declares); the in-graph part is
+empty. Only with flash-attn attending: SDPA plans each batch on the host, so with SDPA
+``init_cuda_graph_state`` refuses (a CPU engine captures none).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from ...adapters.backends import Backend, Need
 from ...adapters.binding import Run, choose
-from ...errors import LayoutError
+from ...errors import CapacityError, LayoutError
 from .step import KERNEL, NAME, BatchFiller, RunnerSizes, kv_pages
 
 logger = logging.getLogger(__name__)
@@ -194,8 +199,37 @@ class AttnpoolAttnBackend(AttentionBackend):
         return self._attend(q, k, v, layer, save_kv_cache, **kwargs)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        raise LayoutError(f"attention_backend={NAME!r} does not capture CUDA graphs yet: start "
-                          "SGLang with disable_cuda_graph=True")
+        """Nothing to allocate (the pool holds every buffer); refused where a captured decode
+        graph could not replay correctly: SDPA attending (its gather plan is made on the host
+        from the batch's lengths) or more rows than the pool has."""
+        if self.filler.backend is Backend.SDPA:
+            raise LayoutError(f"attention_backend={NAME!r} captures CUDA graphs only with "
+                              "flash-attn attending (SDPA plans each batch on the host): "
+                              "install flash-attn, or start SGLang with disable_cuda_graph=True")
+        if max_bs > self.filler.sizes.max_requests:
+            raise CapacityError(f"CUDA graphs of {max_bs} rows, but the pool has "
+                                f"max_requests={self.filler.sizes.max_requests}")
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch,
+                                        in_capture: bool = False) -> None:
+        """Before a decode graph's capture (``in_capture``): bind the layers' call to the
+        captured view; before each replay: refill that view in place from the graph's inputs
+        (eager batches go through :meth:`init_forward_metadata` instead)."""
+        fb = forward_batch
+        if not fb.forward_mode.is_decode():
+            raise LayoutError(f"attention_backend={NAME!r} captures decode graphs only, got "
+                              f"{fb.forward_mode.name}")
+        bs = fb.batch_size
+        if in_capture:
+            self.run = self.filler.capture(bs)
+        else:
+            self.filler.replay(bs, req_pool_indices=fb.req_pool_indices,
+                               req_to_token=self.req_to_token, seq_lens=fb.seq_lens)
+        self.loc = KVWriteLoc(fb.out_cache_loc)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
+        """Nothing: the refill runs before the replay (out of the graph), into the buffers
+        the captured kernels read."""
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.filler.pool.cfg.pad_seq_len

@@ -147,6 +147,25 @@ class BatchFiller:
                     self.dtype, prefix_free=prefix_free)
 
 
+    def capture(self, bs: int) -> Run:
+        """The adapter call a decode CUDA graph of ``bs`` rows captures: bound to
+        ``pool.decode.view(bs)``, whose tensors every later :meth:`replay` refills in place
+        (the addresses the graph bakes in) and whose host bounds are the static ones
+        (``max_seqlen_k = C``), which a replay keeps."""
+        return bind(self.backend, self.pool.decode.view(bs), bs, self.num_heads,
+                    self.num_kv_heads, self.dtype)
+
+    def replay(self, bs: int, *, req_pool_indices: Tensor, req_to_token: Tensor,
+               seq_lens: Tensor) -> DecodeView:
+        """Refill the captured ``bs``-row decode view before a replay, from SGLang's graph
+        inputs: all ``bs`` rows, the padded ones with the fill value the backend declares
+        (``pad_seq_len``) and an in-range request row. No host copy is passed, so nothing is
+        read back from the device and the view keeps the capture's static bounds."""
+        return self.pool.decode.update_(bs, seq_lens=seq_lens[:bs],
+                                        req_pool_indices=req_pool_indices[:bs],
+                                        req_to_token=req_to_token)
+
+
 def kv_pages(buffer: Tensor, page_size: int) -> Tensor:
     """One layer's key or value buffer of SGLang's KV pool, ``[slots, H_kv, D]`` with token
     slot ``s`` at row ``s``, seen as pages ``[slots / P, P, H_kv, D]`` (page ``s // P``, offset
