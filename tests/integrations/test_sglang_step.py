@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from attnpool.config import Impl
 from attnpool.integrations.sglang.step import BatchFiller, RunnerSizes, kv_pages
 
 from tests.helpers.dense import dense_attention
+from tests.helpers.fakes_fa4 import FA4
 from tests.helpers.opcount import count
 
 H, H_KV, D = 4, 2, 32
@@ -213,3 +216,52 @@ def _check_real_rows(f: BatchFiller, run: object, table: torch.Tensor, rows: lis
     keys = [table[r, :n].tolist() for r, n in zip(rows, lens, strict=True)]
     ref, _ = dense_attention(q[:2], k_buf.unsqueeze(1), v_buf.unsqueeze(1), keys, D ** -0.5)
     torch.testing.assert_close(out[:2], ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch: pytest.MonkeyPatch) -> Iterator[FA4]:
+    """``flash_attn.cute`` as a CPU fake that enforces the real interface's checks; its
+    ``calls`` keep every call's arguments."""
+    from attnpool.adapters import flash_attn as fa
+
+    fake = FA4()
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake.module())
+    fa.clear_kernel_cache()
+    yield fake
+    fa.clear_kernel_cache()
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_flash_attn_reads_sglangs_buffers_in_place(fake_fa4: FA4, decode: bool) -> None:
+    """On CUDA with flash-attn 4 (the CPU fake here), a layer's call hands the kernel the KV
+    pool's buffers themselves, seen as pages, and agrees with the SDPA adapter on the same
+    refilled view (bfloat16 cache, float32 comparison)."""
+    from attnpool.adapters.binding import bind
+
+    rows, lens = [1, 3, 5, 0], [70, 13, 41, 120]
+    q_lens = [1, 1, 1, 1] if decode else [30, 13, 1, 1]
+    table = _table(16, lens, rows, seed=5)
+    sizes = RunnerSizes(max_requests=REQS, max_context_len=WIDTH, max_extend_tokens=96,
+                        page_size=16, sliding_window=None, num_pages=64,
+                        device=torch.device("cpu"))
+    f = BatchFiller(sizes, Backend.FA4, H, H_KV, torch.bfloat16)
+    kw: dict[str, object] = {"decode": decode, "req_pool_indices": torch.tensor(rows),
+                             "req_to_token": table, "seq_lens": torch.tensor(lens),
+                             "seq_lens_cpu": torch.tensor(lens), "num_tokens": sum(q_lens)}
+    if not decode:
+        kw |= {"extend_seq_lens": torch.tensor(q_lens), "extend_seq_lens_cpu": q_lens,
+               "extend_prefix_lens_cpu": [n - q for n, q in zip(lens, q_lens, strict=True)]}
+    run = f.fill(**kw)  # type: ignore[arg-type]
+    torch.manual_seed(3)
+    k_buf = torch.randn(1024, H_KV, D).to(torch.bfloat16)  # SGLang's [slots, H_kv, D]
+    v_buf = torch.randn(1024, H_KV, D).to(torch.bfloat16)
+    q = torch.randn(sum(q_lens), H, D).to(torch.bfloat16)
+    k, v = kv_pages(k_buf, 16), kv_pages(v_buf, 16)
+    out = run(q, k, v, D ** -0.5)
+    assert fake_fa4.calls and all(c["k"].data_ptr() == k_buf.data_ptr()
+                                  and c["v"].data_ptr() == v_buf.data_ptr()
+                                  for c in fake_fa4.calls)
+    want = bind(Backend.SDPA, run.view, sum(q_lens), H, H_KV, torch.float32)(
+        q.float(), k.float(), v.float(), D ** -0.5)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
