@@ -26,7 +26,7 @@ import gc
 import os
 import random
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -39,6 +39,7 @@ from attnpool.adapters import sdpa
 
 from tests.helpers.batches import make_table
 from tests.helpers.fakes_fa4 import FA4
+from tests.helpers.graph_replay import capture, mixed_batch
 
 H, H_KV, PAGE = 4, 2, 16
 BF16 = torch.bfloat16
@@ -75,64 +76,12 @@ def make_pool(dims: Dims, dev: torch.device, impl: Impl) -> BufferPool:
     return BufferPool(cfg, poison=True)
 
 
-def mixed_batch(n: int, dims: Dims, rng: random.Random) -> tuple[list[int], list[int], list[int]]:
-    """``(seq_lens, extend_lens, req_pool_indices)`` of ``n`` requests, each a decode row
-    (``extend_len`` 1), a prefill chunk on a cached prefix, or a whole prompt (no prefix); the
-    new tokens sum to at most T. With ``n >= 2`` the batch has at least one decode row and one
-    prefill chunk, so every step is really mixed."""
-    kinds = [rng.choice(["decode", "chunk", "whole"]) for _ in range(n)]
-    if n >= 2:
-        kinds[:2] = ["decode", "chunk"]
-        rng.shuffle(kinds)
-    seq: list[int] = []
-    ext: list[int] = []
-    for i, kind in enumerate(kinds):
-        budget = dims.t - sum(ext) - (n - i - 1)  # leave >= 1 token for each later request
-        if kind == "decode":
-            e = 1
-            s = rng.choice([1, dims.c, rng.randint(1, dims.c)])
-        else:
-            hi = min(dims.c, budget)
-            e = rng.choice([1, hi, rng.randint(1, hi)])  # hi: sometimes the batch fills T
-            prefix = 0 if kind == "whole" else rng.choice(
-                [dims.c - e, rng.randint(0, dims.c - e)])
-            s = e + prefix
-        seq.append(s)
-        ext.append(e)
-    return seq, ext, rng.sample(range(ROWS), n)
-
-
 def kv_cache(table: Tensor, d: int, dev: torch.device) -> tuple[Tensor, Tensor]:
     """``k, v [pages, PAGE, H_KV, d]`` bf16, random everywhere (the pad page 0 included: finite)."""
     pages = int(table.max()) // PAGE + 2
     g = torch.Generator().manual_seed(0)
     return tuple(torch.randn(pages, PAGE, H_KV, d, generator=g).to(dev, BF16)  # type: ignore[return-value]
                  for _ in range(2))
-
-
-def capture(forward: Callable[[], Tensor], dev: torch.device) -> tuple[Callable[[], None], Tensor]:
-    """``(replay, out)``: on CUDA a graph of ``forward`` (warmed up on a side stream first: FA4
-    JIT-compiles on its first call, never inside a capture); on CPU a simulated one whose replay
-    re-runs ``forward`` on the same captured view and static input into the captured output."""
-    if dev.type == "cuda":
-        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = forward()
-        return graph.replay, out
-    for _ in range(2):
-        forward()
-    out = forward()
-
-    def replay() -> None:
-        out.copy_(forward())
-
-    return replay, out
 
 
 def extend_stream(dev: torch.device, dims: Dims, impl: Impl, bs: int, full: bool, steps: int,
@@ -158,7 +107,8 @@ def extend_stream(dev: torch.device, dims: Dims, impl: Impl, bs: int, full: bool
     mems: list[int] = []  # bytes allocated after each step (the first may warm caches up)
     for step in range(steps):
         n = bs if full else rng.choice([1, bs, rng.randint(1, bs)])
-        seq, ext, rpi = mixed_batch(n, dims, rng)
+        seq, ext = mixed_batch(n, dims.t, dims.c, rng)
+        rpi = rng.sample(range(ROWS), n)
         kw = {"seq_lens": torch.tensor(seq, device=dev),
               "extend_lens": torch.tensor(ext, dtype=torch.int32, device=dev),
               "req_pool_indices": torch.tensor(rpi, device=dev), "req_to_token": table}
