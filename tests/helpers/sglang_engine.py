@@ -38,6 +38,9 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # a KV pool too small for the batch's decode (and more new tokens per request): the
     # scheduler admits requests on an estimate of their growth, then retracts some
     "pressure": {"max_total_tokens": 400, "max_running_requests": 8},
+    # the defaults, with the negative control on (attnpool's pool corrupted after each decode
+    # refill: tests/helpers/sglang_cpu/sitecustomize.py; nothing changes for other backends)
+    "corrupt": {},
 }
 #: New tokens per request where a setting needs more than ``--max-new``.
 MAX_NEW: dict[str, int] = {"pressure": 96}
@@ -47,7 +50,8 @@ STOP_AT_EOS = {"pressure"}
 #: Environment of a setting's engine: under "pressure" the scheduler's first estimate of each
 #: request's growth is 5% of its new tokens (SGLang's default, 70%, admits so few requests
 #: that a pool this small never runs out during decode).
-SETTING_ENV: dict[str, dict[str, str]] = {"pressure": {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.05"}}
+SETTING_ENV: dict[str, dict[str, str]] = {"pressure": {"SGLANG_INIT_NEW_TOKEN_RATIO": "0.05"},
+                                          "corrupt": {"ATTNPOOL_SGLANG_CORRUPT": "1"}}
 BASE: dict[str, Any] = {"device": "cpu", "skip_tokenizer_init": True, "disable_cuda_graph": True,
                         "dtype": "float32", "max_total_tokens": 2048, "random_seed": 0,
                         "log_level": "warning", "mem_fraction_static": 0.5}

@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct (the GGUF dequantized into the float32 folder the vLLM example writes)
 through SGLang: attnpool's backend gives ``torch_native``'s greedy tokens on chat prompts, one
-and eight requests, and the text reads as an answer."""
+and four requests, and the text reads as an answer."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ pytest.importorskip("sglang")
 from tests.integrations.sglang.test_sglang_tokens import _check, run_pair
 
 QUESTIONS = ("What is the capital of France?", "Name three primary colours.",
-             "Write one sentence about the sea.", "What is 12 times 12?", "Who wrote Hamlet?",
-             "Give me a synonym for happy.", "What colour is the sky on a clear day?",
-             "Count from one to five.")
+             "Write one sentence about the sea.", "What is 12 times 12?")
 
 
 def test_smollm2_tokens_identical_and_text(tmp_path: Path) -> None:
@@ -34,6 +32,6 @@ def test_smollm2_tokens_identical_and_text(tmp_path: Path) -> None:
                                         return_dict=False)) for q in QUESTIONS]
     (tmp_path / "prompts.json").write_text(json.dumps(ids))
     native, ours, _, _ = run_pair(folder, "defaults", tmp_path, "--prompts",
-                                  str(tmp_path / "prompts.json"), "--max-new", "24")
+                                  str(tmp_path / "prompts.json"), "--max-new", "16")
     _check("smollm2", native, ours)
     assert "Paris" in tok.decode(ours["defaults"]["batch"][0])
