@@ -184,7 +184,7 @@ def test_decode_graph_capture_and_replay_refill_the_same_view() -> None:
                                    captured.cu_seqlens_k)]
     rows, lens = [4, 2, 0, 0], [37, 150, 1, 1]  # two real rows, two padded ones
     table = _table(16, [37, 150], [4, 2])
-    table[0, 0] = 5 * 16  # (row 0 of the request table: whatever request had it, in range)
+    table[0, 0] = 5 * 16  # (row 0 of the request table: SGLang reserves it; any slot in range)
     kw = {"req_pool_indices": torch.tensor(rows), "req_to_token": table,
           "seq_lens": torch.tensor(lens)}
     f.replay(4, **kw)  # type: ignore[arg-type]

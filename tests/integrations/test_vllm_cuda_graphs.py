@@ -7,10 +7,12 @@ get no query (``query_start_loc`` repeated), length 0 and the null block in the 
 and tokens past the real ones go to slot -1. On CUDA the filler passes no host copy, so a
 refill keeps the view's static bounds (``max_seqlen_q = T``, ``max_seqlen_k = C``) and hands back
 the very view a graph captured: every mixed batch of at most ``bs`` requests and ``T`` tokens
-replays from ONE extend graph (``AttentionCGSupport.ALWAYS`` for flash-attn), and uniform
-decode batches from one decode graph per size. Each replay's real rows are compared with the
-SDPA adapter over a second filler refilled eagerly from the same batch (float32 over the bf16
-cache).
+replays from ONE extend graph, and uniform decode batches from one decode graph per size. The
+backend declares ``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`` today; the extend stream
+is what a declaration of ``ALWAYS`` for flash-attn would rely on (vLLM's ``FULL`` keys pad a
+mixed batch to ``min(num_tokens, max_num_seqs)`` requests, as here). Each replay's real rows
+are compared with the SDPA adapter over a second filler refilled eagerly from the same batch
+(float32 over the bf16 cache).
 
 On CUDA (``flash_attn.cute`` importable): real graphs, ``ATTNPOOL_GRAPH_STEPS`` replays (at
 most and by default 200) per graph. On CPU the same logic runs against the FA4 fake with the

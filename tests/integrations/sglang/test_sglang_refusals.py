@@ -48,6 +48,11 @@ def test_served_runner_builds_its_pool() -> None:
     assert (s.max_requests, s.max_context_len, s.page_size, s.sliding_window) == (8, 512, 16, 48)
     assert s.max_extend_tokens == min(512 + 8, 256 + 16)  # a whole prompt, capped by the slots
     assert b.filler.masked  # softcap: the adapter's mask on every prefill
+    holder = nn.Module()
+    holder.sinks = nn.Parameter(torch.zeros(4))  # gpt-oss style: sinks passed to the layers
+    plain = AttnpoolAttnBackend(_runner([_layer(0), _layer(1)]))
+    with_sinks = AttnpoolAttnBackend(_runner([_layer(0), _layer(1), holder]))
+    assert not plain.filler.masked and with_sinks.filler.masked
 
 
 def test_unserved_runner_is_refused_with_every_reason(caplog: pytest.LogCaptureFixture) -> None:
@@ -57,16 +62,20 @@ def test_unserved_runner_is_refused_with_every_reason(caplog: pytest.LogCaptureF
 
     layers = [_layer(0, is_cross_attention=True), _layer(1, sliding_window_size=10),
               _layer(2, sliding_window_size=20, attn_type=AttentionType.ENCODER_ONLY),
-              _layer(3, v_head_dim=16)]
+              _layer(3, v_head_dim=16), _layer(4, use_irope=True),
+              _layer(5, logit_cap=5.0, logit_capping_method="not tanh")]
     spec = SimpleNamespace(is_none=lambda: False)
+    args = SimpleNamespace(chunked_prefill_size=64, max_prefill_tokens=128, enable_pdmux=True)
     with caplog.at_level(logging.ERROR), pytest.raises(LayoutError) as e:
         AttnpoolAttnBackend(_runner(layers, kv_dtype=torch.float16, spec_algorithm=spec,
-                                    use_mla_backend=True))
+                                    use_mla_backend=True, attention_chunk_size=64,
+                                    server_args=args))
     msg = str(e.value)
     for part in ("multi-head latent attention", "cross attention", "encoder_only",
                  "value head size", "more than one sliding window ([10, 20])",
                  "torch.float16 with a torch.float32 model", "speculative decoding",
-                 "another attention_backend"):
+                 "chunked local attention", "logit capping other than tanh",
+                 "PD-multiplexing", "another attention_backend"):
         assert part in msg
     assert msg in caplog.text  # logged at ERROR too, where SGLang's scheduler log shows it
 

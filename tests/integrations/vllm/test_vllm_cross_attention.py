@@ -27,6 +27,9 @@ from tests.helpers import vllm_engine as ve
 #: seconds of random audio per request (vLLM pads each to Whisper's 30 s: 1500 encoder tokens)
 SECONDS = (1, 3, 2)
 ENCODER_TOKENS = 1500
+#: the decoder prompt: four tokens, so each request's first step is an extend step of the cross
+#: group (several queries per row), the later ones decode steps
+PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 
 
 def _byte_symbols() -> list[str]:
@@ -78,7 +81,7 @@ def _transcribe(model: Path, attnpool: bool) -> list[list[int]]:
     from vllm import LLM, SamplingParams
 
     rng = np.random.default_rng(0)
-    reqs = [{"prompt": "<|startoftranscript|>", "multi_modal_data": {
+    reqs = [{"prompt": PROMPT, "multi_modal_data": {
         "audio": (rng.standard_normal(16000 * s).astype(np.float32), 16000)}} for s in SECONDS]
     with ve.attnpool_backend(attnpool):
         llm = LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=448,
@@ -97,19 +100,20 @@ def whisper(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save(tmp_path_factory.mktemp("vllm-whisper"))
 
 
-def _cross_steps(monkeypatch: pytest.MonkeyPatch, corrupt: bool) -> list[int]:
-    """Count the cross group's refills (the steps whose lengths are the encoder's); with
-    ``corrupt``, the first row of each reads the second row's first block."""
+def _cross_steps(monkeypatch: pytest.MonkeyPatch, corrupt: bool) -> list[tuple[int, int]]:
+    """The cross group's refills (the steps whose lengths are the encoder's) as ``(requests,
+    max_query_len)``; with ``corrupt``, the first row of each reads the second row's first
+    block."""
     from attnpool.integrations.vllm.step import StepFiller
 
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
     fill = StepFiller.fill
 
     def watched(self: StepFiller, **kw: Any) -> Any:
         md = fill(self, **kw)
         lens = kw["seq_lens"][:kw["num_reqs"]]
         if bool((lens == ENCODER_TOKENS).all()):
-            seen.append(kw["num_reqs"])
+            seen.append((kw["num_reqs"], kw["max_query_len"]))
             if corrupt and kw["num_reqs"] > 1:
                 md.view.page_table[0, 0] = md.view.page_table[1, 0]
         return md
@@ -124,7 +128,9 @@ def test_whisper_tokens_equal_native(whisper: Path, monkeypatch: pytest.MonkeyPa
     ours = _transcribe(whisper, True)
     print(json.dumps({"model": "whisper", "requests": len(SECONDS), "cross_steps": len(seen),
                       "identical": sum(a == b for a, b in zip(native, ours, strict=True))}))
-    assert seen and max(seen) > 1, seen  # the cross group's pool was refilled, rows batched
+    # the cross group's pool was refilled by extend steps (the prompts) and decode steps, with
+    # several requests a step
+    assert max(n for n, _ in seen) > 1 and {q > 1 for _, q in seen} == {True, False}, seen
     assert len({tuple(t) for t in native}) > 1  # the audio shows in the tokens
     assert ours == native
 

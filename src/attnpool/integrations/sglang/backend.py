@@ -48,6 +48,13 @@ def _layers(model_runner: Any) -> list[RadixAttention]:
     return [m for m in model_runner.model.modules() if isinstance(m, RadixAttention)]
 
 
+def _has_sinks(model_runner: Any) -> bool:
+    """Whether the model's attention passes sink logits (``sinks=`` to its layers, as gpt-oss
+    does): a module holding a ``sinks`` tensor."""
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor)
+               for m in model_runner.model.modules())
+
+
 def _need(model_runner: Any, layers: list[RadixAttention]) -> Need:
     """What the runner's layers ask of the adapter (SGLang's KV buffers read as NHD pages)."""
     first = layers[0]
@@ -55,7 +62,8 @@ def _need(model_runner: Any, layers: list[RadixAttention]) -> Need:
                 head_size=first.qk_head_dim, head_size_v=first.v_head_dim,
                 page_size=int(model_runner.page_size), varying_queries=True,
                 window=any(layer.sliding_window_size > -1 for layer in layers),
-                softcap=any(layer.logit_cap for layer in layers))
+                softcap=any(layer.logit_cap for layer in layers),
+                sinks=_has_sinks(model_runner))
 
 
 def pick(model_runner: Any, layers: list[RadixAttention]) -> Backend:
@@ -85,6 +93,17 @@ def refusals(model_runner: Any, layers: list[RadixAttention]) -> list[str]:
                    "bidirectional models)")
     if any(layer.qk_head_dim != layer.v_head_dim for layer in layers):
         out.append("layers whose value head size differs from the query's")
+    if getattr(model_runner, "attention_chunk_size", None) and any(
+            getattr(layer, "use_irope", False) for layer in layers):
+        out.append("chunked local attention (attention_chunk_size: Llama 4's local layers)")
+    if any(layer.logit_cap and getattr(layer, "logit_capping_method", "tanh") != "tanh"
+           for layer in layers):
+        out.append("logit capping other than tanh")
+    if any(getattr(layer, "xai_temperature_len", -1) > 0 for layer in layers):
+        out.append("attention temperature scaling (xai_temperature_len)")
+    args = getattr(model_runner, "server_args", None)
+    if getattr(args, "dllm_config", None) or getattr(args, "enable_pdmux", False):
+        out.append("diffusion-LLM or PD-multiplexing batches (dllm_config, enable_pdmux)")
     windows = {layer.sliding_window_size for layer in layers if layer.sliding_window_size > -1}
     if len(windows) > 1:
         out.append(f"more than one sliding window ({sorted(windows)})")
@@ -140,7 +159,7 @@ class AttnpoolAttnBackend(AttentionBackend):
         self.device = model_runner.device
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        masked = any(layer.logit_cap for layer in layers)
+        masked = any(layer.logit_cap for layer in layers) or _has_sinks(model_runner)
         backend = pick(model_runner, layers)
         self.filler = BatchFiller(_sizes(model_runner, layers), backend,
                                   first.tp_q_head_num, first.tp_k_head_num, model_runner.dtype,
@@ -149,7 +168,6 @@ class AttnpoolAttnBackend(AttentionBackend):
                     len(layers), backend.name, self.filler.pool.nbytes)
         self.page_size = self.filler.sizes.page_size
         self.run: Run | None = None
-        self.loc: KVWriteLoc | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Refill the pool from ``forward_batch`` (SGLang calls this before every forward) and
@@ -164,22 +182,26 @@ class AttnpoolAttnBackend(AttentionBackend):
                               f"got {mode.name}")
         fb = forward_batch
         decode = mode.is_decode()
+        lens = None if decode else fb.extend_seq_lens_cpu
+        # the real new tokens (a batch SGLang pads for data or attention parallelism counts
+        # its padding in extend_num_tokens, and narrows its layers' inputs to the real ones)
+        tokens = fb.batch_size if decode else (
+            sum(lens) if lens is not None else int(fb.extend_num_tokens))
         self.run = self.filler.fill(
             decode=decode, req_pool_indices=fb.req_pool_indices, req_to_token=self.req_to_token,
-            seq_lens=fb.seq_lens, seq_lens_cpu=fb.seq_lens_cpu,
-            num_tokens=fb.batch_size if decode else int(fb.extend_num_tokens),
-            extend_seq_lens=None if decode else fb.extend_seq_lens,
-            extend_seq_lens_cpu=None if decode else fb.extend_seq_lens_cpu,
+            seq_lens=fb.seq_lens, seq_lens_cpu=fb.seq_lens_cpu, num_tokens=tokens,
+            extend_seq_lens=None if decode else fb.extend_seq_lens, extend_seq_lens_cpu=lens,
             extend_prefix_lens_cpu=None if decode else fb.extend_prefix_lens_cpu)
-        self.loc = KVWriteLoc(fb.out_cache_loc)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                layer: RadixAttention, save_kv_cache: bool, **kwargs: Any) -> torch.Tensor:
-        if self.run is None or self.loc is None:
+                layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool,
+                **kwargs: Any) -> torch.Tensor:
+        if self.run is None:
             raise LayoutError("attention ran before init_forward_metadata refilled the pool")
         kv = self.token_to_kv_pool
         if save_kv_cache and k is not None and v is not None:
-            kv.set_kv_buffer(layer, self.loc, k, v)
+            # the layer call's own out_cache_loc: SGLang narrows it per call for padded batches
+            kv.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
         h, d = layer.tp_q_head_num, layer.qk_head_dim
         out = self.run(q.reshape(-1, h, d),
                        kv_pages(kv.get_key_buffer(layer.layer_id), self.page_size),
@@ -191,12 +213,21 @@ class AttnpoolAttnBackend(AttentionBackend):
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
-        return self._attend(q, k, v, layer, save_kv_cache, **kwargs)
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
-        return self._attend(q, k, v, layer, save_kv_cache, **kwargs)
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def init_cpu_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """SGLang's CPU graphs (``enable_torch_compile``) are refused: SDPA plans each batch on
+        the host."""
+        raise LayoutError(f"attention_backend={NAME!r} does not run in SGLang's CPU graphs: "
+                          "start SGLang without enable_torch_compile")
+
+    def get_cpu_graph_seq_len_fill_value(self) -> int:
+        return self.filler.pool.cfg.pad_seq_len
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Nothing to allocate (the pool holds every buffer); refused where a captured decode
@@ -225,7 +256,6 @@ class AttnpoolAttnBackend(AttentionBackend):
         else:
             self.filler.replay(bs, req_pool_indices=fb.req_pool_indices,
                                req_to_token=self.req_to_token, seq_lens=fb.seq_lens)
-        self.loc = KVWriteLoc(fb.out_cache_loc)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         """Nothing: the refill runs before the replay (out of the graph), into the buffers
