@@ -114,8 +114,9 @@ def test_tests_collect_from_the_unpacked_sdist(sdist: pathlib.Path) -> None:
     # every test module of this tree collected tests there
     modules = {ln.split("::")[0] for ln in out.stdout.splitlines() if "::" in ln}
     expected = {p.relative_to(ROOT).as_posix() for p in ROOT.glob("tests/**/test_*.py")}
-    if importlib.util.find_spec("vllm") is None:  # those run in their own environment
-        expected = {m for m in expected if not m.startswith("tests/integrations/vllm/")}
+    for engine in ("vllm", "sglang"):  # those run in their own environments
+        if importlib.util.find_spec(engine) is None:
+            expected = {m for m in expected if not m.startswith(f"tests/integrations/{engine}/")}
     assert modules == expected
 
 
