@@ -265,3 +265,32 @@ def test_flash_attn_reads_sglangs_buffers_in_place(fake_fa4: FA4, decode: bool) 
     want = bind(Backend.SDPA, run.view, sum(q_lens), H, H_KV, torch.float32)(
         q.float(), k.float(), v.float(), D ** -0.5)
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_recorded_refill_writes_what_the_replay_refill_writes() -> None:
+    """SGLang's in-graph part on the fused path: the capturable refill (``num_real``, recorded
+    with the graph) writes the captured view's read region exactly as the ordinary refill
+    before a replay does, reads nothing back and, once its count exists, allocates nothing."""
+    pytest.importorskip("triton")
+    rows, lens = [4, 2, 0, 0], [37, 150, 1, 1]
+    table = _table(16, [37, 150], [4, 2])
+    kw = {"req_pool_indices": torch.tensor(rows), "req_to_token": table,
+          "seq_lens": torch.tensor(lens)}
+    fused, ref = _filler(16, impl=Impl.TRITON), _filler(16)
+    assert fused.recordable and not ref.recordable
+    got = fused.capture(4).view
+    fused.replay(4, recorded=True, **kw)  # type: ignore[arg-type]
+    c = count(lambda: fused.replay(4, recorded=True, **kw))  # type: ignore[arg-type]
+    want = ref.replay(4, **kw)  # type: ignore[arg-type]
+    assert torch.equal(got.cache_seqlens[:4], want.cache_seqlens[:4])
+    assert torch.equal(got.cu_seqlens_k[:5], want.cu_seqlens_k[:5])
+    for i, n in enumerate(lens):
+        pages = -(-n // 16)
+        assert torch.equal(got.page_table[i, :pages], want.page_table[i, :pages])
+    assert not [op for op in c.ops if "_local_scalar_dense" in op or "item" in op], c.ops
+    views = {"aten.slice.Tensor", "aten.alias.default", "aten.view.default",
+             "aten.select.int", "aten.as_strided.default"}
+    made = {op for op in c.ops if op not in views and not op.split(".")[1].endswith("_")
+            and "out" not in op.split(".")[2]}
+    assert not made, c.ops
+    assert c.launches == 1

@@ -17,10 +17,11 @@ another dtype than the model's (fp8), hybrid sliding-window KV pools, speculativ
 more than one sliding window, and query/value head sizes that differ.
 
 CUDA graphs (decode): :meth:`~AttnpoolAttnBackend.init_forward_metadata_out_graph` binds the
-layers' call to ``pool.decode.view(bs)`` before a capture and refills that view in place before
-each replay (no host read; padded rows carry the fill value
-:meth:`~AttnpoolAttnBackend.get_cuda_graph_seq_len_fill_value` declares); the in-graph part is
-empty. Only with flash-attn attending: SDPA plans each batch on the host, so with SDPA
+layers' call to ``pool.decode.view(bs)`` before a capture; the refill of that view (no host
+read; padded rows carry the fill value
+:meth:`~AttnpoolAttnBackend.get_cuda_graph_seq_len_fill_value` declares) is the in-graph part,
+the capturable update recorded with the graph on the fused path, else an update before each
+replay. Only with flash-attn attending: SDPA plans each batch on the host, so with SDPA
 ``init_cuda_graph_state`` refuses (a CPU engine captures none).
 """
 
@@ -244,22 +245,29 @@ class AttnpoolAttnBackend(AttentionBackend):
     def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch,
                                         in_capture: bool = False) -> None:
         """Before a decode graph's capture (``in_capture``): bind the layers' call to the
-        captured view; before each replay: refill that view in place from the graph's inputs
-        (eager batches go through :meth:`init_forward_metadata` instead)."""
+        captured view. Before a replay: nothing when the graph refills the view itself
+        (:meth:`init_forward_metadata_in_graph`, the fused path), else the refill, in place.
+        Eager batches go through :meth:`init_forward_metadata` instead."""
         fb = forward_batch
         if not fb.forward_mode.is_decode():
             raise LayoutError(f"attention_backend={NAME!r} captures decode graphs only, got "
                               f"{fb.forward_mode.name}")
-        bs = fb.batch_size
         if in_capture:
-            self.run = self.filler.capture(bs)
-        else:
-            self.filler.replay(bs, req_pool_indices=fb.req_pool_indices,
+            self.run = self.filler.capture(fb.batch_size)
+        elif not self.filler.recordable:
+            self.filler.replay(fb.batch_size, req_pool_indices=fb.req_pool_indices,
                                req_to_token=self.req_to_token, seq_lens=fb.seq_lens)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
-        """Nothing: the refill runs before the replay (out of the graph), into the buffers
-        the captured kernels read."""
+        """Inside the capture: the capturable refill (the fused path), recorded with the graph,
+        so that each replay refills the captured view from the graph's input buffers
+        (``seq_lens``, ``req_pool_indices``) before its kernels read it; without the fused
+        path nothing (the refill runs before each replay)."""
+        fb = forward_batch
+        if self.filler.recordable:
+            self.filler.replay(fb.batch_size, req_pool_indices=fb.req_pool_indices,
+                               req_to_token=self.req_to_token, seq_lens=fb.seq_lens,
+                               recorded=True)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.filler.pool.cfg.pad_seq_len

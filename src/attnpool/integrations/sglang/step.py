@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ...adapters.backends import Backend
 from ...adapters.binding import Run, bind
-from ...config import Layout, PoolConfig
+from ...config import Impl, Layout, PoolConfig
 from ...errors import CapacityError, InputError
 from ...pool import BufferPool
 from ...views import DecodeView, ExtendView
@@ -99,6 +99,8 @@ class BatchFiller:
         self.backend, self.dtype, self.masked = backend, dtype, masked
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.host = sizes.device.type == "cpu"
+        #: per captured size, the real-row count a recorded refill reads (:meth:`replay`)
+        self._real: dict[int, Tensor] = {}
 
     def fill(self, *, decode: bool, req_pool_indices: Tensor, req_to_token: Tensor,
              seq_lens: Tensor, seq_lens_cpu: Tensor | None, num_tokens: int,
@@ -155,15 +157,31 @@ class BatchFiller:
         return bind(self.backend, self.pool.decode.view(bs), bs, self.num_heads,
                     self.num_kv_heads, self.dtype)
 
+    @property
+    def recordable(self) -> bool:
+        """Whether the decode refill can be recorded in a CUDA graph (the fused path)."""
+        return self.pool.decode.impl is Impl.TRITON
+
     def replay(self, bs: int, *, req_pool_indices: Tensor, req_to_token: Tensor,
-               seq_lens: Tensor) -> DecodeView:
-        """Refill the captured ``bs``-row decode view before a replay, from SGLang's graph
-        inputs: all ``bs`` rows, the padded ones with the fill value the backend declares
-        (``pad_seq_len``) and an in-range request row. No host copy is passed, so nothing is
-        read back from the device and the view keeps the capture's static bounds."""
+               seq_lens: Tensor, recorded: bool = False) -> DecodeView:
+        """Refill the captured ``bs``-row decode view from SGLang's graph inputs: all ``bs``
+        rows, the padded ones with the fill value the backend declares (``pad_seq_len``) and
+        an in-range request row. No host copy is passed, so nothing is read back from the
+        device and the view keeps the capture's static bounds.
+
+        ``recorded``: the capturable update (``num_real``, the fused path), to be recorded
+        inside the graph (SGLang's ``init_forward_metadata_in_graph``): every replay then
+        refills the view from the graph's input buffers by itself. Otherwise an ordinary
+        update, run before each replay."""
+        real = None
+        if recorded:
+            real = self._real.get(bs)
+            if real is None:  # one [1] count per captured size, made at capture time
+                real = self._real[bs] = torch.full((1,), bs, dtype=torch.int32,
+                                                   device=self.sizes.device)
         return self.pool.decode.update_(bs, seq_lens=seq_lens[:bs],
                                         req_pool_indices=req_pool_indices[:bs],
-                                        req_to_token=req_to_token)
+                                        req_to_token=req_to_token, num_real=real)
 
 
 def kv_pages(buffer: Tensor, page_size: int) -> Tensor:
