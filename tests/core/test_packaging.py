@@ -22,7 +22,7 @@ HIDE_TRITON = ROOT / "tests" / "helpers" / "hide_triton"
 SHIPPED = ("tests", "benchmarks", "examples", "docs", ".ci")
 _JUNK = shutil.ignore_patterns(".git", "__pycache__", "*.py[cod]", "*.egg-info", "build", "dist",
                                ".pytest_cache", ".mypy_cache", ".ruff_cache", ".hypothesis",
-                               ".benchmarks", ".venv", ".gpu-deps")
+                               ".benchmarks", ".venv", ".venv-*", ".gpu-deps")
 
 
 def _pyproject() -> dict[str, Any]:
