@@ -30,6 +30,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.host_unit import small_op_s
+
 from tests.helpers import sglang_engine as se
 
 ROOT = se.ROOT
@@ -38,19 +40,6 @@ QUESTIONS = ("What is the capital of France?", "Name three primary colours.",
              "Write one sentence about the sea.", "What is 12 times 12?", "Who wrote Hamlet?",
              "Give me a synonym for happy.", "What colour is the sky on a clear day?",
              "Count from one to five.")
-
-
-def small_op_s() -> float:
-    """Seconds of one small torch op, the unit host time is reported in."""
-    import torch
-
-    a, b = torch.ones(8), torch.ones(8)
-    for _ in range(1000):
-        torch.add(a, b)
-    t = time.perf_counter()
-    for _ in range(20000):
-        torch.add(a, b)
-    return (time.perf_counter() - t) / 20000
 
 
 def _model(name: str) -> tuple[Path, list[list[int]]]:

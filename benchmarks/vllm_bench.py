@@ -27,6 +27,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
+from benchmarks.host_unit import small_op_s
+
 from tests.helpers import vllm_engine as ve
 
 #: per variant (see VARIANTS): num_reqs -> list of seconds
@@ -54,20 +56,6 @@ def _time_builds() -> None:
             return out
 
         cls.build = build  # type: ignore[method-assign]
-
-
-def small_op_s() -> float:
-    """Seconds of one small torch op (``torch.add`` of two 8-element tensors), the unit of
-    host time both vLLM benchmarks report in."""
-    import torch
-
-    a, b = torch.ones(8), torch.ones(8)
-    for _ in range(1000):
-        torch.add(a, b)
-    t = time.perf_counter()
-    for _ in range(20000):
-        torch.add(a, b)
-    return (time.perf_counter() - t) / 20000
 
 
 def _model(name: str) -> tuple[Path, list[dict[str, list[int]]], list[dict[str, list[int]]]]:

@@ -36,7 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
-from benchmarks.vllm_bench import small_op_s
+from benchmarks.host_unit import small_op_s
 
 from tests.helpers import vllm_engine as ve
 

@@ -128,3 +128,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             else:
                 print(line, file=sys.stderr)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """``flash_attn.cute`` as the CPU fake (``tests/helpers/fakes_fa4.py``, which asserts what
+    the real interface asserts), no real ``flash_attn``; the adapter's kernel cache is reset
+    around it. Yields the fake, whose ``calls`` keep every call's arguments."""
+    from attnpool.adapters import flash_attn as fa
+
+    from tests.helpers.fakes_fa4 import FA4
+
+    fake = FA4()
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake.module())
+    fa.clear_kernel_cache()
+    yield fake
+    fa.clear_kernel_cache()

@@ -25,8 +25,6 @@ import functools
 import gc
 import os
 import random
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -133,18 +131,6 @@ def extend_stream(dev: torch.device, dims: Dims, impl: Impl, bs: int, full: bool
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == mems[1], f"replays must not grow memory: {mems}"
     assert {key: t.data_ptr() for key, t in pool.arena.buffers().items()} == ptrs
-
-
-@pytest.fixture
-def fake_fa4(monkeypatch: pytest.MonkeyPatch) -> Iterator[FA4]:
-    """``flash_attn.cute`` as the CPU fake (it asserts the real interface's checks); the adapter's
-    module cache is reset around it."""
-    fake = FA4()
-    monkeypatch.setitem(sys.modules, "flash_attn", None)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake.module())
-    fa.clear_kernel_cache()
-    yield fake
-    fa.clear_kernel_cache()
 
 
 @pytest.mark.parametrize(("shape", "less", "full"), SHAPES, ids=[s[0] for s in SHAPES])

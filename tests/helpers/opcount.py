@@ -30,6 +30,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+_VIEWS = frozenset({"aten.slice.Tensor", "aten.alias.default", "aten.view.default",
+                    "aten.select.int", "aten.as_strided.default"})
+
 
 @dataclass
 class Counts:
@@ -41,6 +44,19 @@ class Counts:
     @property
     def num_ops(self) -> int:
         return sum(self.ops.values())
+
+    @property
+    def made(self) -> set[str]:
+        """The ops that made a new tensor: all but views and ops that write in place
+        (``aten.x_``) or into a given tensor (an ``out`` overload). An allocation-free step
+        has none."""
+        return {op for op in self.ops if op not in _VIEWS and not op.split(".")[1].endswith("_")
+                and "out" not in op.split(".")[2]}
+
+    @property
+    def host_reads(self) -> list[str]:
+        """The ops that read a device value back to the host (``item`` / ``tolist``)."""
+        return [op for op in self.ops if "_local_scalar_dense" in op or "item" in op]
 
 
 class LaunchState:

@@ -25,8 +25,6 @@ from __future__ import annotations
 import functools
 import os
 import random
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -151,16 +149,6 @@ def stream(dev: torch.device, dims: Dims, decode: bool, bs: int, steps: int, see
         torch.testing.assert_close(out[:rows].float(), want, rtol=TOL, atol=TOL,
                                    msg=functools.partial("step {}: {}".format, step))
     return steps
-
-
-@pytest.fixture
-def fake_fa4(monkeypatch: pytest.MonkeyPatch) -> Iterator[FA4]:
-    fake = FA4()
-    monkeypatch.setitem(sys.modules, "flash_attn", None)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute", fake.module())
-    fa.clear_kernel_cache()
-    yield fake
-    fa.clear_kernel_cache()
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
