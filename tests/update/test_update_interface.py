@@ -67,10 +67,12 @@ def _branches_on_path(tree: ast.AST) -> list[str]:
 
 @pytest.mark.parametrize("module", sorted(p.name for p in PHASES_DIR.glob("*.py")
                                           if p.name not in ("base.py", "__init__.py",
-                                                            "bound.py", "_views.py")))
+                                                            "bound.py", "_views.py",
+                                                            "host_lane.py")))
 def test_phase_modules_do_not_branch_on_the_update_path(module: str) -> None:
     """A phase declares its parts once over ``ops`` (either module); only the base class knows
-    which one runs."""
+    which one runs, and the host lane (a CPU pool's straight line, which exists only on the
+    reference path and says so once, in ``HostLane.maybe``)."""
     tree = ast.parse((PHASES_DIR / module).read_text())
     assert _branches_on_path(tree) == []
 

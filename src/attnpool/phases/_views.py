@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from torch import Tensor
@@ -58,26 +59,39 @@ def window_view(b: PagedBuffers, rows: int, cu_seqlens_q: Tensor, *, max_q: int,
                      window_left=window - 1, **extra)
 
 
-#: each view class's field names, read once
-_FIELDS: dict[type, tuple[str, ...]] = {}
+#: each view class's rebinder (:func:`_rebinder`), made once
+_REBINDERS: dict[type, Callable[[Any, int, int, int], Any]] = {}
 
 
 def rebound(view: V, max_q: int, max_k: int, window_k: int) -> V:
     """``view`` with new host bounds (``max_seqlen_q``, ``max_seqlen_k``; its window part's
     ``max_seqlen_k`` capped at ``window_k``, the window table's width in tokens) and the same
     tensors: a step whose longest row grew by one token needs a view of its own, not a fresh set
-    of slices (a decode step's bound changes nearly every step; the slices are what cost).
-    Built field by field: the view classes are frozen and check nothing at construction."""
+    of slices (a decode step's bound changes nearly every step; the slices are what cost)."""
     cls = type(view)
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
-    new: V = object.__new__(cls)
-    for name in names:
-        object.__setattr__(new, name, getattr(view, name))
-    object.__setattr__(new, "max_seqlen_q", max_q)
-    object.__setattr__(new, "max_seqlen_k", max_k)
-    window = view.window
-    if window is not None:
-        object.__setattr__(new, "window", rebound(window, max_q, min(max_k, window_k), window_k))
-    return new
+    make = _REBINDERS.get(cls)
+    if make is None:
+        make = _REBINDERS[cls] = _rebinder(cls)
+    return make(view, max_q, max_k, window_k)  # type: ignore[no-any-return]
+
+
+def _rebinder(cls: type) -> Callable[[Any, int, int, int], Any]:
+    """The function :func:`rebound` runs for views of ``cls``: one straight line that sets
+    each slot of a new object through its slot descriptor, copied from the old view except the
+    bounds (and the window part, rebound itself). A decode step makes one such view per step,
+    in the engine's per-step metadata build, where every Python call is paid on cold caches:
+    this line costs about a fifth of a loop of ``object.__setattr__`` calls over the fields
+    (the view classes are frozen, so a plain assignment is refused; they check nothing at
+    construction). Generated once per class, as :mod:`dataclasses` generates ``__init__``."""
+    env: dict[str, Any] = {"_new": object.__new__, "_cls": cls, "_rebound": rebound}
+    body = ["def rebind(view, max_q, max_k, window_k):", "    new = _new(_cls)"]
+    for i, f in enumerate(dataclasses.fields(cls)):
+        env[f"_set{i}"] = getattr(cls, f.name).__set__  # (the slot's member descriptor)
+        value = {"max_seqlen_q": "max_q", "max_seqlen_k": "max_k",
+                 "window": "None if (w := view.window) is None else "
+                           "_rebound(w, max_q, min(max_k, window_k), window_k)"
+                 }.get(f.name, f"view.{f.name}")
+        body.append(f"    _set{i}(new, {value})")
+    body.append("    return new")
+    exec("\n".join(body), env)  # (generated from the class's own field names)
+    return env["rebind"]  # type: ignore[no-any-return]

@@ -14,6 +14,7 @@ from ..errors import InputError
 from ..views import DecodeView
 from ._views import part_view
 from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
+from .host_lane import HostLane
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -61,6 +62,8 @@ class DecodePhase(PhaseBase[DecodeView]):
         super().__init__(arena)
         self._b = self._paged()
         self._keep = arena.buffer(self.phase, "keep")
+        #: the host lane of a CPU pool (:mod:`.host_lane`), else None
+        self._lane = HostLane.maybe(self, self._b)
         #: (request ids, arena epoch) right after the last decode update, for ``request_ids``.
         self._last: tuple[list[Hashable], int] | None = None
 
@@ -115,6 +118,12 @@ class DecodePhase(PhaseBase[DecodeView]):
         Returns:
             the refilled view (same tensors as ``view(bs)``; host ints reflect this batch).
         """
+        lane = self._lane
+        if lane is not None and request_ids is None:
+            view = lane.decode(bs, seq_lens, shared, self._view)  # type: ignore[arg-type]
+            if view is not None:
+                self._last = None
+                return view
         cfg = self.cfg
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len)
         n = x.n

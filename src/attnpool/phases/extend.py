@@ -16,6 +16,7 @@ from ..errors import CapacityError, InputError, LayoutError
 from ..views import ExtendView
 from ._views import part_view
 from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
+from .host_lane import HostLane
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -67,6 +68,8 @@ class ExtendPhase(PhaseBase[ExtendView]):
         self._pos = arena.buffer(self.phase, "positions")
         #: T: packed query tokens of one batch, and the query total of a padded one.
         self.max_tokens = arena.cfg.max_extend_tokens
+        #: the host lane of a CPU pool (:mod:`.host_lane`), else None
+        self._lane = HostLane.maybe(self, self._b)
 
     def _capture_view(self, bs: int) -> ExtendView:
         """The ``bs``-row view for capture: every row padded, static host bounds
@@ -115,6 +118,22 @@ class ExtendPhase(PhaseBase[ExtendView]):
             the refilled :class:`attnpool.ExtendView` (same tensors as ``view(bs)``).
         """
         cfg, t_max = self.cfg, self.max_tokens
+        lane = self._lane
+        if (lane is not None and extend_lens_cpu is extend_lens and out_slots is None
+                and window_out_slots is None):
+            y = lane.check(bs, seq_lens, shared)  # type: ignore[arg-type]
+            if y is not None:
+                n, lens, lane_host = y[0], y[1], y[4]
+                ext, ehost = self.input_pass.lens("extend_lens", extend_lens, extend_lens_cpu,
+                                                  n, cfg.max_context_len)
+                total = self._check_host(lane_host, ehost)
+                tokens = 0 if total is None else total
+                lane.write(bs, y, ext)
+                lane.queries(self._cu_q, self._pos, lens, ext, n, bs, tokens, t_max)
+                self._mark(bs)
+                max_q = max(max(ehost or (), default=0),
+                            t_max - tokens if n < bs else 0)
+                return self._view(bs, max_q, y[6] if n == bs else max(y[6], cfg.pad_seq_len))
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len, extend_lens_cpu)
         n, host = x.n, x.seq_lens_host
         ext, ehost = self.input_pass.lens("extend_lens", extend_lens, extend_lens_cpu, n,

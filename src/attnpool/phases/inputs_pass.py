@@ -254,10 +254,15 @@ class InputPass:
             raise CapacityError(f"block_table without req_pool_indices needs a row per input row "
                                 f"(row i of the batch is table row i): >= {n} rows, got "
                                 f"{shape[0]}")
+        return self.in_order(n), table, cfg.page_size, shape, strides
+
+    def in_order(self, n: int) -> Tensor:
+        """``arange[:n]``, the rows of a block table given without ``req_pool_indices`` (made
+        once per ``n``: a slice is a dispatched op of its own)."""
         in_order = self._in_order.get(n)
         if in_order is None:
             in_order = self._in_order[n] = self._arange[:n]
-        return in_order, table, cfg.page_size, shape, strides
+        return in_order
 
     def window_table(self, table: Tensor, block_size: int | None, window_req_to_token: object,
                      window_block_table: object) -> Tensor | None:

@@ -89,21 +89,65 @@ class LeanPaged:
 
     def __call__(self, b: PagedBuffers, part: PagedPart) -> None:
         table, seq_lens, rows = part.req_to_token, part.seq_lens, part.req_pool_indices
-        pt = b.page_table
-        cap = pt.shape[1]  # type: ignore[union-attr]
+        cap = b.page_table.shape[1]  # type: ignore[union-attr]
         w = cap if part.width is None else min(part.width, cap)
         if table.shape[1] < w:  # (a table narrower than the columns asked for)
             paged_part_(b, part)
             return
         bs, n, p = part.bs, seq_lens.shape[0], part.page_size
         max_len = cap * p if part.max_len is None else part.max_len
-        pad_cols = ceil_div(part.pad_seq_len, p)
-        cs, cu = b.cache_seqlens, b.cu_seqlens_k
-        real, lens, cu0, cu_rest, pad_lens, pad_pages = _memo(
+        real = self.rows_(b, seq_lens, rows, table, n, bs, w, max_len, p, part.pad_seq_len,
+                          part.pad_page)
+        q_lens, cu_q, window = part.q_lens, part.cu_seqlens_q, part.window
+        if window is not None:
+            if q_lens is not None and not part.exact_tokens:
+                q_lens = q_lens.clamp(0, INT32_MAX if part.max_q is None else part.max_q)
+            self.window_(b, window, table if part.window_table is None else part.window_table,
+                         rows, real, n, bs, p, part.pad_seq_len, part.pad_page,
+                         int(part.window_size or 0), q_lens)  # (lean_fits: a size is given)
+        q_lens = part.q_lens
+        if q_lens is None or cu_q is None:
+            return
+        if part.q_total is None:  # (draft extend's padded rows: the general query part)
+            _queries_(b, bs, q_lens, cu_q, part.pad_q, part.max_q, part.q_total)
+        else:
+            # (exact host-checked lengths are inside [0, max_q]: no clamp to change them)
+            bounded = part.max_q is None or part.exact_tokens
+            self.queries_(cu_q, q_lens if bounded else q_lens.clamp(0, part.max_q), n, bs,
+                          part.q_total)
+        positions, tokens = part.positions, part.tokens
+        if positions is None and part.out_slots is None:
+            return
+        if (part.exact_tokens and tokens is not None and part.out_slots is None
+                and positions is not None and tokens <= positions.shape[0]):
+            self.positions_(seq_lens, q_lens, cu_q, n, tokens, positions)
+            return
+        _tokens_(seq_lens, 0, q_lens, rows, table, part.block_size, None, positions,
+                 part.out_slots, tokens)
+
+    def rows_(self, b: PagedBuffers, seq_lens: Tensor, rows: Tensor, table: Tensor, n: int,
+              bs: int, w: int, max_len: int, p: int, pad_seq_len: int, pad_page: int,
+              exact: bool = False) -> Tensor:
+        """The rows of the part: ``cache_seqlens`` (real lengths clamped into ``[0,
+        max_len]``), the first ``w`` page columns of each real row, the padded rows'
+        ``pad_seq_len`` and ``pad_page``, and ``cu_seqlens_k``. Returns the real rows'
+        ``cache_seqlens`` (the window part's start).
+
+        ``exact``: ``seq_lens`` holds the very values the caller checked on the host, inside
+        ``[1, max_len]``, so they are copied, not clamped (the same bytes). Every write but the
+        cumsum is then one ``copy_`` (``cu_seqlens_k[0]`` from the constant ``arange``'s 0):
+        in an engine's build, each distinct op is paid on cold caches, a repeated one far
+        less."""
+        pt, cs, cu = b.page_table, b.cache_seqlens, b.cu_seqlens_k
+        pad_cols = ceil_div(pad_seq_len, p)
+        real: Tensor
+        real, lens, cu0, cu_rest, pad_lens, pad_pages, zero = _memo(
             self._rows, (n, bs, pad_cols), lambda: (
                 cs[:n], cs[:bs], cu[:1], cu[1 : bs + 1], cs[n:bs],
-                pt[n:bs, :pad_cols]))  # type: ignore[index]
-        if seq_lens.dtype == real.dtype:
+                pt[n:bs, :pad_cols], b.arange[:1]))  # type: ignore[index]
+        if exact:
+            real.copy_(seq_lens)
+        elif seq_lens.dtype == real.dtype:
             torch.clamp(seq_lens, 0, max_len, out=real)
         else:
             real.copy_(seq_lens).clamp_(0, max_len)
@@ -118,61 +162,44 @@ class LeanPaged:
             else:
                 out.copy_(table[:, :w].index_select(0, picked))
         if n < bs:
-            pad_lens.fill_(part.pad_seq_len)
-            pad_pages.fill_(part.pad_page)
-        cu0.zero_()
+            pad_lens.fill_(pad_seq_len)
+            pad_pages.fill_(pad_page)
+        cu0.copy_(zero)
         torch.cumsum(lens, 0, dtype=cu_rest.dtype, out=cu_rest)
-        if part.window is not None:
-            self._window_part(b, part, real, n, bs)
-        q_lens, cu_q = part.q_lens, part.cu_seqlens_q
-        if q_lens is None or cu_q is None:
-            return
-        if part.q_total is None:  # (draft extend's padded rows: the general query part)
-            _queries_(b, bs, q_lens, cu_q, part.pad_q, part.max_q, part.q_total)
-        else:
-            q0, q_real, q_last, q_pads = _memo(self._queries, (n, bs), lambda: (
-                cu_q[:1], cu_q[1 : n + 1], cu_q[n : n + 1], cu_q[n + 1 : bs + 1]))
-            q0.zero_()
-            # (exact host-checked lengths are inside [0, max_q]: no clamp to change them)
-            bounded = part.max_q is None or part.exact_tokens
-            torch.cumsum(q_lens if bounded else q_lens.clamp(0, part.max_q), 0,
-                         dtype=q_real.dtype, out=q_real)
-            if n < bs:  # (max(T, total) keeps it non-decreasing if the caller broke sum <= T)
-                torch.clamp(q_last.expand(bs - n), min=part.q_total, out=q_pads)
-        positions, tokens = part.positions, part.tokens
-        if positions is None and part.out_slots is None:
-            return
-        if (part.exact_tokens and tokens is not None and part.out_slots is None
-                and positions is not None and tokens <= positions.shape[0]):
-            self._positions(seq_lens, q_lens, cu_q, n, tokens, positions)
-            return
-        _tokens_(seq_lens, 0, q_lens, rows, table, part.block_size, None, positions,
-                 part.out_slots, tokens)
+        return real
 
-    def _window_part(self, b: PagedBuffers, part: PagedPart, total: Tensor, n: int, bs: int
-                     ) -> None:
-        """The window twin (:func:`.reference_parts._window_`'s bytes): row ``i`` of length
-        ``L`` (``total``: the full part's clamped lengths, just written) with ``q`` queries
-        starts ``shift = floor(max(0, L - q - W + 1) / P) * P`` tokens in, that is at column
-        ``shift / P`` of its table row; it reads ``min(L - shift, cap * P)`` tokens from the
-        ``cap`` columns from there (clamped into the table; the column numbers are an int64
-        constant made once, as the gather takes them)."""
-        w = part.window
-        table = part.req_to_token if part.window_table is None else part.window_table
-        pt, cs, cu, p = w.page_table, w.cache_seqlens, w.cu_seqlens_k, part.page_size  # type: ignore[union-attr]
+    def queries_(self, cu_q: Tensor, q_lens: Tensor, n: int, bs: int, q_total: int) -> None:
+        """The extend query part: ``cu_seqlens_q = [0, cumsum(q_lens)]`` (``q_lens`` already
+        inside its bound), padded rows ending at ``max(q_total, real total)``."""
+        q0, q_real, q_last, q_pads = _memo(self._queries, (n, bs), lambda: (
+            cu_q[:1], cu_q[1 : n + 1], cu_q[n : n + 1], cu_q[n + 1 : bs + 1]))
+        q0.zero_()
+        torch.cumsum(q_lens, 0, dtype=q_real.dtype, out=q_real)
+        if n < bs:  # (max(T, total) keeps it non-decreasing if the caller broke sum <= T)
+            torch.clamp(q_last.expand(bs - n), min=q_total, out=q_pads)
+
+    def window_(self, b: PagedBuffers, w: PagedBuffers, table: Tensor, rows: Tensor,
+                total: Tensor, n: int, bs: int, p: int, pad_seq_len: int, pad_page: int,
+                window: int, q_lens: Tensor | None) -> None:
+        """The window twin ``w`` of part ``b`` (:func:`.reference_parts._window_`'s bytes),
+        read from ``table``: row ``i`` of length ``L`` (``total``: the full part's clamped
+        lengths, just written) with ``q`` queries (``q_lens``, already inside their bound;
+        None: one) starts ``shift = floor(max(0, L - q - W + 1) / P) * P`` tokens in, that is
+        at column ``shift / P`` of its table row; it reads ``min(L - shift, cap * P)`` tokens
+        from the ``cap`` columns from there (clamped into the table; the column numbers are an
+        int64 constant made once, as the gather takes them)."""
+        pt, cs, cu = w.page_table, w.cache_seqlens, w.cu_seqlens_k
         cap = pt.shape[1]  # type: ignore[union-attr]
-        pad_cols = ceil_div(part.pad_seq_len, p)
+        pad_cols = ceil_div(pad_seq_len, p)
         real, lens, cu0, cu_rest, pad_lens, pad_pages, out, cols, start, column = _memo(
             self._window, (n, bs, pad_cols), lambda: (
                 cs[:n], cs[:bs], cu[:1], cu[1 : bs + 1], cs[n:bs], pt[n:bs, :pad_cols],  # type: ignore[index]
                 pt[:n], torch.arange(cap, device=pt.device),  # type: ignore[index,union-attr]
                 *_start_scratch(n, pt.device)))  # type: ignore[union-attr]
-        q_lens, window = part.q_lens, int(part.window_size or 0)  # (lean_fits: one is given)
         if q_lens is None:
             first = total - window  # (one query: L - 1 - (W - 1))
         else:
-            first = total - (q_lens if part.exact_tokens else q_lens.clamp(
-                0, INT32_MAX if part.max_q is None else part.max_q))
+            first = total - q_lens
             first -= window - 1
         first.clamp_(min=0)
         floor_div(first, p, out=start)  # (each row's first window column, int64)
@@ -180,7 +207,6 @@ class LeanPaged:
         real.clamp_(0, cap * p)
         idx = column + cols
         idx.clamp_(max=table.shape[1] - 1)
-        rows = part.req_pool_indices
         if rows.data_ptr() != b.arange.data_ptr() or table.shape[0] < n:  # type: ignore[union-attr]
             table = table.index_select(0, rows.clamp(0, table.shape[0] - 1))
         elif table.shape[0] != n:
@@ -190,12 +216,12 @@ class LeanPaged:
         else:
             out.copy_(torch.gather(table, 1, idx))
         if n < bs:
-            pad_lens.fill_(part.pad_seq_len)
-            pad_pages.fill_(part.pad_page)
+            pad_lens.fill_(pad_seq_len)
+            pad_pages.fill_(pad_page)
         cu0.zero_()
         torch.cumsum(lens, 0, dtype=cu_rest.dtype, out=cu_rest)
 
-    def _positions(self, seq_lens: Tensor, q_lens: Tensor, cu_q: Tensor, n: int,
+    def positions_(self, seq_lens: Tensor, q_lens: Tensor, cu_q: Tensor, n: int,
                    tokens: int, positions: Tensor) -> None:
         """Positions of the ``tokens`` real query tokens, 0 after: token ``t = cu_q[i] + j``
         of row ``i`` sits at ``seq_lens[i] - q_lens[i] + j``, that is its row's

@@ -280,9 +280,12 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
             num_blocks=scratch_blocks(sched.max_num_batched_tokens, kv_cache_spec.block_size,
                                       sched.max_num_seqs) if encoder_only
             else vllm_config.cache_config.num_gpu_blocks, device=torch.device(device))
+        # vLLM's CPU kernel applies each layer's window itself over the full part: the pool
+        # then has no window part (its bytes would be written every step and never read)
+        kernel = sizes.device.type == "cpu" and cpu_kernel_mode() == "vllm"
         self.filler = StepFiller(sizes, first.backend, first.num_heads,
-                                 kv_cache_spec.num_kv_heads, model.dtype)
-        if sizes.device.type == "cpu" and cpu_kernel_mode() == "vllm":
+                                 kv_cache_spec.num_kv_heads, model.dtype, window_part=not kernel)
+        if kernel:
             self._use_cpu_kernel(impls, kv_cache_spec, model.dtype,
                                  vllm_config.cache_config.cache_dtype,
                                  not (encoder_only or cross))

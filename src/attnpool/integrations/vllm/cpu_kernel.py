@@ -28,8 +28,7 @@ inside a vLLM process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,9 +48,10 @@ def kernel_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dty
     return str(_get_attn_isa(dtype, block_size, head_size, kv_cache_dtype))
 
 
-@dataclass(frozen=True, slots=True)
-class KernelStep:
-    """One step's kernel inputs for a group: the pool's buffers and the work split.
+class KernelStep(NamedTuple):
+    """One step's kernel inputs for a group: the pool's buffers and the work split. A named
+    tuple, immutable like a frozen dataclass and made in one C call: it is made once per step
+    and group, in the engine's metadata build, where every Python call counts.
 
     Fields:
         query_start_loc: ``[n + 1] int32``, the view's ``cu_seqlens_q`` (pool buffer).

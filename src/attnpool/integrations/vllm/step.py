@@ -27,7 +27,7 @@ no host copy is passed (no sync): views keep static bounds, which the kernels bo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -102,7 +102,8 @@ class StepMetadata:
         encoder_cache, encoder_slots: an encoder-only step's scratch cache and each token's
             slot in it (:mod:`.encoder_only`), else None.
         block_plans: the CPU decode path's per-part plans (:mod:`.decode_cpu`), made by the
-            first layer that reads a part and reused by the step's other layers.
+            first layer that reads a part and reused by the step's other layers (None until
+            then: no dict is made for a step that never needs one).
         slot_mapping: ``[tokens]`` the encoder tokens' cache slots of a cross-attention step,
             set by vLLM's cross-attention builder (see above); None otherwise.
     """
@@ -115,16 +116,19 @@ class StepMetadata:
     kernel: KernelStep | None = None
     encoder_cache: Tensor | None = None
     encoder_slots: Tensor | None = None
-    block_plans: dict[tuple[int, int], BlockPlan] = field(default_factory=dict)
+    block_plans: dict[tuple[int, int], BlockPlan] | None = None
     slot_mapping: Tensor | None = None
 
     def block_plan(self, part: PagedView, num_kv_heads: int) -> BlockPlan:
         """The :class:`~.decode_cpu.BlockPlan` of ``part`` (this step's decode view or its
         window part), computed once per step."""
         key = (id(part), num_kv_heads)  # the view holds its parts for the step: ids stay unique
-        plan = self.block_plans.get(key)
+        plans = self.block_plans
+        if plans is None:
+            plans = self.block_plans = {}
+        plan = plans.get(key)
         if plan is None:
-            plan = self.block_plans[key] = plan_blocks(part, part.bs, num_kv_heads)
+            plan = plans[key] = plan_blocks(part, part.bs, num_kv_heads)
         return plan
 
 
@@ -132,9 +136,12 @@ class StepFiller:
     """One KV-cache group's pool, staging buffers and per-step refill (see the module doc)."""
 
     def __init__(self, sizes: EngineSizes, backend: Backend, num_heads: int, num_kv_heads: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, window_part: bool = True) -> None:
+        """``window_part``: give the pool the window part of ``sizes.sliding_window`` (False
+        when vLLM's CPU kernel attends: it applies each layer's window over the full part)."""
         self.sizes = sizes
-        self.pool = BufferPool(pool_config(sizes))
+        self.pool = BufferPool(pool_config(sizes if window_part
+                                           else replace(sizes, sliding_window=None)))
         self.backend, self.dtype = backend, dtype
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.host = sizes.device.type == "cpu"
@@ -171,7 +178,8 @@ class StepFiller:
                                             seq_lens_cpu=host)
         else:
             q_lens = self._q_lens[:n]
-            torch.sub(query_start_loc[1:n + 1], query_start_loc[:n], out=q_lens)
+            torch.diff(query_start_loc if query_start_loc.shape[0] == n + 1
+                       else query_start_loc[:n + 1], out=q_lens)
             view = self.pool.extend.update_(n, seq_lens=lens, extend_lens=q_lens,
                                             block_table=table, seq_lens_cpu=host,
                                             extend_lens_cpu=q_lens if self.host else None)

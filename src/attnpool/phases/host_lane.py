@@ -1,0 +1,154 @@
+"""The host lane: an engine's step on a CPU pool, refilled in a straight line.
+
+An engine's metadata builder calls the pool once per step (and KV-cache group), on the host,
+between two forwards. On a CPU its whole cost is host time, spent on code the model's forward
+has just pushed out of the caches, so what a step costs is mostly how much code it walks:
+the general update (the input pass's record, the launch cache, the bound part and its record
+fields) is several times the engine's own builder there even when its torch ops are few.
+
+The lane is that update for the one shape engines step with, as one short path:
+
+- the pool lives in host memory and updates on the reference path (a CPU pool);
+- the phase's parts have page tables and no CSR (``Layout.FLASH_ATTN``) and no FlashMLA
+  schedule; a window part is served (its table is the request table);
+- the call gives a ``block_table`` (rows in batch order, or picked by ``req_pool_indices``),
+  the host copy ``seq_lens_cpu`` and, for an extend step, ``extend_lens_cpu`` as the very
+  ``extend_lens`` tensor (a CPU pool's caller passing one tensor as both, as vLLM's builder
+  does); no ``request_ids``, ``num_real``, ``out_slots`` or window table;
+- validation mode is off.
+
+Anything else goes the general way (:meth:`attnpool.phases.decode.DecodePhase.update_`),
+before any check. The lane checks its inputs with the input pass's own functions, in the same
+order, so a bad input gets the same :class:`attnpool.PoolError` before any write, and it
+writes with the lean part's own methods (:class:`attnpool.update.reference_lean.LeanPaged`):
+the bytes of the general path in every read region, which the tests compare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from torch import Tensor
+
+from ..config import INT_DTYPES, Impl, Layout
+from ..inputs import check_bs, check_tensor, host_lens
+from ..update.buffers import PagedBuffers
+from ..update.reference_lean import LeanPaged
+
+if TYPE_CHECKING:
+    from .base import PhaseBase
+
+V = TypeVar("V")
+#: the shared keywords a lane call may carry (anything else: the general path)
+_KEYS = frozenset(("block_table", "seq_lens_cpu", "req_pool_indices"))
+#: a checked call: ``(n, seq_lens, rows, block_table, host lengths, exact, longest)``, rows
+#: being the caller's ``req_pool_indices`` or the pool's ``arange[:n]`` (batch order);
+#: ``exact``: the host lengths are ``seq_lens``' own values (the host copy is the tensor
+#: itself); ``longest``: the largest host length (0 without rows)
+Checked = tuple[int, Tensor, Tensor, Tensor, list[int], bool, int]
+
+
+class HostLane:
+    """One phase's lane (see the module docstring): :meth:`maybe` makes it for a phase whose
+    pool fits; :meth:`check` takes a call (None when it is not the lane's), :meth:`write`
+    writes its paged part, :meth:`queries` an extend step's query part."""
+
+    __slots__ = ("_b", "_dev", "_ip", "_lean", "_max_bs", "_max_len", "_max_pages", "_pad",
+                 "_phase", "_span", "_window", "cfg")
+
+    def __init__(self, phase: PhaseBase[Any], b: PagedBuffers) -> None:
+        self._phase, self.cfg = phase, phase.cfg
+        self._ip = phase.input_pass
+        self._b = b
+        self._lean = LeanPaged()
+        self._dev, self._span = self._ip.device, self._ip.arena_span
+        self._max_bs, self._max_len = self.cfg.max_bs, self.cfg.max_context_len
+        self._max_pages = phase._max_pages
+        self._pad = (self.cfg.pad_seq_len, self.cfg.pad_page)
+        #: (window buffers, W) of a phase with a window part, else None
+        w = phase._window_buffers
+        self._window = None if w is None or self.cfg.sliding_window is None \
+            else (w, self.cfg.sliding_window)
+
+    @classmethod
+    def maybe(cls, phase: PhaseBase[Any], b: PagedBuffers) -> HostLane | None:
+        """The lane of ``phase``, whose paged part is ``b``, when its pool has the lane's
+        shape, else None."""
+        cfg = phase.cfg
+        if (phase.impl is not Impl.REFERENCE or cfg.torch_device.type != "cpu"
+                or cfg.layout is not Layout.FLASH_ATTN or phase._sched is not None):
+            return None
+        return cls(phase, b)
+
+    def check(self, bs: int, seq_lens: object, shared: dict[str, Any]) -> Checked | None:
+        """The shared inputs of a call, checked as the input pass checks them (the same
+        errors), or None, nothing checked, when the call is not the lane's.
+
+        The usual call (rows in batch order, the host copy the tensor itself, every input as
+        it should be) is accepted by one expression of attribute reads; any other goes through
+        the input pass's functions one by one, which raise its errors."""
+        if not _KEYS.issuperset(shared) or self._phase.validate:
+            return None
+        table = shared.get("block_table")
+        cpu: Any = shared.get("seq_lens_cpu")
+        if table is None or cpu is None:
+            return None
+        picked = shared.get("req_pool_indices")
+        dev, (lo, hi) = self._dev, self._span
+        if (picked is None and cpu is seq_lens and type(seq_lens) is Tensor
+                and type(table) is Tensor and type(bs) is int
+                and seq_lens.dim() == 1 and table.dim() == 2
+                and seq_lens.dtype in INT_DTYPES and table.dtype in INT_DTYPES
+                and seq_lens.device == dev and table.device == dev and seq_lens.is_contiguous()
+                and 1 <= (n := seq_lens.shape[0]) <= bs <= self._max_bs
+                and (shape := table.shape)[0] >= n and shape[1] >= self._max_pages
+                and table.stride(1) == 1
+                and not lo <= seq_lens.data_ptr() < hi and not lo <= table.data_ptr() < hi):
+            host: list[int] | None = seq_lens.tolist()
+            if host and min(host) >= 1 and (longest := max(host)) <= self._max_len:
+                return n, seq_lens, self._ip.in_order(n), table, host, True, longest
+        cfg = self.cfg
+        lens = check_tensor("seq_lens", seq_lens, None, 1, INT_DTYPES, None, dev, True,
+                            self._span)
+        n = lens.shape[0]
+        if not (type(bs) is int and n <= bs <= self._max_bs and bs >= 1):
+            check_bs(cfg, bs, n)
+        rows, table, _, _, _ = self._ip.request_table(n, picked, None, table)
+        host = host_lens("seq_lens_cpu", cpu, n, 1, cfg.max_context_len)
+        return None if host is None else (n, lens, rows, table, host, False,
+                                          max(host, default=0))
+
+    def decode(self, bs: int, seq_lens: object, shared: dict[str, Any],
+               view: Callable[[int, int], V]) -> V | None:
+        """A decode step (:meth:`attnpool.phases.decode.DecodePhase.update_`): its refilled
+        view (``view(bs, max_seqlen_k)``, the phase's), or None (nothing checked, nothing
+        written) when the call is not the lane's."""
+        x = self.check(bs, seq_lens, shared)
+        if x is None:
+            return None
+        self.write(bs, x)
+        self._phase._mark(bs)
+        n, longest = x[0], x[6]
+        return view(bs, longest if n == bs else max(longest, self._pad[0]))
+
+    def write(self, bs: int, x: Checked, q_lens: Tensor | None = None) -> None:
+        """Write the paged part of a checked call and its window twin (``q_lens``: an extend
+        step's host-checked query lengths; None: one query per row)."""
+        n, lens, rows, table, _, exact, longest = x
+        cfg, p = self.cfg, self.cfg.page_size
+        w = min(self._max_pages, -(-longest // p))
+        pad_len, pad_page = self._pad
+        real = self._lean.rows_(self._b, lens, rows, table, n, bs, w, cfg.max_context_len, p,
+                                pad_len, pad_page, exact)
+        if self._window is not None:
+            wb, size = self._window
+            self._lean.window_(self._b, wb, table, rows, real, n, bs, p, pad_len, pad_page,
+                               size, q_lens)
+
+    def queries(self, cu_q: Tensor, positions: Tensor, lens: Tensor, q_lens: Tensor, n: int,
+                bs: int, tokens: int, q_total: int) -> None:
+        """An extend step's query part and the positions of its ``tokens`` real tokens
+        (host-checked ``q_lens``: inside their bounds, summing to ``tokens <= q_total``)."""
+        self._lean.queries_(cu_q, q_lens, n, bs, q_total)
+        self._lean.positions_(lens, q_lens, cu_q, n, tokens, positions)

@@ -1,0 +1,197 @@
+"""The host lane (:mod:`attnpool.phases.host_lane`): a CPU engine's step, straight through.
+
+Two pools of one config, one with its lanes turned off (every call the general way), take the
+same calls: their arenas hold the same bytes after every step, their views the same host
+bounds, and a bad input gets the same error from both with nothing written."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from attnpool import BufferPool, Impl, Layout, PoolConfig, PoolError
+from attnpool.phases.host_lane import HostLane
+
+PAGE, T, C, BS = 16, 64, 1024, 16
+
+
+def _pools(window: int | None, monkeypatch: pytest.MonkeyPatch
+           ) -> tuple[BufferPool, BufferPool, list[int]]:
+    """(with lanes, without, [calls the lanes took]): same config, both poisoned."""
+    cfg = PoolConfig(max_bs=BS, max_context_len=C, page_size=PAGE, device="cpu",
+                     layout=Layout.FLASH_ATTN, max_extend_tokens=T, pad_page=0, num_pages=512,
+                     impl=Impl.REFERENCE, sliding_window=window)
+    lane, general = BufferPool(cfg, poison=True), BufferPool(cfg, poison=True)
+    taken = [0]
+    assert lane.decode._lane is not None and lane.extend._lane is not None
+    write: Callable[..., None] = HostLane.write
+
+    def counted(self: HostLane, *a: Any, **k: Any) -> None:
+        taken[0] += 1
+        write(self, *a, **k)
+
+    monkeypatch.setattr(HostLane, "write", counted)
+    general.decode._lane = general.extend._lane = None
+    return lane, general, taken
+
+
+def _step(rng: random.Random, kind: str, n: int, dtype: torch.dtype, in_order: bool
+          ) -> dict[str, Any]:
+    """One step's inputs: ``n`` rows of a 24-row block table (in batch order, or picked by
+    ``req_pool_indices``), host copies the inputs themselves."""
+    ext = [1] * n
+    if kind == "extend":
+        for i in rng.sample(range(n), k=min(n, 2)):
+            ext[i] = rng.randint(1, (T - n) // 2 + 1)
+    seq = [rng.randint(e, C) for e in ext]
+    table = torch.randint(1, 512, (24, C // PAGE), dtype=dtype)
+    lens = torch.tensor(seq, dtype=dtype)
+    s: dict[str, Any] = {"seq_lens": lens, "seq_lens_cpu": lens}
+    if in_order:
+        s["block_table"] = table[:n]
+    else:
+        s["block_table"] = table
+        s["req_pool_indices"] = torch.tensor(rng.sample(range(24), k=n), dtype=dtype)
+    if kind == "extend":
+        e = torch.tensor(ext, dtype=dtype)
+        s["extend_lens"] = s["extend_lens_cpu"] = e
+    return s
+
+
+def _update(pool: BufferPool, kind: str, bs: int, s: dict[str, Any]) -> Any:
+    return (pool.decode if kind == "decode" else pool.extend).update_(bs, **s)
+
+
+def _bytes(pool: BufferPool) -> torch.Tensor:
+    return pool.arena.storage.view(torch.uint8).clone()
+
+
+def _bounds(view: Any) -> tuple[int, ...]:
+    return (view.max_seqlen_q, view.max_seqlen_k)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_the_lane_writes_the_general_paths_bytes(window: int | None,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random decode and mixed steps (``n == bs`` and padded, rows in order and picked, int32
+    and int64 inputs), interleaved: the same arena bytes and view bounds after every step, and
+    the lanes took every one of them."""
+    lane, general, taken = _pools(window, monkeypatch)
+    rng = random.Random(0)
+    steps = 0
+    for _ in range(40):
+        kind = rng.choice(["decode", "extend"])
+        n = rng.randint(1, BS)
+        bs = n if rng.random() < 0.6 else rng.randint(n, BS)
+        s = _step(rng, kind, n, rng.choice([torch.int32, torch.int64]), rng.random() < 0.7)
+        got, want = _update(lane, kind, bs, s), _update(general, kind, bs, s)
+        steps += 1
+        assert torch.equal(_bytes(lane), _bytes(general)), (kind, n, bs)
+        assert _bounds(got) == _bounds(want)
+        assert got.is_current and want.is_current
+    assert taken[0] == steps
+
+
+def _bad_calls(pool: BufferPool) -> list[tuple[str, str, int, dict[str, Any]]]:
+    """(label, kind, bs, inputs): one input wrong in each, the rest a good step."""
+    rng = random.Random(1)
+    out: list[tuple[str, str, int, dict[str, Any]]] = []
+    for kind in ("decode", "extend"):
+        def good(kind: str = kind) -> dict[str, Any]:
+            return _step(rng, kind, 4, torch.int32, True)
+
+        s = good()
+        s["seq_lens"] = s["seq_lens"].float()
+        out.append(("float seq_lens", kind, 4, s))
+        s = good()
+        s["seq_lens_cpu"] = torch.tensor([1, 2, 0, 3], dtype=torch.int32)
+        out.append(("a zero host length", kind, 4, s))
+        s = good()
+        s["seq_lens_cpu"] = s["seq_lens"] = torch.tensor([C + 1, 9, 9, 9], dtype=torch.int32)
+        out.append(("a length past max_context_len", kind, 4, s))
+        s = good()
+        s["seq_lens_cpu"] = s["seq_lens"][:3]
+        out.append(("a short host copy", kind, 4, s))
+        out.append(("bs below n", kind, 3, good()))
+        out.append(("bs past max_bs", kind, BS + 1, good()))
+        s = good()
+        s["block_table"] = s["block_table"][:, :10]
+        out.append(("a narrow block table", kind, 4, s))
+        s = good()
+        s["block_table"] = s["block_table"][:2]
+        out.append(("too few table rows", kind, 4, s))
+        s = good()
+        s["block_table"] = s["block_table"].t().contiguous().t()
+        out.append(("a column-major table", kind, 4, s))
+        s = good()
+        s["req_pool_indices"] = torch.zeros(4)
+        out.append(("float req_pool_indices", kind, 4, s))
+        s = good()
+        s["seq_lens"] = pool.decode.view(4).cache_seqlens
+        out.append(("seq_lens inside the arena", kind, 4, s))
+        s = good()
+        s["seq_lens_cpu"] = [1.5, 2, 3, 4]
+        out.append(("a float in the host list", kind, 4, s))
+    s = _step(rng, "extend", 4, torch.int32, True)
+    s["extend_lens"] = s["extend_lens_cpu"] = s["seq_lens"] + 1
+    out.append(("more new tokens than the sequence", "extend", 4, s))
+    s = _step(rng, "extend", 4, torch.int32, True)
+    s["extend_lens"] = s["extend_lens_cpu"] = torch.full((4,), T, dtype=torch.int32)
+    s["seq_lens"] = s["seq_lens_cpu"] = torch.full((4,), T, dtype=torch.int32)
+    out.append(("more tokens than max_extend_tokens", "extend", 4, s))
+    s = _step(rng, "extend", 4, torch.int32, True)
+    s["extend_lens"] = s["extend_lens_cpu"] = s["extend_lens"][:3]
+    out.append(("extend_lens of the wrong length", "extend", 4, s))
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_bad_input_gets_the_general_paths_error_before_any_write(
+        window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    lane, general, _ = _pools(window, monkeypatch)
+    for pool in (lane, general):  # (a written state first: a rejected call must keep it)
+        _update(pool, "decode", 4, _step(random.Random(2), "decode", 4, torch.int32, True))
+    for (label, kind, bs, s), (_, _, _, s2) in zip(_bad_calls(lane), _bad_calls(general),
+                                                   strict=True):
+        before = _bytes(lane)
+        with pytest.raises(PoolError) as got:
+            _update(lane, kind, bs, s)
+        with pytest.raises(PoolError) as want:
+            _update(general, kind, bs, s2)
+        assert type(got.value) is type(want.value), label
+        assert str(got.value).split(",")[0] == str(want.value).split(",")[0], label
+        assert torch.equal(_bytes(lane), before), label
+
+
+def test_calls_outside_the_lanes_shape_go_the_general_way(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation mode, ``request_ids``, ``out_slots`` and a host copy that is not the
+    tensor itself: the general path (the lane writes nothing), with the same bytes."""
+    lane, general, taken = _pools(None, monkeypatch)
+    rng = random.Random(3)
+    s = _step(rng, "decode", 4, torch.int32, True)
+    e = _step(rng, "extend", 4, torch.int32, True)
+    e["extend_lens_cpu"] = e["extend_lens"].tolist()
+    f = _step(rng, "extend", 4, torch.int32, True)
+    for pool in (lane, general):
+        pool.decode.update_(4, request_ids=[1, 2, 3, 4], **s)
+        pool.decode.validate = True
+        pool.decode.update_(4, **s)
+        pool.decode.validate = False
+        pool.extend.update_(4, **e)
+        pool.extend.update_(4, out_slots=torch.empty(T, dtype=torch.int64), **f)
+    assert taken[0] == 0
+    assert torch.equal(_bytes(lane), _bytes(general))
+
+
+def test_a_gpu_or_fused_pool_has_no_lane() -> None:
+    for cfg in (PoolConfig(max_bs=4, max_context_len=64, page_size=PAGE, device="cpu",
+                           layout=Layout.FLASHINFER, max_extend_tokens=T),
+                PoolConfig(max_bs=4, max_context_len=64, page_size=PAGE, device="cpu",
+                           layout=Layout.FLASH_ATTN, max_extend_tokens=T, impl=Impl.TRITON)):
+        pool = BufferPool(cfg)
+        assert pool.decode._lane is None and pool.extend._lane is None
