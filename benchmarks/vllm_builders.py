@@ -169,6 +169,60 @@ def _twin_layers() -> None:
     AttnpoolImpl.do_kv_cache_update = timed_store  # type: ignore[method-assign]
 
 
+#: piece -> seconds per call, with ``--pieces`` (:func:`_time_pieces`)
+PIECES: dict[str, list[float]] = collections.defaultdict(list)
+
+
+def _time_pieces() -> None:
+    """Wrap the pieces of attnpool's build with ``perf_counter`` (``--pieces``): the pool's
+    updates, the host lane's check and write, the work split, and a probe of two
+    ``torch.add`` calls and a small list comprehension at the start of each build (what the
+    same code costs right after a forward, on cold caches). The wrappers cost a little
+    themselves, so the build's own figures come from a run without them."""
+    import torch
+
+    from attnpool.integrations.vllm.backend import AttnpoolMetadataBuilder
+    from attnpool.integrations.vllm.cpu_kernel import CPUKernel
+    from attnpool.phases.decode import DecodePhase
+    from attnpool.phases.extend import ExtendPhase
+    from attnpool.phases.host_lane import HostLane
+
+    def wrap(cls: Any, name: str, label: str) -> None:
+        orig = getattr(cls, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            out = orig(*a, **k)
+            PIECES[label].append(time.perf_counter() - t)
+            return out
+
+        setattr(cls, name, timed)
+
+    for cls, name, label in ((DecodePhase, "update_", "pool.decode.update_"),
+                             (ExtendPhase, "update_", "pool.extend.update_"),
+                             (HostLane, "check", "host lane: check"),
+                             (HostLane, "write", "host lane: write"),
+                             (CPUKernel, "step", "work split (CPUKernel.step)")):
+        wrap(cls, name, label)
+    build = AttnpoolMetadataBuilder.build
+    a, b = torch.ones(8), torch.ones(8)
+
+    def probed(self: Any, *args: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        torch.add(a, b)
+        t1 = time.perf_counter()
+        torch.add(a, b)
+        t2 = time.perf_counter()
+        _ = [i for i in range(50)]
+        t3 = time.perf_counter()
+        PIECES["probe: first torch.add"].append(t1 - t0)
+        PIECES["probe: second torch.add"].append(t2 - t1)
+        PIECES["probe: 50-element list comprehension"].append(t3 - t2)
+        return build(self, *args, **kw)
+
+    AttnpoolMetadataBuilder.build = probed  # type: ignore[method-assign]
+
+
 def _model(name: str) -> Path:
     if name == "smollm2":
         from attnpool.tools.vllm_folder import float32_folder
@@ -181,7 +235,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2,mistral")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pieces", action="store_true",
+                    help="also time the pieces of attnpool's build (see _time_pieces)")
     args = ap.parse_args()
+    if args.pieces:
+        _time_pieces()
     _twin_builders()
     _twin_layers()
     from vllm import LLM, SamplingParams
@@ -222,6 +280,11 @@ def main() -> int:
         a, b = sorted(native)[len(native) // 2], sorted(ours)[len(ours) // 2]
         print(f"| {model} | {kind} | {part} | {len(ours)} | {a * 1e6:.1f} | {b * 1e6:.1f} | "
               f"{b / a:.2f}x |")
+    if PIECES:
+        print("\npieces of attnpool's build (medians, every model and step; --pieces):\n\n"
+              "| piece | calls | us |\n|---|---|---|")
+        for label, times in PIECES.items():
+            print(f"| {label} | {len(times)} | {sorted(times)[len(times) // 2] * 1e6:.1f} |")
     return 0
 
 
