@@ -131,9 +131,8 @@ class ExtendPhase(PhaseBase[ExtendView]):
                 lane.write(bs, y, ext)
                 lane.queries(self._cu_q, self._pos, lens, ext, n, bs, tokens, t_max)
                 self._mark(bs)
-                max_q = max(max(ehost or (), default=0),
-                            t_max - tokens if n < bs else 0)
-                return self._view(bs, max_q, y[6] if n == bs else max(y[6], cfg.pad_seq_len))
+                return self._view(bs, self._max_q(ehost, n, bs),
+                                  y[6] if n == bs else max(y[6], cfg.pad_seq_len))
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len, extend_lens_cpu)
         n, host = x.n, x.seq_lens_host
         ext, ehost = self.input_pass.lens("extend_lens", extend_lens, extend_lens_cpu, n,
@@ -160,10 +159,16 @@ class ExtendPhase(PhaseBase[ExtendView]):
                   new_record(ExtendValues, (x, ext, slots, self._width(host), window_slots,
                                             total, exact)))
         self._mark(bs)
-        max_q = t_max
-        if ehost is not None:
-            max_q = max(max(ehost, default=0), t_max - sum(ehost) if n < bs else 0)
-        return self._view(bs, max_q, self._max_k(host, 0, n, bs, cfg.max_context_len))
+        return self._view(bs, self._max_q(ehost, n, bs),
+                          self._max_k(host, 0, n, bs, cfg.max_context_len))
+
+    def _max_q(self, ehost: list[int] | None, n: int, bs: int) -> int:
+        """Host bound of the query lengths: tight from ``extend_lens_cpu`` (a padded batch's
+        first padded row takes the slack up to ``T``), else ``T``."""
+        t_max = self.max_tokens
+        if ehost is None:
+            return t_max
+        return max(max(ehost, default=0), t_max - sum(ehost) if n < bs else 0)
 
     # ---- checks --------------------------------------------------------------------------------
     def _check_host(self, host: list[int] | None, ehost: list[int] | None) -> int | None:

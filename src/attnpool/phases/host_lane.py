@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import Tensor
 
-from ..config import INT_DTYPES, Impl, Layout
+from ..config import INT_DTYPES, Impl, Layout, ceil_div
 from ..inputs import check_bs, check_tensor, host_lens
 from ..update.buffers import PagedBuffers
 from ..update.reference_lean import LeanPaged
@@ -137,7 +137,7 @@ class HostLane:
         step's host-checked query lengths; None: one query per row)."""
         n, lens, rows, table, _, exact, longest = x
         cfg, p = self.cfg, self.cfg.page_size
-        w = min(self._max_pages, -(-longest // p))
+        w = min(self._max_pages, ceil_div(longest, p))
         pad_len, pad_page = self._pad
         real = self._lean.rows_(self._b, lens, rows, table, n, bs, w, cfg.max_context_len, p,
                                 pad_len, pad_page, exact)
