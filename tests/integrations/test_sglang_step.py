@@ -18,6 +18,7 @@ from attnpool.integrations.sglang.step import BatchFiller, RunnerSizes, kv_pages
 
 from tests.helpers.dense import dense_attention
 from tests.helpers.fakes_fa4 import FA4
+from tests.helpers.graph_replay import capture
 from tests.helpers.opcount import count
 
 H, H_KV, D = 4, 2, 32
@@ -266,3 +267,107 @@ def test_recorded_refill_writes_what_the_replay_refill_writes() -> None:
     assert not c.host_reads, c.ops
     assert not c.made, c.ops
     assert c.launches == 1
+
+
+def _flashinfer_filler(dev: torch.device, backend: Backend = Backend.FLASHINFER,
+                       d: int = D) -> BatchFiller:
+    from attnpool.adapters.flashinfer_step import LayerFacts
+
+    sizes = RunnerSizes(max_requests=REQS, max_context_len=WIDTH, max_extend_tokens=96,
+                        page_size=16, sliding_window=24, num_pages=64, device=dev)
+    dtype = torch.bfloat16 if backend is Backend.FLASHINFER else torch.float32
+    facts = LayerFacts(H, H_KV, d, dtype, d ** -0.5) if backend is Backend.FLASHINFER else None
+    return BatchFiller(sizes, backend, H, H_KV, dtype, facts=facts)
+
+
+def flashinfer_forwards(dev: torch.device, graph: bool, d: int = D) -> None:
+    """FlashInfer through the filler: an eager decode and a mixed extend forward (full and
+    sliding-window layers), then a decode graph captured at 4 rows and replayed over refills
+    with padded rows, each against the SDPA filler refilled from the same batch (head size
+    ``d``)."""
+    f, ref = _flashinfer_filler(dev, d=d), _flashinfer_filler(dev, Backend.SDPA, d=d)
+    gen = torch.Generator().manual_seed(4)
+    k_buf = torch.randn(1024, H_KV, d, generator=gen).to(dev, torch.bfloat16)
+    v_buf = torch.randn(1024, H_KV, d, generator=gen).to(dev, torch.bfloat16)
+    k, v = kv_pages(k_buf, 16), kv_pages(v_buf, 16)
+    kf, vf = k.float(), v.float()
+
+    def batch(rows: list[int], lens: list[int], q_lens: list[int], seed: int,
+              decode: bool) -> dict[str, object]:
+        table = _table(16, [n for n, r in zip(lens, rows, strict=True) if r >= 0], rows,
+                       seed=seed).to(dev)
+        kw: dict[str, object] = {"decode": decode, "req_pool_indices": torch.tensor(rows, device=dev),
+                                 "req_to_token": table, "seq_lens": torch.tensor(lens, device=dev),
+                                 "seq_lens_cpu": torch.tensor(lens), "num_tokens": sum(q_lens)}
+        if not decode:
+            kw |= {"extend_seq_lens": torch.tensor(q_lens, device=dev),
+                   "extend_seq_lens_cpu": q_lens,
+                   "extend_prefix_lens_cpu": [n - q for n, q in zip(lens, q_lens, strict=True)]}
+        return kw
+
+    for i, (rows, lens, q_lens) in enumerate([([1, 3, 5], [70, 13, 41], [1, 1, 1]),
+                                              ([1, 3, 5, 0], [70, 13, 41, 120], [30, 13, 1, 1])]):
+        kw = batch(rows, lens, q_lens, i, decode=i == 0)
+        run, want_run = f.fill(**kw), ref.fill(**kw)  # type: ignore[arg-type]
+        q = torch.randn(sum(q_lens), H, d, generator=gen).to(dev, torch.bfloat16)
+        for window in (False, True):
+            out = run(q, k, v, d ** -0.5, window=window)
+            want = want_run(q.float(), kf, vf, d ** -0.5, window=window)
+            torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    run = f.capture(4)
+    q = torch.zeros(4, H, d, dtype=torch.bfloat16, device=dev)
+    replay, out = capture(lambda: run(q, k, v, d ** -0.5), dev) if graph else (None, None)
+    steps = CUDA_GRAPH_STEPS if dev.type == "cuda" else 3
+    rng = random.Random(9)
+    for step in range(steps):
+        n = rng.randint(1, 4)
+        rows = rng.sample(range(1, REQS), n) + [0] * (4 - n)
+        lens = [rng.randint(1, WIDTH) for _ in range(n)] + [1] * (4 - n)
+        kw = batch(rows[:n], lens[:n], [1] * n, 100 + step, decode=True)
+        table = kw["req_to_token"]
+        assert isinstance(table, torch.Tensor)
+        table[0, 0] = 5 * 16  # (row 0, SGLang's padding row: a slot in range)
+        view = f.replay(4, req_pool_indices=torch.tensor(rows, device=dev),
+                        req_to_token=table, seq_lens=torch.tensor(lens, device=dev))
+        q.copy_(torch.randn(4, H, d, generator=gen).to(dev, torch.bfloat16))
+        if replay is not None:
+            replay()
+        else:
+            out = run(q, k, v, d ** -0.5)
+        want = ref.fill(**kw)(q[:n].float(), kf, vf, d ** -0.5)  # type: ignore[arg-type]
+        assert out is not None
+        torch.testing.assert_close(out[:n].float(), want, rtol=2e-2, atol=2e-2,
+                                   msg=f"replay {step}")
+    assert f.plans is not None and len(f.plans.graph) == 2  # the 4-row view's two parts
+    wrapper = f.plans.graph.wrapper(view)
+    if hasattr(wrapper, "plans"):  # (the fakes count plans: one at capture, one per replay)
+        assert wrapper.plans == steps + 1
+
+
+CUDA_GRAPH_STEPS = 100
+
+
+def test_flashinfer_plans_each_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashInfer (the CPU fakes): the filler plans every part of a forward when it refills,
+    the captured size's decode view on its graph wrapper, planned again by every replay; the
+    layers' calls agree with SDPA. A recorded refill is refused (its plan is host work)."""
+    import sys
+
+    from attnpool import LayoutError
+
+    from tests.helpers import fakes_flashinfer
+
+    monkeypatch.setitem(sys.modules, "flashinfer", fakes_flashinfer.module())
+    flashinfer_forwards(torch.device("cpu"), graph=True)
+    f = _flashinfer_filler(torch.device("cpu"))
+    assert not f.recordable
+    f.capture(2)
+    with pytest.raises(LayoutError, match="recorded refill"):
+        f.replay(2, req_pool_indices=torch.tensor([1, 2]), req_to_token=_table(16, [3, 4], [1, 2]),
+                 seq_lens=torch.tensor([3, 4]), recorded=True)
+
+
+@pytest.mark.cuda
+def test_flashinfer_plans_each_forward_cuda() -> None:
+    pytest.importorskip("flashinfer")
+    flashinfer_forwards(torch.device("cuda"), graph=True, d=128)

@@ -13,6 +13,7 @@ from attnpool.adapters.backends import Backend, Capabilities, Need
 from attnpool.integrations.vllm import choice
 
 FA3, FA4, FA2 = "flash_attn_interface", "flash_attn.cute", "flash_attn.flash_attn_interface"
+FI = "flashinfer"
 
 
 def _installed(monkeypatch: pytest.MonkeyPatch, *modules: str) -> None:
@@ -32,6 +33,8 @@ def _need(**kw: object) -> Need:
     ((FA3, FA4), Backend.FA3),
     ((FA2,), Backend.SDPA),  # FA2 takes one query count per row: not vLLM's mixed steps
     ((FA2, FA4), Backend.FA4),
+    ((FI,), Backend.FLASHINFER),
+    ((FI, FA3, FA4), Backend.FLASHINFER),  # planned per step, split-KV decode: first
 ])
 def test_cuda_picks_the_fastest_installed_kernel(modules: tuple[str, ...], want: Backend,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,7 +61,23 @@ def test_a_forced_kernel_runs_or_is_refused_with_the_reason(
     monkeypatch.setenv(choice.KERNEL, "fa4")
     with pytest.raises(LayoutError, match=r"FA4 cannot run here: .*'flash_attn.cute'"):
         choice.pick(_need())
-    monkeypatch.setenv(choice.KERNEL, "flashinfer")
+    monkeypatch.setenv(choice.KERNEL, "flashmla")
     with pytest.raises(LayoutError, match=r"ATTNPOOL_VLLM_KERNEL must name one of "
-                                          r"\['fa3', 'fa4', 'fa2', 'sdpa'\] on cuda"):
+                                          r"\['flashinfer', 'fa3', 'fa4', 'fa2', 'sdpa'\] on cuda"):
+        choice.pick(_need())
+
+
+def test_flashinfer_is_skipped_for_sinks_and_forced_by_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sinks need FlashInfer backends the step plans do not build: flash-attn serves them;
+    ``flashinfer`` forces it, refused with the reason when it does not import."""
+    monkeypatch.delenv(choice.KERNEL, raising=False)
+    _installed(monkeypatch, FI, FA4)
+    assert choice.pick(_need(sinks=True)) is Backend.FA4
+    monkeypatch.setenv(choice.KERNEL, "fa4")
+    assert choice.pick(_need()) is Backend.FA4
+    monkeypatch.setenv(choice.KERNEL, "flashinfer")
+    assert choice.pick(_need()) is Backend.FLASHINFER
+    _installed(monkeypatch, FA4)
+    with pytest.raises(LayoutError, match=r"FLASHINFER cannot run here: .*'flashinfer'"):
         choice.pick(_need())

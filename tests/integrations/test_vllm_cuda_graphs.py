@@ -14,10 +14,15 @@ mixed batch to ``min(num_tokens, max_num_seqs)`` requests, as here). Each replay
 are compared with the SDPA adapter over a second filler refilled eagerly from the same batch
 (float32 over the bf16 cache).
 
-On CUDA (``flash_attn.cute`` importable): real graphs, ``ATTNPOOL_GRAPH_STEPS`` replays (at
-most and by default 200) per graph. On CPU the same logic runs against the FA4 fake with the
-graph simulated (``tests.helpers.graph_replay.capture``), the filler in its CUDA mode (no host
-copies). FlashInfer is not in it: the backend does not drive FlashInfer's wrappers.
+FlashInfer: decode batches of a captured size replay one graph per size through the graph
+wrapper the builder plans on the pool's CSR buffers before each replay (the size marked as
+vLLM's ``build_for_cudagraph_capture`` marks it); mixed batches run eagerly (as vLLM runs them
+under ``UNIFORM_SINGLE_TOKEN_DECODE``) through one eager prefill wrapper, whatever their size.
+
+On CUDA (``flash_attn.cute`` / ``flashinfer`` importable): real graphs, ``ATTNPOOL_GRAPH_STEPS``
+replays (at most and by default 200) per graph. On CPU the same logic runs against the fakes
+(``fakes_fa4.py``, ``fakes_flashinfer.py``) with the graph simulated
+(``tests.helpers.graph_replay.capture``), the filler in its CUDA mode (no host copies).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -33,9 +39,11 @@ from torch import Tensor
 
 from attnpool.adapters import flash_attn as fa
 from attnpool.adapters.backends import Backend
+from attnpool.adapters.flashinfer_step import LayerFacts
 from attnpool.integrations.vllm.cache import cuda_views
 from attnpool.integrations.vllm.step import EngineSizes, StepFiller
 
+from tests.helpers import fakes_flashinfer
 from tests.helpers.fakes_fa4 import FA4
 from tests.helpers.graph_replay import capture, mixed_batch
 
@@ -61,11 +69,13 @@ CUDA_DIMS = Dims(d=128, t=256, c=1024, max_bs=8, blocks=8 * 64 + 1)
 CPU_DIMS = Dims(d=64, t=96, c=256, max_bs=4, blocks=4 * 16 + 1)
 
 
-def _filler(dims: Dims, dev: torch.device) -> StepFiller:
+def _filler(dims: Dims, dev: torch.device, kernel: Backend = Backend.FA4) -> StepFiller:
     sizes = EngineSizes(max_num_seqs=dims.max_bs, max_num_batched_tokens=dims.t,
                         max_model_len=dims.c, block_size=P, sliding_window=None,
                         num_blocks=dims.blocks, device=dev)
-    f = StepFiller(sizes, Backend.FA4, H, H_KV, BF16)
+    facts = LayerFacts(H, H_KV, dims.d, BF16, dims.d ** -0.5) \
+        if kernel is Backend.FLASHINFER else None
+    f = StepFiller(sizes, kernel, H, H_KV, BF16, facts=facts)
     f.host = False  # CUDA's mode on any device: no host copies, static bounds
     return f
 
@@ -112,11 +122,16 @@ def _caches(dims: Dims, dev: torch.device) -> tuple[Tensor, Tensor]:
     return cuda_views(kv)
 
 
-def stream(dev: torch.device, dims: Dims, decode: bool, bs: int, steps: int, seed: int) -> int:
+def stream(dev: torch.device, dims: Dims, decode: bool, bs: int, steps: int, seed: int,
+           kernel: Backend = Backend.FA4) -> int:
     """Capture the bound call once on the first batch's view, replay ``steps`` random batches
-    refilled into the same filler; returns the kernel calls made."""
+    refilled into the same filler; returns the kernel calls made. FlashInfer's mixed batches
+    are not captured: each step's bound call runs eagerly."""
     rng = random.Random(seed)
-    f, ref = _filler(dims, dev), _filler(dims, dev)
+    f, ref = _filler(dims, dev, kernel), _filler(dims, dev)
+    graphed = decode or kernel is not Backend.FLASHINFER
+    if f.plans is not None and decode:
+        f.plans.capture_size(bs)  # as the builder's build_for_cudagraph_capture marks it
     ref.backend, ref.dtype = Backend.SDPA, torch.float32  # (its plans' masks: float32 queries)
     k, v = _caches(dims, dev)
     q = torch.zeros(dims.t, H, dims.d, dtype=BF16, device=dev)  # the graph's static input
@@ -134,7 +149,8 @@ def stream(dev: torch.device, dims: Dims, decode: bool, bs: int, steps: int, see
     md = f.fill(**draw().kw)  # type: ignore[arg-type]
     view, run = md.view, md.run
     assert run is not None and (view.max_seqlen_k, view.bs) == (dims.c, bs)
-    replay, out = capture(lambda: run(q, k, v, dims.d ** -0.5), dev)
+    if graphed:
+        replay, out = capture(lambda: run(q, k, v, dims.d ** -0.5), dev)
     for step in range(steps):
         b = draw()
         again = f.fill(**b.kw)  # type: ignore[arg-type]
@@ -142,7 +158,11 @@ def stream(dev: torch.device, dims: Dims, decode: bool, bs: int, steps: int, see
         rows = sum(b.ext)
         q.zero_()
         q[:rows].copy_(torch.randn(rows, H, dims.d, device=dev).to(BF16))
-        replay()
+        if graphed:
+            replay()
+        else:
+            assert again.run is not None
+            out = again.run(q, k, v, dims.d ** -0.5)
         want_md = ref.fill(**b.kw)  # type: ignore[arg-type]
         assert want_md.run is not None
         want = want_md.run(q.float(), k.float(), v.float(), dims.d ** -0.5)[:rows]
@@ -176,3 +196,83 @@ def test_vllm_graphs_fa4_cuda(decode: bool) -> None:
     dims = CUDA_DIMS
     for bs in (dims.max_bs, 3) if decode else (dims.max_bs,):
         stream(torch.device("cuda"), dims, decode, bs, CUDA_STEPS, seed=bs)
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "flashinfer", fakes_flashinfer.module())
+
+
+@pytest.mark.usefixtures("fake_flashinfer")
+@pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
+def test_vllm_flashinfer_cpu(decode: bool) -> None:
+    """The CUDA test's logic on CPU through FlashInfer's fakes: decode steps of the captured
+    size reuse one graph wrapper planned on the pool's own CSR buffers, mixed steps one eager
+    prefill wrapper for every batch size."""
+    dims = CPU_DIMS
+    bs = dims.max_bs
+    f = _filler(dims, torch.device("cpu"), Backend.FLASHINFER)
+    assert f.plans is not None
+    stream(torch.device("cpu"), dims, decode, bs, CPU_STEPS, seed=7 + decode,
+           kernel=Backend.FLASHINFER)
+
+
+@pytest.mark.usefixtures("fake_flashinfer")
+def test_vllm_flashinfer_wrappers_per_step_kind() -> None:
+    """Which wrapper each step plans: a captured size's decode steps its graph wrapper (built on
+    the pool's CSR buffers, the same object every step), every other step an eager wrapper,
+    one per kind whatever the batch size; the layers share the plan."""
+    dims, dev = CPU_DIMS, torch.device("cpu")
+    f = _filler(dims, dev, Backend.FLASHINFER)
+    assert f.plans is not None
+    f.plans.capture_size(4)
+    rng = random.Random(3)
+    seen = []
+    for n, bs, decode in [(4, 4, True), (2, 2, True), (3, 3, True), (4, 4, True), (2, 4, False),
+                          (1, 1, False), (4, 4, False)]:
+        seq, ext = ([rng.randint(1, dims.c) for _ in range(n)], [1] * n) if decode \
+            else mixed_batch(n, dims.t, dims.c, rng)
+        md = f.fill(**vllm_batch(seq, ext, bs, dims, dev, rng).kw)  # type: ignore[arg-type]
+        assert md.run is not None and md.run.planned is not None
+        wrappers = md.run.planned[0]
+        seen.append((wrappers is f.plans.graph, id(wrappers.wrapper(md.view))))
+    graph_ids = {w for g, w in seen if g}
+    assert [g for g, _ in seen] == [True, False, False, True, False, False, False]
+    assert len(graph_ids) == 1 and len(f.plans.graph) == 1
+    assert len(f.plans.eager) == 2  # one decode, one prefill wrapper for every size
+    graph = f.plans.graph.wrapper(f.pool.decode.view(4))
+    assert graph._paged_kv_indptr_buf.data_ptr() == f.pool.decode.view(4).kv_indptr.data_ptr()
+
+
+@pytest.mark.usefixtures("fake_flashinfer")
+def test_vllm_flashinfer_refuses_other_scale() -> None:
+    """A layer asking for another scale or soft cap than the plan's is refused, not computed
+    with the planned one."""
+    from attnpool import LayoutError
+
+    dims, dev = CPU_DIMS, torch.device("cpu")
+    f = _filler(dims, dev, Backend.FLASHINFER)
+    md = f.fill(**vllm_batch([5, 9], [1, 1], 2, dims, dev, random.Random(0)).kw)  # type: ignore[arg-type]
+    k, v = _caches(dims, dev)
+    q = torch.zeros(2, H, dims.d, dtype=BF16)
+    assert md.run is not None
+    md.run(q, k, v, dims.d ** -0.5)
+    with pytest.raises(LayoutError, match="scale"):
+        md.run(q, k, v, 0.5)
+    with pytest.raises(LayoutError, match="softcap"):
+        md.run(q, k, v, dims.d ** -0.5, softcap=30.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
+def test_vllm_graphs_flashinfer_cuda(decode: bool) -> None:
+    """FlashInfer's real wrappers: decode graphs per captured size replayed from the builder's
+    plans, mixed steps eager, against SDPA."""
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"flashinfer does not import: {e}")
+    dims = CUDA_DIMS
+    for bs in (dims.max_bs, 3) if decode else (dims.max_bs,):
+        stream(torch.device("cuda"), dims, decode, bs, CUDA_STEPS, seed=bs,
+               kernel=Backend.FLASHINFER)

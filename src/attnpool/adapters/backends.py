@@ -230,7 +230,8 @@ def capabilities(backend: Backend) -> Capabilities:
 def select(need: Need, backend: Backend = Backend.AUTO,
            among: Iterable[Backend] = AUTO_ORDER, who: str = "attnpool") -> Backend:
     """The backend that serves ``need``: ``backend`` itself when forced and able, else the first
-    of ``among`` (the backends the caller can drive, in :data:`AUTO_ORDER`) that is.
+    of ``among`` (the backends the caller can drive, in the caller's order of preference:
+    :data:`AUTO_ORDER` by default) that is.
 
     Raises:
         LayoutError: a forced backend that cannot serve the need, one ``who`` does not drive,
@@ -238,7 +239,7 @@ def select(need: Need, backend: Backend = Backend.AUTO,
     """
     if not isinstance(backend, Backend):
         raise InputError(f"backend must be an attnpool Backend, got {backend!r}")
-    pool = tuple(b for b in AUTO_ORDER if b in set(among))
+    pool = tuple(dict.fromkeys(b for b in among if b in CAPABILITIES))
     if backend is not Backend.AUTO:
         if backend not in pool:
             raise LayoutError(f"{who} drives {[b.name for b in pool]}, not {backend.name}")

@@ -4,9 +4,10 @@ An engine's attention layer (transformers' attention function, vLLM's backend) s
 the step's K/V and then attends over the paged cache through one callable, :class:`Run`, bound to
 the step's view by :func:`bind`: it picks the view's part for the layer (full, sliding-window,
 chunked local), computes SDPA's gather plan once per forward and part instead of once per layer,
-and calls the chosen adapter (SDPA on any device, flash-attn FA3 / FA4 / FA2 on CUDA). Which
-backend runs is chosen before, through :func:`attnpool.adapters.backends.select`; a binding only
-checks that it is one it drives (:data:`DRIVEN`).
+and calls the chosen adapter (SDPA on any device, flash-attn FA3 / FA4 / FA2 on CUDA, and
+FlashInfer's wrappers on CUDA where the integration planned the step's parts beforehand:
+:mod:`.flashinfer_step`). Which backend runs is chosen before, through :func:`choose`; a binding
+only checks that it is one it drives (:data:`DRIVEN`, :data:`PLANNED`).
 
 Nothing here knows an engine: this module is plain torch plus the adapters.
 """
@@ -19,6 +20,9 @@ from torch import Tensor
 from ..errors import InputError, LayoutError
 from ..views import DraftExtendView, DraftStepView, ExtendView, LocalView, PagedView, VerifyView
 from .backends import Backend, Need, select
+from .flashinfer import GraphWrappers
+from .flashinfer_step import StepPlans
+from .flashinfer_step import run as flashinfer_run
 from .sdpa.paged import attention_out, plan, run_plan
 from .sdpa.planning import Plan
 
@@ -27,24 +31,34 @@ from .sdpa.planning import Plan
 #: is not among them.
 DRIVEN = (Backend.FA3, Backend.FA4, Backend.FA2, Backend.SDPA)
 
+#: The backends a :class:`Run` calls only over wrappers the integration planned for the step
+#: (:class:`.flashinfer_step.StepPlans`).
+PLANNED = (Backend.FLASHINFER,)
 
-def driven(device: str) -> tuple[Backend, ...]:
+
+def driven(device: str, planned: bool = False) -> tuple[Backend, ...]:
     """The backends a :class:`Run` drives on ``device``, fastest first: :data:`DRIVEN` on
-    CUDA, SDPA elsewhere (the CPU's backend)."""
-    return DRIVEN if device == "cuda" else (Backend.SDPA,)
+    CUDA, SDPA elsewhere (the CPU's backend). ``planned``: the integration plans FlashInfer's
+    wrappers per step, and FlashInfer goes first on CUDA: its decode wrapper splits long
+    contexts over the GPU (at few rows and long contexts it is 2-8x faster than flash-attn 4
+    on an H100, 10-15% slower at 32 rows and more) and its host time per call is about half
+    flash-attn 4's (BENCHMARKS.md, "Decode attention per step through the adapters")."""
+    if device != "cuda":
+        return (Backend.SDPA,)
+    return PLANNED + DRIVEN if planned else DRIVEN
 
 
-def choose(need: Need, forced: str, who: str, variable: str) -> Backend:
-    """The backend an engine integration binds for layers of ``need``: the fastest of
-    :func:`driven` that is installed and serves ``need``, or the one ``forced`` names (an
-    integration's environment variable ``variable``, lower case; empty: none), for the
-    messages of ``who``.
+def choose(need: Need, forced: str, who: str, variable: str, planned: bool = False) -> Backend:
+    """The backend an engine integration binds for layers of ``need``: the first of
+    :func:`driven` (``planned``: FlashInfer among them) that is installed and serves ``need``,
+    or the one ``forced`` names (an integration's environment variable ``variable``, lower
+    case; empty: none), for the messages of ``who``.
 
     Raises:
         LayoutError: ``forced`` names no driven backend, the one it names cannot run here, or
             none can (every reason named).
     """
-    drivable = driven(need.device)
+    drivable = driven(need.device, planned)
     backend = Backend.AUTO
     if forced:
         names = [b.value for b in drivable]
@@ -65,17 +79,21 @@ class Run:
     plan (token slots, masks, query lanes) is computed once per forward, the first time a layer
     reads that part, instead of once per layer. flash-attn reads the view's tensors directly,
     so there is nothing to prepare (FA2 only runs parts with one query count for every row;
-    prefill and draft extend parts go through SDPA).
+    prefill and draft extend parts go through SDPA). FlashInfer runs the wrappers the
+    integration planned for every part of the view before the forward (``planned``, with the
+    scale and soft cap every layer must share: :meth:`.flashinfer_step.StepPlans.check`).
     """
 
-    __slots__ = ("_args", "_plans", "backend", "local", "view")
+    __slots__ = ("_args", "_plans", "backend", "local", "planned", "view")
 
     def __init__(self, backend: Backend, view: object, num_q: int, num_heads: int,
                  num_kv_heads: int, dtype: torch.dtype, prefix_free: bool,
-                 local: LocalView | None = None) -> None:
+                 local: LocalView | None = None,
+                 planned: tuple[GraphWrappers, StepPlans] | None = None) -> None:
         self.backend, self.view, self.local = backend, view, local
         self._args = (num_q, num_heads, num_kv_heads, dtype, prefix_free)
         self._plans: dict[int, Plan] = {}
+        self.planned = planned
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None, *,
                  window: bool = False, softcap: float = 0.0, sinks: Tensor | None = None,
@@ -91,6 +109,10 @@ class Run:
             if view is None:
                 raise LayoutError("a sliding-window layer needs a pool with sliding_window "
                                   "(the view has no window part)")
+        if self.planned is not None:
+            wrappers, plans = self.planned
+            plans.check(scale, softcap)
+            return flashinfer_run(wrappers, view, q, k, v, sinks)
         part = _single_pass(view)
         backend = self.backend
         if backend is Backend.FA2 and (isinstance(part, (ExtendView, DraftExtendView)) or (
@@ -125,11 +147,20 @@ def _single_pass(view: object) -> PagedView | None:
 
 
 def bind(backend: Backend, view: object, num_q: int, num_heads: int, num_kv_heads: int,
-         dtype: torch.dtype, prefix_free: bool = False, local: LocalView | None = None) -> Run:
+         dtype: torch.dtype, prefix_free: bool = False, local: LocalView | None = None,
+         plans: StepPlans | None = None) -> Run:
     """:class:`Run` for every layer of one forward over ``view`` (``backend`` resolved).
     ``prefix_free``: the view is a prefill with nothing cached (see
     :func:`attnpool.adapters.sdpa.plan`); a model with softcapping or sinks must not pass it
-    (those need the plan's mask)."""
+    (those need the plan's mask). FlashInfer: ``plans`` plans every part of ``view`` here, once
+    for the step (host-side: outside any graph capture)."""
+    if backend in PLANNED:
+        if plans is None or not isinstance(view, PagedView) or local is not None:
+            raise LayoutError("FlashInfer runs over parts planned for the step: bind a "
+                              "decode or extend view with the integration's StepPlans "
+                              "(no chunked-local view)")
+        return Run(backend, view, num_q, num_heads, num_kv_heads, dtype, prefix_free, local,
+                   (plans.prepare(view), plans))
     if backend not in DRIVEN:
         raise InputError(f"resolve the backend first, got {backend}")
     return Run(backend, view, num_q, num_heads, num_kv_heads, dtype, prefix_free, local)

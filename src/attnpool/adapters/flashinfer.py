@@ -122,8 +122,11 @@ def make_wrapper(
     use_tensor_cores: bool = False,
     wrapper_cls: type[Any] | None = None,
     backend: str | None = None,
+    graph: bool = True,
 ) -> Any:
-    """A CUDA-graph FlashInfer wrapper whose buffers are ``view``'s CSR tensors.
+    """A CUDA-graph FlashInfer wrapper whose buffers are ``view``'s CSR tensors (``graph``),
+    or an eager one, whose batch size and row count are free (each ``plan`` takes the view's
+    tensors as they are, without copying them on a device that holds them).
 
     Args:
         view: a part from ``pool.<phase>.view(bs)`` (call before capture).
@@ -135,11 +138,16 @@ def make_wrapper(
         wrapper_cls: the class to build (default: from ``flashinfer``).
         backend: FlashInfer's ``backend=`` (default: FlashInfer's own); models with attention
             sinks need one of :data:`SINK_BACKENDS`.
+        graph: build a CUDA-graph wrapper (False: an eager one, for steps no graph replays).
     """
     indptr, indices, last = csr_lists(view)
     kind = kind or wrapper_kind(view)
     cls = _cls(kind, wrapper_cls)
     extra: dict[str, Any] = {} if backend is None else {"backend": backend}
+    if not graph:
+        if kind is WrapperKind.DECODE:
+            return cls(workspace, kv_layout, use_tensor_cores=use_tensor_cores, **extra)
+        return cls(workspace, kv_layout, **extra)
     if kind is WrapperKind.DECODE:
         return cls(workspace, kv_layout, use_cuda_graph=True, use_tensor_cores=use_tensor_cores,
                    paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
@@ -310,12 +318,16 @@ class GraphWrappers:
             zeroed workspace at first use); pass False only for one that is already zero.
         prefill_only: build a prefill wrapper for every part, decode parts included: what a cache
             whose K and V head sizes differ needs (the decode wrapper takes one head size).
+        graph: CUDA-graph wrappers, one per part and batch size (the default). False: eager
+            wrappers, one per part and wrapper kind whatever the batch size, with no row
+            maximum: for the steps an engine runs outside graphs (a wrapper per size would
+            allocate FlashInfer's int workspace and pinned host buffer once per size).
     """
 
     def __init__(self, workspace: Tensor, *, decode_cls: type[Any] | None = None,
                  prefill_cls: type[Any] | None = None, use_tensor_cores: bool = False,
                  zero_workspace: bool = True, backend: str | None = None,
-                 prefill_only: bool = False) -> None:
+                 prefill_only: bool = False, graph: bool = True) -> None:
         if zero_workspace:
             workspace.zero_()
         self.workspace = workspace
@@ -323,6 +335,7 @@ class GraphWrappers:
         self.use_tensor_cores = use_tensor_cores
         self.backend = backend
         self.prefill_only = prefill_only
+        self.graph = graph
         self._dims: dict[tuple[int, int, WrapperKind], tuple[int, int]] = {}
         self._by_key: dict[tuple[int, int, WrapperKind], Any] = {}
         self._rows: dict[tuple[int, int, WrapperKind], int] = {}
@@ -330,7 +343,7 @@ class GraphWrappers:
 
     def _key(self, view: PagedView) -> tuple[int, int, WrapperKind]:
         indptr, _, _ = csr_lists(view)
-        return (indptr.data_ptr(), view.bs,
+        return (indptr.data_ptr(), view.bs if self.graph else -1,
                 WrapperKind.PREFILL if self.prefill_only else wrapper_kind(view))
 
     def wrapper(self, view: PagedView) -> Any:
@@ -340,7 +353,8 @@ class GraphWrappers:
         if w is None:
             kind = key[2]
             w = make_wrapper(view, self.workspace, kind=kind, wrapper_cls=self._cls[kind],
-                             use_tensor_cores=self.use_tensor_cores, backend=self.backend)
+                             use_tensor_cores=self.use_tensor_cores, backend=self.backend,
+                             graph=self.graph)
             self._by_key[key] = w
         return w
 
@@ -363,7 +377,7 @@ class GraphWrappers:
         key = self._key(view)
         rows = planned_rows(view, key[2])
         first = self._max_rows.setdefault(key, rows)
-        if rows > first:
+        if rows > first and self.graph:
             raise LayoutError(
                 f"this batch has {rows} query rows, more than the {first} of the wrapper's first "
                 f"plan (bs={view.bs}); a CUDA-graph prefill wrapper keeps its first plan's row "

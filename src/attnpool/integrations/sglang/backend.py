@@ -7,8 +7,10 @@ adapters: K/V go into SGLang's own KV pool (``set_kv_buffer`` at ``out_cache_loc
 adapter reads that pool's buffers in place as pages (:func:`.step.kv_pages`). On a CPU that is
 PyTorch SDPA, one call per layer for the whole batch (SGLang's ``torch_native`` backend loops
 over the requests in Python); on CUDA the fastest installed adapter that serves the model
-(flash-attn FA3, FA4, FA2, then SDPA: :func:`attnpool.adapters.binding.choose`; the choice is
-logged, and ``ATTNPOOL_SGLANG_KERNEL`` forces one).
+(FlashInfer when every layer shares its scale and soft cap and none has sinks, planned once per
+forward: :mod:`attnpool.adapters.flashinfer_step`; then flash-attn FA3, FA4, FA2, then SDPA:
+:func:`attnpool.adapters.binding.choose`; the choice is logged, and ``ATTNPOOL_SGLANG_KERNEL``
+forces one).
 
 What the backend does not serve is refused when SGLang builds it, at engine start, with the
 reason and the setting to change (:func:`refusals`): cross attention (encoder-decoder
@@ -21,8 +23,10 @@ layers' call to ``pool.decode.view(bs)`` before a capture; the refill of that vi
 read; padded rows carry the fill value
 :meth:`~AttnpoolAttnBackend.get_cuda_graph_seq_len_fill_value` declares) is the in-graph part,
 the capturable update recorded with the graph on the fused path, else an update before each
-replay. Only with flash-attn attending: SDPA plans each batch on the host, so with SDPA
-``init_cuda_graph_state`` refuses (a CPU engine captures none).
+replay. Only with flash-attn or FlashInfer attending: SDPA plans each batch on the host, so
+with SDPA ``init_cuda_graph_state`` refuses (a CPU engine captures none). FlashInfer plans the
+captured size's graph wrapper after each refill, on the host: its refill runs before each
+replay, never recorded in the graph.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from ...adapters.backends import Backend, Need
 from ...adapters.binding import Run, choose
+from ...adapters.flashinfer_step import LayerFacts
 from ...errors import CapacityError, LayoutError
 from .step import KERNEL, NAME, BatchFiller, RunnerSizes, kv_pages
 
@@ -73,8 +78,17 @@ def pick(model_runner: Any, layers: list[RadixAttention]) -> Backend:
     Raises:
         LayoutError: :data:`.step.KERNEL` names no adapter that runs here, or none can.
     """
-    return choose(_need(model_runner, layers), os.environ.get(KERNEL, "").strip().lower(),
-                  f"attention_backend={NAME!r}", KERNEL)
+    need = _need(model_runner, layers)
+    return choose(need, os.environ.get(KERNEL, "").strip().lower(),
+                  f"attention_backend={NAME!r}", KERNEL,
+                  planned=not need.sinks and len(_shared(layers)) == 1)
+
+
+def _shared(layers: list[RadixAttention]) -> set[tuple[int, int, int, float, float]]:
+    """What FlashInfer's one plan per forward fixes for every layer, as the layers have it
+    (FlashInfer is offered only when this is one tuple)."""
+    return {(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, float(layer.scaling),
+             float(layer.logit_cap or 0.0)) for layer in layers}
 
 
 def refusals(model_runner: Any, layers: list[RadixAttention]) -> list[str]:
@@ -162,9 +176,13 @@ class AttnpoolAttnBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         masked = any(layer.logit_cap for layer in layers) or _has_sinks(model_runner)
         backend = pick(model_runner, layers)
+        facts = None
+        if backend is Backend.FLASHINFER:
+            heads, kv_heads, size, scale, softcap = next(iter(_shared(layers)))
+            facts = LayerFacts(heads, kv_heads, size, model_runner.dtype, scale, softcap)
         self.filler = BatchFiller(_sizes(model_runner, layers), backend,
                                   first.tp_q_head_num, first.tp_k_head_num, model_runner.dtype,
-                                  masked=masked)
+                                  masked=masked, facts=facts)
         logger.info("attnpool serves attention of %d layers with %s: one pool of %d bytes",
                     len(layers), backend.name, self.filler.pool.nbytes)
         self.page_size = self.filler.sizes.page_size
@@ -236,7 +254,8 @@ class AttnpoolAttnBackend(AttentionBackend):
         from the batch's lengths) or more rows than the pool has."""
         if self.filler.backend is Backend.SDPA:
             raise LayoutError(f"attention_backend={NAME!r} captures CUDA graphs only with "
-                              "flash-attn attending (SDPA plans each batch on the host): "
+                              "flash-attn or FlashInfer attending (SDPA plans each batch on "
+                              "the host): "
                               "install flash-attn, or start SGLang with disable_cuda_graph=True")
         if max_bs > self.filler.sizes.max_requests:
             raise CapacityError(f"CUDA graphs of {max_bs} rows, but the pool has "

@@ -30,14 +30,16 @@ from torch import Tensor
 
 from ...adapters.backends import Backend
 from ...adapters.binding import Run, bind
+from ...adapters.flashinfer_step import LayerFacts, StepPlans
 from ...config import Impl, Layout, PoolConfig
-from ...errors import CapacityError, InputError
+from ...errors import CapacityError, InputError, LayoutError
 from ...pool import BufferPool
 from ...views import DecodeView, ExtendView
 
 #: The backend's name in SGLang's registry and on its command line.
 NAME = "attnpool"
-#: The environment variable that forces one adapter (``fa3``, ``fa4``, ``fa2``, ``sdpa``).
+#: The environment variable that forces one adapter (``flashinfer``, ``fa3``, ``fa4``, ``fa2``,
+#: ``sdpa``).
 KERNEL = "ATTNPOOL_SGLANG_KERNEL"
 
 
@@ -71,11 +73,12 @@ class RunnerSizes:
     device: torch.device
 
 
-def pool_config(s: RunnerSizes) -> PoolConfig:
-    """The runner's :class:`attnpool.PoolConfig`: page tables (the layout SDPA and flash-attn
-    read), pad page 0, decode and extend phases."""
+def pool_config(s: RunnerSizes, layout: Layout = Layout.FLASH_ATTN) -> PoolConfig:
+    """The runner's :class:`attnpool.PoolConfig`: page tables in ``layout`` (the one SDPA and
+    flash-attn read; FlashInfer's CSR lists when it attends), pad page 0, decode and extend
+    phases."""
     return PoolConfig(max_bs=s.max_requests, max_context_len=s.max_context_len,
-                      page_size=s.page_size, device=s.device, layout=Layout.FLASH_ATTN,
+                      page_size=s.page_size, device=s.device, layout=layout,
                       max_extend_tokens=s.max_extend_tokens, sliding_window=s.sliding_window,
                       num_pages=s.num_pages, pad_page=0)
 
@@ -90,12 +93,22 @@ class BatchFiller:
         dtype: the queries' dtype (SDPA's additive masks are built for it once per forward).
         masked: the layers need the adapter's mask even for a prefill with nothing cached
             (softcapping or sinks): never take SDPA's prefix-free causal shortcut.
+        facts: what every layer shares, for FlashInfer's plans (required when ``backend`` is
+            FlashInfer: the pool then keeps CSR page lists, each forward's parts are planned
+            when it is refilled, a captured size's decode steps on its graph wrapper).
     """
 
     def __init__(self, sizes: RunnerSizes, backend: Backend, num_heads: int, num_kv_heads: int,
-                 dtype: torch.dtype, masked: bool = False) -> None:
+                 dtype: torch.dtype, masked: bool = False,
+                 facts: LayerFacts | None = None) -> None:
         self.sizes = sizes
-        self.pool = BufferPool(pool_config(sizes))
+        flashinfer = backend is Backend.FLASHINFER
+        if flashinfer and facts is None:
+            raise LayoutError("FlashInfer's plans need the layers' shared facts (facts=)")
+        self.pool = BufferPool(pool_config(
+            sizes, Layout.FLASHINFER if flashinfer else Layout.FLASH_ATTN))
+        #: FlashInfer's wrappers, planned per forward (None for the other adapters)
+        self.plans = StepPlans(facts, sizes.device) if flashinfer and facts else None
         self.backend, self.dtype, self.masked = backend, dtype, masked
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.host = sizes.device.type == "cpu"
@@ -146,21 +159,26 @@ class BatchFiller:
             prefix_free = (not self.masked and extend_prefix_lens_cpu is not None
                            and not any(extend_prefix_lens_cpu))
         return bind(self.backend, view, num_tokens, self.num_heads, self.num_kv_heads,
-                    self.dtype, prefix_free=prefix_free)
+                    self.dtype, prefix_free=prefix_free, plans=self.plans)
 
 
     def capture(self, bs: int) -> Run:
         """The adapter call a decode CUDA graph of ``bs`` rows captures: bound to
         ``pool.decode.view(bs)``, whose tensors every later :meth:`replay` refills in place
         (the addresses the graph bakes in) and whose host bounds are the static ones
-        (``max_seqlen_k = C``), which a replay keeps."""
+        (``max_seqlen_k = C``), which a replay keeps. FlashInfer: ``bs`` becomes a captured
+        size, whose graph wrapper (on the pool's CSR buffers) is built and planned here, before
+        the capture, and planned again by every :meth:`replay`."""
+        if self.plans is not None:
+            self.plans.capture_size(bs)
         return bind(self.backend, self.pool.decode.view(bs), bs, self.num_heads,
-                    self.num_kv_heads, self.dtype)
+                    self.num_kv_heads, self.dtype, plans=self.plans)
 
     @property
     def recordable(self) -> bool:
-        """Whether the decode refill can be recorded in a CUDA graph (the fused path)."""
-        return self.pool.decode.impl is Impl.TRITON
+        """Whether the decode refill can be recorded in a CUDA graph: the fused path, and no
+        FlashInfer plan to make on the host after it."""
+        return self.pool.decode.impl is Impl.TRITON and self.plans is None
 
     def replay(self, bs: int, *, req_pool_indices: Tensor, req_to_token: Tensor,
                seq_lens: Tensor, recorded: bool = False) -> DecodeView:
@@ -172,16 +190,23 @@ class BatchFiller:
         ``recorded``: the capturable update (``num_real``, the fused path), to be recorded
         inside the graph (SGLang's ``init_forward_metadata_in_graph``): every replay then
         refills the view from the graph's input buffers by itself. Otherwise an ordinary
-        update, run before each replay."""
+        update, run before each replay (with FlashInfer, followed by the plan of the size's
+        graph wrapper: host work a recorded refill could not be followed by)."""
         real = None
+        if recorded and self.plans is not None:
+            raise LayoutError("a recorded refill cannot be followed by FlashInfer's plan "
+                              "(host work): refill before each replay instead")
         if recorded:
             real = self._real.get(bs)
             if real is None:  # one [1] count per captured size, made at capture time
                 real = self._real[bs] = torch.full((1,), bs, dtype=torch.int32,
                                                    device=self.sizes.device)
-        return self.pool.decode.update_(bs, seq_lens=seq_lens[:bs],
+        view = self.pool.decode.update_(bs, seq_lens=seq_lens[:bs],
                                         req_pool_indices=req_pool_indices[:bs],
                                         req_to_token=req_to_token, num_real=real)
+        if self.plans is not None:
+            self.plans.prepare(view)
+        return view
 
 
 def kv_pages(buffer: Tensor, page_size: int) -> Tensor:

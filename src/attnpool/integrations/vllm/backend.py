@@ -26,7 +26,9 @@ change (:func:`refuse`), then raised.
 CUDA graphs: a batch whose rows all have one query is a ``pool.decode`` update, whose views are
 captured per batch size; mixed batches are ``pool.extend`` updates, which run outside full
 graphs (vLLM's piecewise mode runs attention eagerly). Hence
-``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE``.
+``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE``. With FlashInfer attending, each captured
+size has its own graph wrapper on the pool's CSR buffers, planned by every :meth:`build` of
+that size before the replay; other steps run eager wrappers (:mod:`attnpool.adapters.flashinfer_step`).
 """
 
 from __future__ import annotations
@@ -50,12 +52,13 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionSpec
 
-from ...adapters.backends import KVLayout, Need
+from ...adapters.backends import Backend, KVLayout, Need
+from ...adapters.flashinfer_step import LayerFacts
 from ...errors import LayoutError
 from ...views import DecodeView
 from . import CPU_KERNEL, SWITCH, cpu_kernel_mode
 from .cache import cpu_views, cuda_views, slot_index_, store_
-from .choice import pick
+from .choice import KERNEL, pick
 from .cpu_kernel import CPUKernel, kernel_isa
 from .decode_cpu import attend
 from .encoder_only import EncoderOnlySteps, scratch_blocks
@@ -226,6 +229,17 @@ def refuse(reasons: list[str], kernel_fixes: bool = False) -> None:
     raise LayoutError(msg)
 
 
+def _facts(impls: list[AttnpoolImpl], num_kv_heads: int, dtype: torch.dtype) -> LayerFacts:
+    """What FlashInfer's plans fix for a group's layers, refused when the layers differ in it
+    (one plan per step and part serves every layer)."""
+    shared = {(i.num_heads, i.head_size, i.scale, i.softcap) for i in impls}
+    if len(shared) > 1:
+        refuse([f"FlashInfer over layers that differ in heads, head size, scale or soft cap "
+                f"({sorted(shared)}; set {KERNEL}=fa4, fa3 or sdpa)"])
+    heads, size, scale, softcap = next(iter(shared))
+    return LayerFacts(heads, num_kv_heads, size, dtype, scale, softcap)
+
+
 def _scales(layer: Any) -> tuple[float, float]:
     """A layer's K and V scales of an fp8 cache (vLLM keeps them on the layer; 1.0 else)."""
     return (float(getattr(layer, "_k_scale_float", 1.0)),
@@ -284,7 +298,9 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         # then has no window part (its bytes would be written every step and never read)
         kernel = sizes.device.type == "cpu" and cpu_kernel_mode() == "vllm"
         self.filler = StepFiller(sizes, first.backend, first.num_heads,
-                                 kv_cache_spec.num_kv_heads, model.dtype, window_part=not kernel)
+                                 kv_cache_spec.num_kv_heads, model.dtype, window_part=not kernel,
+                                 facts=_facts(impls, kv_cache_spec.num_kv_heads, model.dtype)
+                                 if first.backend is Backend.FLASHINFER else None)
         if kernel:
             self._use_cpu_kernel(impls, kv_cache_spec, model.dtype,
                                  vllm_config.cache_config.cache_dtype,
@@ -334,8 +350,14 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
                                     ) -> StepMetadata:
         """The capture batch's metadata: the same refill (a uniform decode batch writes the
         decode view a graph of that size replays; :meth:`build` refills it before each
-        replay)."""
-        return self.build(0, common_attn_metadata)
+        replay). With FlashInfer, the batch size becomes a captured one: its decode steps
+        plan the graph wrapper of that size, built here, outside the graph, on the pool's
+        own CSR buffers."""
+        cm = common_attn_metadata
+        plans = self.filler.plans
+        if plans is not None and cm.max_query_len == 1:
+            plans.capture_size(cm.num_reqs)
+        return self.build(0, cm)
 
 
 class _AttnpoolClasses:

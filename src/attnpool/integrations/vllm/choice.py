@@ -1,17 +1,20 @@
 """Which adapter attends in vLLM, per device: the fastest one installed that serves the model.
 
 On a CPU attnpool's own attention is the SDPA adapter (vLLM's CPU kernel, the default there,
-is chosen by the builder: :mod:`.cpu_kernel`). On CUDA the backend drives flash-attn (FA3
-through ``flash_attn_interface``, FA4 through ``flash_attn.cute``, FA2 through ``flash_attn``)
-and SDPA, in :data:`attnpool.adapters.backends.AUTO_ORDER`, through the one per-layer call every
-integration binds (:mod:`attnpool.adapters.binding`): each reads vLLM's CUDA cache in place
-(``[2, num_blocks, block_size, H_kv, D]``, split into two NHD caches without a copy,
-:func:`.cache.cuda_views`). SDPA runs only when none of the others is installed or can serve
-the model. FlashInfer is not driven: its wrappers need a plan per step and part, which the
-per-layer binding does not make.
+is chosen by the builder: :mod:`.cpu_kernel`). On CUDA the backend drives, fastest first,
+FlashInfer (its decode wrapper for uniform decode steps, its paged prefill wrapper for mixed
+ones, planned by the builder once per step: :class:`attnpool.adapters.flashinfer_step.StepPlans`),
+flash-attn (FA3 through ``flash_attn_interface``, FA4 through ``flash_attn.cute``, FA2 through
+``flash_attn``) and SDPA, through the one per-layer call every integration binds
+(:mod:`attnpool.adapters.binding`): each reads vLLM's CUDA cache in place (``[2, num_blocks,
+block_size, H_kv, D]``, split into two NHD caches without a copy, :func:`.cache.cuda_views`).
+SDPA runs only when none of the others is installed or can serve the model. Models with
+attention sinks skip FlashInfer (its wrappers apply sinks only on backends the plans do not
+build).
 
-``ATTNPOOL_VLLM_KERNEL=<name>`` (``fa3``, ``fa4``, ``fa2``, ``sdpa``) forces one; a forced
-kernel that is not installed, or cannot serve the model, is refused with every reason.
+``ATTNPOOL_VLLM_KERNEL=<name>`` (``flashinfer``, ``fa3``, ``fa4``, ``fa2``, ``sdpa``) forces
+one; a forced kernel that is not installed, or cannot serve the model, is refused with every
+reason.
 Nothing here imports vLLM.
 """
 
@@ -26,7 +29,8 @@ from ...adapters.binding import choose, driven
 KERNEL = "ATTNPOOL_VLLM_KERNEL"
 
 #: The adapters this integration drives per device, fastest first.
-DRIVEN: dict[str, tuple[Backend, ...]] = {"cpu": driven("cpu"), "cuda": driven("cuda")}
+DRIVEN: dict[str, tuple[Backend, ...]] = {"cpu": driven("cpu"),
+                                          "cuda": driven("cuda", planned=True)}
 
 
 def pick(need: Need) -> Backend:
@@ -37,4 +41,4 @@ def pick(need: Need) -> Backend:
             or none can.
     """
     return choose(need, os.environ.get(KERNEL, "").strip().lower(), "attnpool's vLLM backend",
-                  KERNEL)
+                  KERNEL, planned=not need.sinks)

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ...adapters.backends import Backend
 from ...adapters.binding import Run, bind
+from ...adapters.flashinfer_step import LayerFacts, StepPlans
 from ...config import Layout, PoolConfig
 from ...errors import CapacityError, LayoutError
 from ...pool import BufferPool
@@ -69,11 +70,12 @@ class EngineSizes:
     device: torch.device
 
 
-def pool_config(s: EngineSizes) -> PoolConfig:
-    """The group's :class:`attnpool.PoolConfig`: page tables (flash-attn layout, the one SDPA
-    and flash-attn read), the pad page 0 (vLLM's null block), decode and extend phases."""
+def pool_config(s: EngineSizes, layout: Layout = Layout.FLASH_ATTN) -> PoolConfig:
+    """The group's :class:`attnpool.PoolConfig`: page tables in ``layout`` (flash-attn's, the
+    one SDPA and flash-attn read; FlashInfer's CSR lists when it attends), the pad page 0
+    (vLLM's null block), decode and extend phases."""
     return PoolConfig(max_bs=s.max_num_seqs, max_context_len=s.max_model_len,
-                      page_size=s.block_size, device=s.device, layout=Layout.FLASH_ATTN,
+                      page_size=s.block_size, device=s.device, layout=layout,
                       max_extend_tokens=s.max_num_batched_tokens,
                       sliding_window=s.sliding_window, num_pages=s.num_blocks, pad_page=0)
 
@@ -136,12 +138,22 @@ class StepFiller:
     """One KV-cache group's pool, staging buffers and per-step refill (see the module doc)."""
 
     def __init__(self, sizes: EngineSizes, backend: Backend, num_heads: int, num_kv_heads: int,
-                 dtype: torch.dtype, window_part: bool = True) -> None:
+                 dtype: torch.dtype, window_part: bool = True,
+                 facts: LayerFacts | None = None) -> None:
         """``window_part``: give the pool the window part of ``sizes.sliding_window`` (False
-        when vLLM's CPU kernel attends: it applies each layer's window over the full part)."""
+        when vLLM's CPU kernel attends: it applies each layer's window over the full part).
+        ``facts``: what every layer shares, for FlashInfer's plans (required when ``backend``
+        is FlashInfer: the pool then keeps CSR page lists, and each step's parts are planned
+        in :meth:`fill`)."""
         self.sizes = sizes
-        self.pool = BufferPool(pool_config(sizes if window_part
-                                           else replace(sizes, sliding_window=None)))
+        flashinfer = backend is Backend.FLASHINFER
+        if flashinfer and facts is None:
+            raise LayoutError("FlashInfer's plans need the layers' shared facts (facts=)")
+        self.pool = BufferPool(pool_config(
+            sizes if window_part else replace(sizes, sliding_window=None),
+            Layout.FLASHINFER if flashinfer else Layout.FLASH_ATTN))
+        #: FlashInfer's wrappers, planned per step (None for the other adapters)
+        self.plans = StepPlans(facts, sizes.device) if flashinfer and facts else None
         self.backend, self.dtype = backend, dtype
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.host = sizes.device.type == "cpu"
@@ -191,7 +203,7 @@ class StepFiller:
             return StepMetadata(view, None, self._none, self._none, num_actual_tokens,
                                 self.kernel.step(view, n))
         run = bind(self.backend, view, num_actual_tokens, self.num_heads, self.num_kv_heads,
-                   self.dtype)
+                   self.dtype, plans=self.plans)
         slot_index_(slot_mapping, self.sizes.block_size, self._blocks, self._offsets)
         return StepMetadata(view, run, self._blocks[:tokens], self._offsets[:tokens],
                             num_actual_tokens)
