@@ -275,17 +275,17 @@ def _flashinfer_filler(dev: torch.device, backend: Backend = Backend.FLASHINFER,
 
     sizes = RunnerSizes(max_requests=REQS, max_context_len=WIDTH, max_extend_tokens=96,
                         page_size=16, sliding_window=24, num_pages=64, device=dev)
-    dtype = torch.bfloat16 if backend is Backend.FLASHINFER else torch.float32
+    dtype = torch.float32 if backend is Backend.SDPA else torch.bfloat16
     facts = LayerFacts(H, H_KV, d, dtype, d ** -0.5) if backend is Backend.FLASHINFER else None
     return BatchFiller(sizes, backend, H, H_KV, dtype, facts=facts)
 
 
-def flashinfer_forwards(dev: torch.device, graph: bool, d: int = D) -> None:
-    """FlashInfer through the filler: an eager decode and a mixed extend forward (full and
-    sliding-window layers), then a decode graph captured at 4 rows and replayed over refills
-    with padded rows, each against the SDPA filler refilled from the same batch (head size
-    ``d``)."""
-    f, ref = _flashinfer_filler(dev, d=d), _flashinfer_filler(dev, Backend.SDPA, d=d)
+def kernel_forwards(dev: torch.device, backend: Backend, d: int = D) -> BatchFiller:
+    """``backend`` (FlashInfer or flash-attn) through the filler: an eager decode and a mixed
+    extend forward (full and sliding-window layers), then a decode graph captured at 4 rows
+    and replayed over refills with padded rows, each against the SDPA filler refilled from the
+    same batch (head size ``d``). Returns the filler."""
+    f, ref = _flashinfer_filler(dev, backend, d=d), _flashinfer_filler(dev, Backend.SDPA, d=d)
     gen = torch.Generator().manual_seed(4)
     k_buf = torch.randn(1024, H_KV, d, generator=gen).to(dev, torch.bfloat16)
     v_buf = torch.randn(1024, H_KV, d, generator=gen).to(dev, torch.bfloat16)
@@ -316,7 +316,7 @@ def flashinfer_forwards(dev: torch.device, graph: bool, d: int = D) -> None:
             torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
     run = f.capture(4)
     q = torch.zeros(4, H, d, dtype=torch.bfloat16, device=dev)
-    replay, out = capture(lambda: run(q, k, v, d ** -0.5), dev) if graph else (None, None)
+    replay, out = capture(lambda: run(q, k, v, d ** -0.5), dev)
     steps = CUDA_GRAPH_STEPS if dev.type == "cuda" else 3
     rng = random.Random(9)
     for step in range(steps):
@@ -330,18 +330,16 @@ def flashinfer_forwards(dev: torch.device, graph: bool, d: int = D) -> None:
         view = f.replay(4, req_pool_indices=torch.tensor(rows, device=dev),
                         req_to_token=table, seq_lens=torch.tensor(lens, device=dev))
         q.copy_(torch.randn(4, H, d, generator=gen).to(dev, torch.bfloat16))
-        if replay is not None:
-            replay()
-        else:
-            out = run(q, k, v, d ** -0.5)
+        replay()
         want = ref.fill(**kw)(q[:n].float(), kf, vf, d ** -0.5)  # type: ignore[arg-type]
-        assert out is not None
         torch.testing.assert_close(out[:n].float(), want, rtol=2e-2, atol=2e-2,
                                    msg=f"replay {step}")
-    assert f.plans is not None and len(f.plans.graph) == 2  # the 4-row view's two parts
-    wrapper = f.plans.graph.wrapper(view)
-    if hasattr(wrapper, "plans"):  # (the fakes count plans: one at capture, one per replay)
-        assert wrapper.plans == steps + 1
+    if f.plans is not None:
+        assert len(f.plans.graph) == 2  # the 4-row view's two parts
+        wrapper = f.plans.graph.wrapper(view)
+        if hasattr(wrapper, "plans"):  # (the fakes count plans: one at capture, one per replay)
+            assert wrapper.plans == steps + 1
+    return f
 
 
 CUDA_GRAPH_STEPS = 100
@@ -358,7 +356,7 @@ def test_flashinfer_plans_each_forward(monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.helpers import fakes_flashinfer
 
     monkeypatch.setitem(sys.modules, "flashinfer", fakes_flashinfer.module())
-    flashinfer_forwards(torch.device("cpu"), graph=True)
+    kernel_forwards(torch.device("cpu"), Backend.FLASHINFER)
     f = _flashinfer_filler(torch.device("cpu"))
     assert not f.recordable
     f.capture(2)
@@ -367,7 +365,25 @@ def test_flashinfer_plans_each_forward(monkeypatch: pytest.MonkeyPatch) -> None:
                  seq_lens=torch.tensor([3, 4]), recorded=True)
 
 
+def test_flash_attn_forwards_and_decode_graph(fake_fa4: FA4) -> None:
+    """The same forwards and decode graph with flash-attn 4 (the CPU fake): every replay's
+    kernel call reads the captured view's own tensors."""
+    kernel_forwards(torch.device("cpu"), Backend.FA4)
+    graph_calls = [c for c in fake_fa4.calls if c["q"].shape[0] == 4]  # (the 4-row graph)
+    assert len(graph_calls) >= 3 + 3  # warm-ups, capture, one per replay
+    assert len({c["page_table"].data_ptr() for c in graph_calls}) == 1
+
+
 @pytest.mark.cuda
-def test_flashinfer_plans_each_forward_cuda() -> None:
-    pytest.importorskip("flashinfer")
-    flashinfer_forwards(torch.device("cuda"), graph=True, d=128)
+@pytest.mark.parametrize("backend", [Backend.FLASHINFER, Backend.FA4], ids=["flashinfer", "fa4"])
+def test_kernel_forwards_cuda(backend: Backend) -> None:
+    if backend is Backend.FLASHINFER:
+        pytest.importorskip("flashinfer")
+    else:
+        from attnpool.adapters import flash_attn as fa
+
+        try:
+            fa.load_fa4()
+        except ImportError as e:
+            pytest.skip(f"flash_attn.cute does not load: {e}")
+    kernel_forwards(torch.device("cuda"), backend, d=128)
