@@ -41,7 +41,7 @@ from attnpool.adapters import flash_attn as fa
 from attnpool.adapters.backends import Backend
 from attnpool.adapters.flashinfer_step import LayerFacts
 from attnpool.integrations.vllm.cache import cuda_views
-from attnpool.integrations.vllm.step import EngineSizes, StepFiller
+from attnpool.integrations.vllm.step import EngineSizes, StepFiller, mixed_graphs
 
 from tests.helpers import fakes_flashinfer
 from tests.helpers.fakes_fa4 import FA4
@@ -123,16 +123,18 @@ def _caches(dims: Dims, dev: torch.device) -> tuple[Tensor, Tensor]:
 
 
 def stream(dev: torch.device, dims: Dims, decode: bool, bs: int, steps: int, seed: int,
-           kernel: Backend = Backend.FA4) -> int:
+           kernel: Backend = Backend.FA4, one_phase: bool = False) -> int:
     """Capture the bound call once on the first batch's view, replay ``steps`` random batches
     refilled into the same filler; returns the kernel calls made. FlashInfer's mixed batches
-    are not captured: each step's bound call runs eagerly."""
+    are not captured: each step's bound call runs eagerly. ``one_phase``: vLLM's FULL graph
+    mode, one extend graph for decode and mixed batches alike (``StepFiller.one_phase``)."""
     rng = random.Random(seed)
     # the SDPA reference on ATTNPOOL_REFERENCE_DEVICE when set (the initcheck step puts it on
     # the CPU: with static bounds SDPA's dense gather computes over page-table columns past a
     # row's pages, masked afterwards, which initcheck reports as reads of unwritten memory)
     ref_dev = torch.device(os.environ.get("ATTNPOOL_REFERENCE_DEVICE", dev.type))
     f, ref = _filler(dims, dev, kernel), _filler(dims, ref_dev)
+    f.one_phase = one_phase
     graphed = decode or kernel is not Backend.FLASHINFER
     if f.plans is not None and decode:
         f.plans.capture_size(bs)  # as the builder's build_for_cudagraph_capture marks it
@@ -143,11 +145,11 @@ def stream(dev: torch.device, dims: Dims, decode: bool, bs: int, steps: int, see
     def draw() -> Batch:
         while True:
             n = rng.choice([1, bs, rng.randint(1, bs)])
-            if decode:
+            if decode or (one_phase and rng.random() < 0.4):
                 seq, ext = [rng.randint(1, dims.c) for _ in range(n)], [1] * n
             else:
                 seq, ext = mixed_batch(n, dims.t, dims.c, rng)
-            if decode or max(ext) > 1:  # (an all-decode batch replays a decode graph)
+            if decode or one_phase or max(ext) > 1:  # (else: an all-decode batch, a decode graph)
                 return vllm_batch(seq, ext, bs, dims, dev, rng)
 
     md = f.fill(**draw().kw)  # type: ignore[arg-type]
@@ -193,15 +195,40 @@ def test_vllm_graphs_fa4_cpu(fake_fa4: FA4, decode: bool) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("decode", [False, True], ids=["extend", "decode"])
-def test_vllm_graphs_fa4_cuda(decode: bool) -> None:
+@pytest.mark.parametrize("decode", [False, True, None], ids=["extend", "decode", "one-phase"])
+def test_vllm_graphs_fa4_cuda(decode: bool | None) -> None:
+    """``None``: vLLM's FULL mode, decode and mixed batches from one extend graph."""
     try:
         fa.load_fa4()
     except ImportError as e:
         pytest.skip(f"flash_attn.cute does not load: {e}")
     dims = CUDA_DIMS
     for bs in (dims.max_bs, 3) if decode else (dims.max_bs,):
-        stream(torch.device("cuda"), dims, decode, bs, CUDA_STEPS, seed=bs)
+        stream(torch.device("cuda"), dims, bool(decode), bs, CUDA_STEPS, seed=bs,
+               one_phase=decode is None)
+
+
+def test_vllm_one_graph_for_decode_and_mixed_cpu(fake_fa4: FA4) -> None:
+    """vLLM's FULL graph mode with flash-attn: decode batches and mixed ones padded to the same
+    size are all extend refills of the one captured view, so one graph replays them all with
+    its static bounds."""
+    dims = CPU_DIMS
+    stream(torch.device("cpu"), dims, False, dims.max_bs, 3 * CPU_STEPS, seed=5, one_phase=True)
+    first = fake_fa4.calls[0]
+    assert all(c["max_seqlen_q"] == dims.t for c in fake_fa4.calls)
+    for call in fake_fa4.calls:
+        assert call["page_table"].data_ptr() == first["page_table"].data_ptr()
+
+
+def test_mixed_graphs_only_for_flash_attn_on_cuda() -> None:
+    """``AttentionCGSupport.ALWAYS`` is declared for groups that attend with FA3 / FA4 on CUDA
+    alone: FlashInfer plans on the host, FA2 falls back to SDPA for mixed parts, SDPA plans on
+    the host, and nothing is captured on a CPU."""
+    assert mixed_graphs({Backend.FA4}, "cuda") and mixed_graphs({Backend.FA3, Backend.FA4}, "cuda")
+    for backends in ({Backend.FLASHINFER}, {Backend.FA2}, {Backend.SDPA}, {Backend.FA4,
+                     Backend.SDPA}, set()):
+        assert not mixed_graphs(backends, "cuda"), backends
+    assert not mixed_graphs({Backend.FA4}, "cpu")
 
 
 @pytest.fixture

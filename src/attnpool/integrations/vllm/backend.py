@@ -23,23 +23,21 @@ vLLM's CPU kernel attends; a head size or variant no adapter of this device take
 engine starts, never by a wrong token: logged at ERROR under vLLM's logger with the setting to
 change (:func:`refuse`), then raised.
 
-CUDA graphs: a batch whose rows all have one query is a ``pool.decode`` update, whose views are
-captured per batch size; mixed batches are ``pool.extend`` updates, which run outside full
-graphs (vLLM's piecewise mode runs attention eagerly). Hence
-``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE``. With FlashInfer attending, each captured
-size has its own graph wrapper on the pool's CSR buffers, planned by every :meth:`build` of
-that size before the replay; other steps run eager wrappers (:mod:`attnpool.adapters.flashinfer_step`).
+CUDA graphs, declared per kernel (:meth:`AttnpoolMetadataBuilder.get_cudagraph_support`):
+``ALWAYS`` with flash-attn (FA3, FA4), whose extend view keeps its static bounds and tensors
+when refilled on CUDA, so one full graph per size replays every mixed batch padded to it
+(:func:`.step.mixed_graphs`; in vLLM's ``FULL`` mode every batch is then an extend update,
+``StepFiller.one_phase``); ``UNIFORM_SINGLE_TOKEN_DECODE`` otherwise (decode views captured per
+size; FlashInfer plans each captured size's graph wrapper in every :meth:`build`).
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from vllm.config import VllmConfig, get_current_vllm_config, get_layers_from_vllm_config
-from vllm.forward_context import get_forward_context, is_forward_context_available
-from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -56,20 +54,14 @@ from ...adapters.backends import Backend, KVLayout, Need
 from ...adapters.flashinfer_step import LayerFacts
 from ...errors import LayoutError
 from ...views import DecodeView
-from . import CPU_KERNEL, SWITCH, cpu_kernel_mode
+from . import cpu_kernel_mode
 from .cache import cpu_views, cuda_views, slot_index_, store_
 from .choice import KERNEL, pick
 from .cpu_kernel import CPUKernel, kernel_isa
 from .decode_cpu import attend
 from .encoder_only import EncoderOnlySteps, scratch_blocks
-from .step import EngineSizes, StepFiller, StepMetadata, group_window
-
-T = TypeVar("T")
-
-#: under vLLM's logger hierarchy, so that vLLM's own log handler prints it
-logger = init_logger("vllm.plugins.attnpool")
-
-
+from .runtime import group_impls, layer_scales, logger, refuse, step_metadata
+from .step import EngineSizes, StepFiller, StepMetadata, group_window, mixed_graphs
 
 #: the attention types a layer may have: decoder self-attention everywhere, encoder-only and
 #: cross attention where vLLM's CPU kernel attends (non-causally)
@@ -159,12 +151,12 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
                 # encoder-only: this layer's keys and values into the step's scratch (.encoder_only)
                 kv_cache = attn_metadata.encoder_cache
                 self.kernel.store(key, value, kv_cache, attn_metadata.encoder_slots,
-                                  _scales(layer))
+                                  layer_scales(layer))
             q = query if query.shape == shape else query[:t].view(shape)
             out = output if output.shape == shape else output[:t].view(shape)
             self.kernel.attend(attn_metadata.kernel, q, kv_cache, out, self.scale,
                                self.sliding_window, self.softcap, sinks, self.alibi_slopes,
-                               _scales(layer))
+                               layer_scales(layer))
             return output
         if self.cpu and isinstance(view, DecodeView):
             # decode on a CPU: straight from the cache blocks (keys stay transposed)
@@ -196,11 +188,11 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
         if self.attn_type == AttentionType.ENCODER_ONLY:
             return  # (no cache between steps: forward stores into the step's scratch)
         if self.kernel is not None:
-            self.kernel.store(key, value, kv_cache, slot_mapping, _scales(layer))
+            self.kernel.store(key, value, kv_cache, slot_mapping, layer_scales(layer))
             return
         k_cache, v_cache = self._views(kv_cache)
         t = slot_mapping.shape[0]
-        md = _step_metadata(getattr(layer, "layer_name", None))
+        md = step_metadata(getattr(layer, "layer_name", None))
         if md is not None and md.blocks.shape[0] == t:
             blocks, offsets = md.blocks, md.offsets
         else:  # no step metadata to share (a caller outside a model step): computed here
@@ -208,25 +200,6 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
             offsets = torch.empty_like(blocks)
             slot_index_(slot_mapping, k_cache.shape[1], blocks, offsets)
         store_(k_cache, v_cache, key[:t], value[:t], blocks, offsets)
-
-
-def refuse(reasons: list[str], kernel_fixes: bool = False) -> None:
-    """Refuse what attnpool does not serve (nothing when ``reasons`` is empty): logged at ERROR
-    under vLLM's logger, so the reason shows in the engine's own output beside vLLM's final
-    error (an engine core process's exception reaches the caller only as "Engine core
-    initialization failed"), then raised as a :class:`attnpool.LayoutError`. The message says
-    which setting to change: ``ATTNPOOL_VLLM`` unset makes vLLM's own backend serve the
-    engine; ``kernel_fixes``: unsetting ``ATTNPOOL_VLLM_CPU_KERNEL`` (vLLM's kernel attending
-    over the pool's buffers) serves it too."""
-    if not reasons:
-        return
-    fix = (f"unset {CPU_KERNEL} (vLLM's CPU kernel then attends over attnpool's buffers) or "
-           if kernel_fixes else "")
-    msg = (f"attnpool's vLLM backend does not serve {', '.join(reasons)}. To run this engine, "
-           f"{fix}unset {SWITCH} (or set it to 0): vLLM's own attention backend then serves "
-           f"it, where it serves the setting.")
-    logger.error(msg)
-    raise LayoutError(msg)
 
 
 def _facts(impls: list[AttnpoolImpl], num_kv_heads: int, dtype: torch.dtype) -> LayerFacts:
@@ -238,33 +211,6 @@ def _facts(impls: list[AttnpoolImpl], num_kv_heads: int, dtype: torch.dtype) -> 
                 f"({sorted(shared)}; set {KERNEL}=fa4, fa3 or sdpa)"])
     heads, size, scale, softcap = next(iter(shared))
     return LayerFacts(heads, num_kv_heads, size, dtype, scale, softcap)
-
-
-def _scales(layer: Any) -> tuple[float, float]:
-    """A layer's K and V scales of an fp8 cache (vLLM keeps them on the layer; 1.0 else)."""
-    return (float(getattr(layer, "_k_scale_float", 1.0)),
-            float(getattr(layer, "_v_scale_float", 1.0)))
-
-
-def group_impls(vllm_config: VllmConfig, layer_cls: type[Any], impl_cls: type[T],
-                layer_names: list[str]) -> list[T]:
-    """The impls of a KV-cache group's layers, every one attnpool's ``impl_cls`` (a builder
-    serves only its own layers: another backend's in the group is refused at engine start)."""
-    layers = get_layers_from_vllm_config(vllm_config, layer_cls, layer_names)
-    impls = [layer.impl for layer in layers.values()]
-    if not impls or not all(isinstance(i, impl_cls) for i in impls):
-        raise LayoutError(f"attnpool's builder serves attnpool's {impl_cls.__name__} layers; "
-                          f"group {layer_names} has {sorted({type(i).__name__ for i in impls})}")
-    return impls
-
-
-def _step_metadata(layer_name: str | None) -> StepMetadata | None:
-    """This layer's metadata of the current step, from vLLM's forward context."""
-    if layer_name is None or not is_forward_context_available():
-        return None
-    md = get_forward_context().attn_metadata
-    found = md.get(layer_name) if isinstance(md, dict) else None
-    return found if isinstance(found, StepMetadata) else None
 
 
 class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
@@ -305,6 +251,8 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
             self._use_cpu_kernel(impls, kv_cache_spec, model.dtype,
                                  vllm_config.cache_config.cache_dtype,
                                  not (encoder_only or cross))
+        #: whether ``filler.one_phase`` was set from vLLM's resolved graph mode (first build)
+        self._phase_set = False
         #: an encoder-only group's scratch cache and refill (.encoder_only), else None
         self.encoder_only = EncoderOnlySteps(self.filler, kv_cache_spec.num_kv_heads,
                                              kv_cache_spec.head_size, model.dtype) \
@@ -315,6 +263,29 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
                     else first.backend.name, self.filler.pool.nbytes,
                     sizes.max_num_seqs, sizes.max_num_batched_tokens, sizes.block_size,
                     sizes.sliding_window)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: Any
+                              ) -> AttentionCGSupport:
+        """``ALWAYS`` when every attnpool layer attends with flash-attn on CUDA
+        (:func:`.step.mixed_graphs`), else ``UNIFORM_SINGLE_TOKEN_DECODE`` (also before the
+        layers exist: the safe declaration)."""
+        layers = get_layers_from_vllm_config(vllm_config, Attention)
+        backends = {layer.impl.backend for layer in layers.values()
+                    if isinstance(layer.impl, AttnpoolImpl)}
+        device = torch.device(vllm_config.device_config.device).type
+        return (AttentionCGSupport.ALWAYS if mixed_graphs(backends, device)
+                else cls._cudagraph_support)
+
+    def _one_phase(self) -> bool:
+        """vLLM's graph mode keeps one full graph per size for decode and mixed batches alike
+        (``FULL``: no separate decode routine), and this group's kernels replay mixed ones:
+        then every batch goes through the extend phase (see the module docstring)."""
+        mode = self.vllm_config.compilation_config.cudagraph_mode
+        return (self.filler.sizes.device.type == "cuda" and mode is not None
+                and mode.mixed_mode() == type(mode).FULL and not mode.separate_routine()
+                and type(self).get_cudagraph_support(self.vllm_config, self.kv_cache_spec)
+                is AttentionCGSupport.ALWAYS)
 
     def _use_cpu_kernel(self, impls: list[AttnpoolImpl], spec: Any, dtype: torch.dtype,
                         kv_cache_dtype: str, causal: bool) -> None:
@@ -340,6 +311,9 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
                                           max_query_len=cm.max_query_len,
                                           query_start_loc=cm.query_start_loc,
                                           seq_lens=cm.seq_lens)
+        if self._phase_set is False:
+            self.filler.one_phase = self._one_phase()
+            self._phase_set = True
         return self.filler.fill(num_reqs=cm.num_reqs, num_actual_tokens=cm.num_actual_tokens,
                                 max_query_len=cm.max_query_len,
                                 query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,

@@ -43,7 +43,6 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from ...errors import LayoutError
 from ...kv.mla_shape import MLAShape
 from . import MLA_PREFILL
-from .backend import group_impls
 from .mla_step import (
     LatentFiller,
     LatentStep,
@@ -53,6 +52,7 @@ from .mla_step import (
     prefill_mode,
     store_latent_,
 )
+from .runtime import group_impls
 from .step import EngineSizes
 
 logger = init_logger("vllm.plugins.attnpool")

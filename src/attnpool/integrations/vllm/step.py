@@ -165,6 +165,10 @@ class StepFiller:
         self._none = self._blocks[:0]  # (no block/offset pair: vLLM's kernel stores by slot)
         #: vLLM's CPU kernel, when the group attends with it (set by the builder)
         self.kernel: CPUKernel | None = None
+        #: every batch an extend update, one-query rows included (set by the builder in vLLM's
+        #: FULL graph mode: one graph per size serves decode and mixed batches alike, so the
+        #: phase a replay reads must not depend on the batch; :func:`mixed_graphs`)
+        self.one_phase = False
 
     def fill(self, *, num_reqs: int, num_actual_tokens: int, max_query_len: int,
              query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
@@ -185,7 +189,7 @@ class StepFiller:
         table = block_table if block_table.shape[0] == n else block_table[:n]
         host = lens if self.host else None
         view: DecodeView | ExtendView
-        if max_query_len == 1:
+        if max_query_len == 1 and not self.one_phase:
             view = self.pool.decode.update_(n, seq_lens=lens, block_table=table,
                                             seq_lens_cpu=host)
         else:
@@ -207,6 +211,16 @@ class StepFiller:
         slot_index_(slot_mapping, self.sizes.block_size, self._blocks, self._offsets)
         return StepMetadata(view, run, self._blocks[:tokens], self._offsets[:tokens],
                             num_actual_tokens)
+
+
+def mixed_graphs(backends: set[Backend], device: str) -> bool:
+    """Whether a group's layers attend with kernels that a full CUDA graph of a mixed batch can
+    replay: flash-attn FA3 or FA4 on CUDA, which read only device lengths and the extend view's
+    static bounds (``max_seqlen_q = T``, ``max_seqlen_k = C``), so that one extend graph per
+    size serves every padded batch of that size. Not FlashInfer (its plan is host work per
+    step), FA2 (its mixed parts fall back to SDPA) or SDPA (its gather plan is made on the
+    host). The builder then declares ``AttentionCGSupport.ALWAYS``."""
+    return device == "cuda" and bool(backends) and backends <= {Backend.FA3, Backend.FA4}
 
 
 def group_window(windows: set[int | None]) -> int | None:
