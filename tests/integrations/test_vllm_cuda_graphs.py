@@ -309,3 +309,21 @@ def test_vllm_graphs_flashinfer_cuda(decode: bool) -> None:
     for bs in (dims.max_bs, 3) if decode else (dims.max_bs,):
         stream(torch.device("cuda"), dims, decode, bs, CUDA_STEPS, seed=bs,
                kernel=Backend.FLASHINFER)
+
+
+def test_padded_requests_and_tokens_read_and_write_the_null_block() -> None:
+    """A batch vLLM's CUDA runner padded to a captured size: the padded requests (no query,
+    length 0, the null block in their table row) keep length 0 and page 0 (vLLM's null block,
+    the pool's pad page) in the refilled view, and the padded tokens (slot -1) are stored to
+    block 0 only, which nothing reads."""
+    dims, dev = CPU_DIMS, torch.device("cpu")
+    f = _filler(dims, dev)
+    b = vllm_batch([37, 5], [1, 5], 4, dims, dev, random.Random(2))
+    md = f.fill(**b.kw)  # type: ignore[arg-type]
+    view = md.view
+    assert view.bs == 4 and view.max_seqlen_q == dims.t  # static bounds, padded rows included
+    assert view.cache_seqlens[2:4].tolist() == [0, 0]
+    assert view.page_table[2:4, 0].tolist() == [0, 0]
+    assert view.cu_seqlens_q[2:5].tolist() == [6, 6, 6]  # no query rows for padded requests
+    real = len([s for s in b.kw["slot_mapping"].tolist() if s >= 0])  # type: ignore[union-attr]
+    assert real == 6 and md.blocks[real:].eq(0).all()
