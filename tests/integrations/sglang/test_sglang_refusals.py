@@ -112,7 +112,7 @@ def test_decode_graph_hooks() -> None:
     from attnpool.integrations.sglang.backend import AttnpoolAttnBackend
 
     b = AttnpoolAttnBackend(_runner([_layer(0), _layer(1)]))
-    with pytest.raises(LayoutError, match="only with flash-attn attending"):
+    with pytest.raises(LayoutError, match="only with flash-attn or FlashInfer attending"):
         b.init_cuda_graph_state(4, 4)
     assert b.get_cuda_graph_seq_len_fill_value() == 1
     fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=2,

@@ -255,8 +255,8 @@ class AttnpoolAttnBackend(AttentionBackend):
         if self.filler.backend is Backend.SDPA:
             raise LayoutError(f"attention_backend={NAME!r} captures CUDA graphs only with "
                               "flash-attn or FlashInfer attending (SDPA plans each batch on "
-                              "the host): "
-                              "install flash-attn, or start SGLang with disable_cuda_graph=True")
+                              "the host): install one of them, or start SGLang with "
+                              "disable_cuda_graph=True")
         if max_bs > self.filler.sizes.max_requests:
             raise CapacityError(f"CUDA graphs of {max_bs} rows, but the pool has "
                                 f"max_requests={self.filler.sizes.max_requests}")
