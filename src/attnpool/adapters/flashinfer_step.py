@@ -29,8 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..config import Layout
 from ..errors import InputError, LayoutError
 from ..views import PagedView
+from .backends import Backend
 from .flashinfer import GraphWrappers
 
 #: FlashInfer's float workspace per integration instance (vLLM's own FlashInfer backend takes
@@ -113,6 +115,22 @@ class StepPlans:
             raise LayoutError(f"FlashInfer's plan fixed scale={f.scale} and softcap={f.softcap} "
                               f"for every layer of the step; this layer asks for scale={scale}, "
                               f"softcap={softcap}: use flash-attn or SDPA for such a model")
+
+
+def plans_for(backend: Backend, facts: LayerFacts | None,
+              device: torch.device) -> tuple[StepPlans | None, Layout]:
+    """An integration's FlashInfer plans and its pool's page-table layout for ``backend``:
+    FlashInfer's CSR lists and the plans when it attends (``facts`` required), else no plans
+    and the page table every other adapter reads.
+
+    Raises:
+        LayoutError: FlashInfer without ``facts``.
+    """
+    if backend is not Backend.FLASHINFER:
+        return None, Layout.FLASH_ATTN
+    if facts is None:
+        raise LayoutError("FlashInfer's plans need the layers' shared facts (facts=)")
+    return StepPlans(facts, device), Layout.FLASHINFER
 
 
 def run(wrappers: GraphWrappers, part: object, q: Tensor, k: Tensor, v: Tensor,

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ...adapters.backends import Backend
 from ...adapters.binding import Run, bind
-from ...adapters.flashinfer_step import LayerFacts, StepPlans
+from ...adapters.flashinfer_step import LayerFacts, plans_for
 from ...config import Impl, Layout, PoolConfig
 from ...errors import CapacityError, InputError, LayoutError
 from ...pool import BufferPool
@@ -102,13 +102,9 @@ class BatchFiller:
                  dtype: torch.dtype, masked: bool = False,
                  facts: LayerFacts | None = None) -> None:
         self.sizes = sizes
-        flashinfer = backend is Backend.FLASHINFER
-        if flashinfer and facts is None:
-            raise LayoutError("FlashInfer's plans need the layers' shared facts (facts=)")
-        self.pool = BufferPool(pool_config(
-            sizes, Layout.FLASHINFER if flashinfer else Layout.FLASH_ATTN))
         #: FlashInfer's wrappers, planned per forward (None for the other adapters)
-        self.plans = StepPlans(facts, sizes.device) if flashinfer and facts else None
+        self.plans, layout = plans_for(backend, facts, sizes.device)
+        self.pool = BufferPool(pool_config(sizes, layout))
         self.backend, self.dtype, self.masked = backend, dtype, masked
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.host = sizes.device.type == "cpu"

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from ...adapters.backends import Backend
 from ...adapters.binding import Run, bind
-from ...adapters.flashinfer_step import LayerFacts, StepPlans
+from ...adapters.flashinfer_step import LayerFacts, plans_for
 from ...config import Layout, PoolConfig
 from ...errors import CapacityError, LayoutError
 from ...pool import BufferPool
@@ -146,14 +146,10 @@ class StepFiller:
         is FlashInfer: the pool then keeps CSR page lists, and each step's parts are planned
         in :meth:`fill`)."""
         self.sizes = sizes
-        flashinfer = backend is Backend.FLASHINFER
-        if flashinfer and facts is None:
-            raise LayoutError("FlashInfer's plans need the layers' shared facts (facts=)")
-        self.pool = BufferPool(pool_config(
-            sizes if window_part else replace(sizes, sliding_window=None),
-            Layout.FLASHINFER if flashinfer else Layout.FLASH_ATTN))
         #: FlashInfer's wrappers, planned per step (None for the other adapters)
-        self.plans = StepPlans(facts, sizes.device) if flashinfer and facts else None
+        self.plans, layout = plans_for(backend, facts, sizes.device)
+        self.pool = BufferPool(pool_config(
+            sizes if window_part else replace(sizes, sliding_window=None), layout))
         self.backend, self.dtype = backend, dtype
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.host = sizes.device.type == "cpu"
