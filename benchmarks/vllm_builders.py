@@ -175,10 +175,11 @@ PIECES: dict[str, list[float]] = collections.defaultdict(list)
 
 def _time_pieces() -> None:
     """Wrap the pieces of attnpool's build with ``perf_counter`` (``--pieces``): the pool's
-    updates, the host lane's check and write, the work split, and a probe of two
-    ``torch.add`` calls and a small list comprehension at the start of each build (what the
-    same code costs right after a forward, on cold caches). The wrappers cost a little
-    themselves, so the build's own figures come from a run without them."""
+    updates, the host lane's native step (or the torch lane's check and write), the work
+    split, and a probe of two ``torch.add`` calls and a small list comprehension at the start
+    of each build (what the same code costs right after a forward, on cold caches). The
+    wrappers cost a little themselves, so the build's own figures come from a run without
+    them."""
     import torch
 
     from attnpool.integrations.vllm.backend import AttnpoolMetadataBuilder
@@ -200,8 +201,10 @@ def _time_pieces() -> None:
 
     for cls, name, label in ((DecodePhase, "update_", "pool.decode.update_"),
                              (ExtendPhase, "update_", "pool.extend.update_"),
-                             (HostLane, "check", "host lane: check"),
-                             (HostLane, "write", "host lane: write"),
+                             (HostLane, "native", "host lane: native step (its checks, "
+                                                 "the C call)"),
+                             (HostLane, "check", "host lane: torch lane's check"),
+                             (HostLane, "write", "host lane: torch lane's write"),
                              (CPUKernel, "step", "work split (CPUKernel.step)")):
         wrap(cls, name, label)
     build = AttnpoolMetadataBuilder.build

@@ -81,6 +81,7 @@ def _filler(impl: Impl = Impl.REFERENCE, window: int | None = None) -> StepFille
 
         from attnpool import BufferPool
         f.pool = BufferPool(dataclasses.replace(f.pool.cfg, impl=impl))
+        f._decode, f._extend = f.pool.decode, f.pool.extend
     return f
 
 

@@ -2,7 +2,9 @@
 
 Two pools of one config, one with its lanes turned off (every call the general way), take the
 same calls: their arenas hold the same bytes after every step, their views the same host
-bounds, and a bad input gets the same error from both with nothing written."""
+bounds, and a bad input gets the same error from both with nothing written. Each test runs the
+lane twice: with its native step (:mod:`attnpool.update.native`, compiled here with the
+system's C compiler) and with the torch lane alone."""
 
 from __future__ import annotations
 
@@ -15,26 +17,47 @@ import torch
 
 from attnpool import BufferPool, Impl, Layout, PoolConfig, PoolError
 from attnpool.phases.host_lane import HostLane
+from attnpool.update import native
 
 PAGE, T, C, BS = 16, 64, 1024, 16
 
 
-def _pools(window: int | None, monkeypatch: pytest.MonkeyPatch
+@pytest.fixture(params=[True, False], ids=["native", "torch"])
+def use_native(request: pytest.FixtureRequest) -> bool:
+    """Whether the lanes run their native step (the torch lane alone otherwise)."""
+    if request.param and native.load() is None:
+        pytest.skip(f"the native step is not built here: {native.why()}")
+    return bool(request.param)
+
+
+def _pools(window: int | None, monkeypatch: pytest.MonkeyPatch, use_native: bool
            ) -> tuple[BufferPool, BufferPool, list[int]]:
-    """(with lanes, without, [calls the lanes took]): same config, both poisoned."""
+    """(with lanes, without, [calls the lanes took: torch lane, native step]): same config,
+    both poisoned."""
     cfg = PoolConfig(max_bs=BS, max_context_len=C, page_size=PAGE, device="cpu",
                      layout=Layout.FLASH_ATTN, max_extend_tokens=T, pad_page=0, num_pages=512,
                      impl=Impl.REFERENCE, sliding_window=window)
     lane, general = BufferPool(cfg, poison=True), BufferPool(cfg, poison=True)
-    taken = [0]
+    taken = [0, 0]
     assert lane.decode._lane is not None and lane.extend._lane is not None
     write: Callable[..., None] = HostLane.write
+    step: Callable[..., Any] = HostLane.native
 
     def counted(self: HostLane, *a: Any, **k: Any) -> None:
         taken[0] += 1
         write(self, *a, **k)
 
+    def counted_native(self: HostLane, *a: Any, **k: Any) -> Any:
+        got = step(self, *a, **k)
+        taken[1] += got is not None
+        return got
+
     monkeypatch.setattr(HostLane, "write", counted)
+    monkeypatch.setattr(HostLane, "native", counted_native)
+    if use_native:
+        assert lane.decode._lane._step is not None and lane.extend._lane._step is not None
+    else:
+        lane.decode._lane._step = lane.extend._lane._step = None
     general.decode._lane = general.extend._lane = None
     return lane, general, taken
 
@@ -75,25 +98,30 @@ def _bounds(view: Any) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("window", [None, 40])
-def test_the_lane_writes_the_general_paths_bytes(window: int | None,
+def test_the_lane_writes_the_general_paths_bytes(window: int | None, use_native: bool,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Random decode and mixed steps (``n == bs`` and padded, rows in order and picked, int32
     and int64 inputs), interleaved: the same arena bytes and view bounds after every step, and
-    the lanes took every one of them."""
-    lane, general, taken = _pools(window, monkeypatch)
+    the lanes took every one of them; with the native step, every step of its shape (int32,
+    rows in order) natively, the others by the torch lane."""
+    lane, general, taken = _pools(window, monkeypatch, use_native)
     rng = random.Random(0)
-    steps = 0
-    for _ in range(40):
+    steps = natives = 0
+    for _ in range(60):
         kind = rng.choice(["decode", "extend"])
         n = rng.randint(1, BS)
         bs = n if rng.random() < 0.6 else rng.randint(n, BS)
-        s = _step(rng, kind, n, rng.choice([torch.int32, torch.int64]), rng.random() < 0.7)
+        dtype, in_order = rng.choice([torch.int32, torch.int64]), rng.random() < 0.7
+        s = _step(rng, kind, n, dtype, in_order)
         got, want = _update(lane, kind, bs, s), _update(general, kind, bs, s)
         steps += 1
+        natives += use_native and dtype is torch.int32 and in_order
         assert torch.equal(_bytes(lane), _bytes(general)), (kind, n, bs)
         assert _bounds(got) == _bounds(want)
         assert got.is_current and want.is_current
-    assert taken[0] == steps
+        assert type(got) is type(want)
+    assert taken == [steps - natives, natives]
+    assert natives > 10 or not use_native
 
 
 def _bad_calls(pool: BufferPool) -> list[tuple[str, str, int, dict[str, Any]]]:
@@ -140,6 +168,10 @@ def _bad_calls(pool: BufferPool) -> list[tuple[str, str, int, dict[str, Any]]]:
     s["extend_lens"] = s["extend_lens_cpu"] = s["seq_lens"] + 1
     out.append(("more new tokens than the sequence", "extend", 4, s))
     s = _step(rng, "extend", 4, torch.int32, True)
+    s["seq_lens"] = s["seq_lens_cpu"] = torch.tensor([2, 3, 2, 3], dtype=torch.int32)
+    s["extend_lens"] = s["extend_lens_cpu"] = torch.tensor([3, 3, 2, 3], dtype=torch.int32)
+    out.append(("one row's new tokens past its length, the total inside T", "extend", 4, s))
+    s = _step(rng, "extend", 4, torch.int32, True)
     s["extend_lens"] = s["extend_lens_cpu"] = torch.full((4,), T, dtype=torch.int32)
     s["seq_lens"] = s["seq_lens_cpu"] = torch.full((4,), T, dtype=torch.int32)
     out.append(("more tokens than max_extend_tokens", "extend", 4, s))
@@ -151,8 +183,8 @@ def _bad_calls(pool: BufferPool) -> list[tuple[str, str, int, dict[str, Any]]]:
 
 @pytest.mark.parametrize("window", [None, 40])
 def test_bad_input_gets_the_general_paths_error_before_any_write(
-        window: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    lane, general, _ = _pools(window, monkeypatch)
+        window: int | None, use_native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    lane, general, taken = _pools(window, monkeypatch, use_native)
     for pool in (lane, general):  # (a written state first: a rejected call must keep it)
         _update(pool, "decode", 4, _step(random.Random(2), "decode", 4, torch.int32, True))
     for (label, kind, bs, s), (_, _, _, s2) in zip(_bad_calls(lane), _bad_calls(general),
@@ -165,13 +197,14 @@ def test_bad_input_gets_the_general_paths_error_before_any_write(
         assert type(got.value) is type(want.value), label
         assert str(got.value).split(",")[0] == str(want.value).split(",")[0], label
         assert torch.equal(_bytes(lane), before), label
+    assert taken[1] == use_native  # (the first, good step; no bad one written natively)
 
 
 def test_calls_outside_the_lanes_shape_go_the_general_way(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        use_native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Validation mode, ``request_ids``, ``out_slots`` and a host copy that is not the
     tensor itself: the general path (the lane writes nothing), with the same bytes."""
-    lane, general, taken = _pools(None, monkeypatch)
+    lane, general, taken = _pools(None, monkeypatch, use_native)
     rng = random.Random(3)
     s = _step(rng, "decode", 4, torch.int32, True)
     e = _step(rng, "extend", 4, torch.int32, True)
@@ -184,7 +217,7 @@ def test_calls_outside_the_lanes_shape_go_the_general_way(
         pool.decode.validate = False
         pool.extend.update_(4, **e)
         pool.extend.update_(4, out_slots=torch.empty(T, dtype=torch.int64), **f)
-    assert taken[0] == 0
+    assert taken == [0, 0]
     assert torch.equal(_bytes(lane), _bytes(general))
 
 

@@ -14,7 +14,7 @@ from ..arena import Arena
 from ..config import Phase
 from ..errors import CapacityError, InputError, LayoutError
 from ..views import ExtendView
-from ._views import part_view
+from ._views import part_view, rebound
 from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
 from .host_lane import HostLane
 
@@ -69,7 +69,7 @@ class ExtendPhase(PhaseBase[ExtendView]):
         #: T: packed query tokens of one batch, and the query total of a padded one.
         self.max_tokens = arena.cfg.max_extend_tokens
         #: the host lane of a CPU pool (:mod:`.host_lane`), else None
-        self._lane = HostLane.maybe(self, self._b)
+        self._lane = HostLane.maybe(self, self._b, (self._cu_q, self._pos, self.max_tokens))
 
     def _capture_view(self, bs: int) -> ExtendView:
         """The ``bs``-row view for capture: every row padded, static host bounds
@@ -121,6 +121,16 @@ class ExtendPhase(PhaseBase[ExtendView]):
         lane = self._lane
         if (lane is not None and extend_lens_cpu is extend_lens and out_slots is None
                 and window_out_slots is None):
+            got = lane.native(bs, seq_lens, extend_lens, shared)  # type: ignore[arg-type]
+            if got is not None:  # (checked and written: the view with the step's bounds)
+                self._mark(bs)
+                longest, max_q, q_sum = got
+                padded = seq_lens.shape[0] < bs
+                q = max(max_q, t_max - q_sum) if padded else max_q
+                k = max(longest, cfg.pad_seq_len) if padded else longest
+                base = self._sliced.get(bs)
+                return self._view(bs, q, k) if base is None else rebound(base, q, k,
+                                                                         self._window_k)
             y = lane.check(bs, seq_lens, shared)  # type: ignore[arg-type]
             if y is not None:
                 n, lens, lane_host = y[0], y[1], y[4]

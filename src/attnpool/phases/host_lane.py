@@ -22,17 +22,27 @@ before any check. The lane checks its inputs with the input pass's own functions
 order, so a bad input gets the same :class:`attnpool.PoolError` before any write, and it
 writes with the lean part's own methods (:class:`attnpool.update.reference_lean.LeanPaged`):
 the bytes of the general path in every read region, which the tests compare.
+
+**Native.** Where the native step is built (:mod:`attnpool.update.native`), the lane's usual
+call (int32 inputs, as vLLM's builder passes them) is checked and written by one C call,
+:meth:`HostLane.native`, instead of the torch lane's ops: on the caches a forward leaves
+behind, a dozen dispatched ops and their Python cost several times one call. The C step checks
+every value before it writes; an input it does not take, or a bad one, leaves the pool as it
+was and goes the torch lane's way, which raises the same error as ever.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
 from torch import Tensor
 
 from ..config import INT_DTYPES, Impl, Layout, ceil_div
 from ..inputs import check_bs, check_tensor, host_lens
+from ..update import native as _native
 from ..update.buffers import PagedBuffers
 from ..update.reference_lean import LeanPaged
 
@@ -47,6 +57,10 @@ _KEYS = frozenset(("block_table", "seq_lens_cpu", "req_pool_indices"))
 #: ``exact``: the host lengths are ``seq_lens``' own values (the host copy is the tensor
 #: itself); ``longest``: the largest host length (0 without rows)
 Checked = tuple[int, Tensor, Tensor, Tensor, list[int], bool, int]
+_I32 = torch.int32
+_ROW = (1,)  # (the stride of a contiguous 1-D tensor)
+#: a query part of an extend phase: ``(cu_seqlens_q, positions, T)``
+Queries = tuple[Tensor, Tensor, int]
 
 
 class HostLane:
@@ -54,10 +68,11 @@ class HostLane:
     pool fits; :meth:`check` takes a call (None when it is not the lane's), :meth:`write`
     writes its paged part, :meth:`queries` an extend step's query part."""
 
-    __slots__ = ("_b", "_dev", "_ip", "_lean", "_max_bs", "_max_len", "_max_pages", "_pad",
-                 "_phase", "_span", "_window", "cfg")
+    __slots__ = ("_b", "_config", "_dev", "_ip", "_lean", "_max_bs", "_max_len", "_max_pages",
+                 "_pad", "_phase", "_span", "_step", "_window", "cfg")
 
-    def __init__(self, phase: PhaseBase[Any], b: PagedBuffers) -> None:
+    def __init__(self, phase: PhaseBase[Any], b: PagedBuffers,
+                 queries: Queries | None = None) -> None:
         self._phase, self.cfg = phase, phase.cfg
         self._ip = phase.input_pass
         self._b = b
@@ -70,16 +85,75 @@ class HostLane:
         w = phase._window_buffers
         self._window = None if w is None or self.cfg.sliding_window is None \
             else (w, self.cfg.sliding_window)
+        module = _native.load()
+        #: the native step (:mod:`attnpool.update.native`) and this phase's config of it
+        self._step: Callable[..., tuple[int, int, int] | None] | None = \
+            None if module is None else module.step
+        self._config = self._native_config(queries)
+
+    def _native_config(self, queries: Queries | None) -> bytes:
+        """The native step's static config: the bounds, the pad values and the addresses of
+        the phase's buffers (the arena never moves), in ``host_lane.c``'s order."""
+        def ptr(t: Tensor | None) -> int:
+            return 0 if t is None else t.data_ptr()
+
+        b, p = self._b, self.cfg.page_size
+        pt = b.page_table
+        assert pt is not None  # (maybe(): a Layout.FLASH_ATTN part has a page table)
+        cu_q, pos, total = (None, None, 0) if queries is None else queries
+        wb, size = (None, 0) if self._window is None else self._window
+        wpt = None if wb is None else wb.page_table
+        return struct.pack(
+            "<23q", self._max_bs, self._max_pages, self._max_len, p, self._pad[0],
+            self._pad[1], ceil_div(self._pad[0], p),
+            ptr(b.cache_seqlens), ptr(b.cu_seqlens_k), ptr(pt), pt.stride(0),
+            ptr(cu_q), ptr(pos), 0 if pos is None else pos.shape[0], total,
+            ptr(None if wb is None else wb.cache_seqlens),
+            ptr(None if wb is None else wb.cu_seqlens_k), ptr(wpt),
+            0 if wpt is None else wpt.stride(0), 0 if wpt is None else wpt.shape[1], size,
+            *self._span)
 
     @classmethod
-    def maybe(cls, phase: PhaseBase[Any], b: PagedBuffers) -> HostLane | None:
-        """The lane of ``phase``, whose paged part is ``b``, when its pool has the lane's
-        shape, else None."""
+    def maybe(cls, phase: PhaseBase[Any], b: PagedBuffers, queries: Queries | None = None
+              ) -> HostLane | None:
+        """The lane of ``phase``, whose paged part is ``b`` (and ``queries`` its query part,
+        an extend phase's), when its pool has the lane's shape, else None."""
         cfg = phase.cfg
         if (phase.impl is not Impl.REFERENCE or cfg.torch_device.type != "cpu"
                 or cfg.layout is not Layout.FLASH_ATTN or phase._sched is not None):
             return None
-        return cls(phase, b)
+        return cls(phase, b, queries)
+
+    def native(self, bs: int, seq_lens: object, q_lens: object, shared: dict[str, Any]
+               ) -> tuple[int, int, int] | None:
+        """A step checked and written by the native step: ``(longest length, longest query,
+        query tokens)``; None, nothing written, when there is no native step or it does not
+        take the call (the torch lane then checks it, and raises where it is bad).
+
+        Taken: ``block_table`` and ``seq_lens_cpu`` only, the host copy the very ``seq_lens``
+        tensor, every input an int32 CPU tensor with contiguous rows (``q_lens``: an extend
+        step's query lengths, its host copy itself; None for decode). The shapes, the arena
+        overlap and every value are checked in C, before any write."""
+        step = self._step
+        if step is None or len(shared) != 2 or self._phase.validate:
+            return None
+        table: Any = shared.get("block_table")
+        # (one stride() per tensor checks its rank and its contiguous rows at once)
+        if (shared.get("seq_lens_cpu") is not seq_lens or type(seq_lens) is not Tensor
+                or type(table) is not Tensor or type(bs) is not int
+                or seq_lens.dtype is not _I32 or table.dtype is not _I32
+                or not seq_lens.is_cpu or not table.is_cpu or seq_lens.stride() != _ROW
+                or len(ts := table.stride()) != 2 or ts[1] != 1):
+            return None
+        n, q = len(seq_lens), 0
+        if q_lens is not None:
+            if (type(q_lens) is not Tensor or q_lens.dtype is not _I32 or not q_lens.is_cpu
+                    or q_lens.stride() != _ROW or len(q_lens) != n):
+                return None
+            q = q_lens.data_ptr()
+        rows, cols = table.shape
+        return step(self._config, seq_lens.data_ptr(), n, bs, q, table.data_ptr(), ts[0], rows,
+                    cols)
 
     def check(self, bs: int, seq_lens: object, shared: dict[str, Any]) -> Checked | None:
         """The shared inputs of a call, checked as the input pass checks them (the same

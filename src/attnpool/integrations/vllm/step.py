@@ -150,6 +150,8 @@ class StepFiller:
         self.plans, layout = plans_for(backend, facts, sizes.device)
         self.pool = BufferPool(pool_config(
             sizes if window_part else replace(sizes, sliding_window=None), layout))
+        #: the pool's two phases, looked up once (``pool.decode`` is a checked lookup)
+        self._decode, self._extend = self.pool.decode, self.pool.extend
         self.backend, self.dtype = backend, dtype
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.host = sizes.device.type == "cpu"
@@ -186,13 +188,13 @@ class StepFiller:
         host = lens if self.host else None
         view: DecodeView | ExtendView
         if max_query_len == 1 and not self.one_phase:
-            view = self.pool.decode.update_(n, seq_lens=lens, block_table=table,
+            view = self._decode.update_(n, seq_lens=lens, block_table=table,
                                             seq_lens_cpu=host)
         else:
             q_lens = self._q_lens[:n]
             torch.diff(query_start_loc if query_start_loc.shape[0] == n + 1
                        else query_start_loc[:n + 1], out=q_lens)
-            view = self.pool.extend.update_(n, seq_lens=lens, extend_lens=q_lens,
+            view = self._extend.update_(n, seq_lens=lens, extend_lens=q_lens,
                                             block_table=table, seq_lens_cpu=host,
                                             extend_lens_cpu=q_lens if self.host else None)
         tokens = slot_mapping.shape[0]

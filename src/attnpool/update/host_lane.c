@@ -1,0 +1,158 @@
+/* The host lane's writes in one call: an engine's step on a CPU pool (attnpool.update.native).
+ *
+ * On a CPU an engine's metadata build runs between two forwards, on caches the forward has
+ * just evicted: what the build costs follows how much code it walks, far more than how many
+ * bytes it writes. The torch lane (attnpool.update.reference_lean) walks one dispatched op per
+ * field; this walks one C function per step, which checks every value first and writes only
+ * when all are good, so a rejected step leaves the pool as it was (the caller then takes the
+ * torch lane, which raises the precise error).
+ *
+ * Every pointer is an int32 buffer of the pool (whose layout the config names) or an int32
+ * input of the caller, rows contiguous; the bytes written are the torch lane's, field by field
+ * (tests/update/test_host_lane.py compares the whole arena).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The static part of a phase's lane (a bytes object of int64 values, made once per phase). */
+enum {
+    C_MAX_BS, C_MAX_PAGES, C_MAX_LEN, C_PAGE, C_PAD_LEN, C_PAD_PAGE, C_PAD_COLS,
+    C_CS, C_CU, C_PT, C_PT_STRIDE,
+    C_CU_Q, C_POS, C_POS_SIZE, C_Q_TOTAL,
+    C_W_CS, C_W_CU, C_W_PT, C_W_PT_STRIDE, C_W_CAP, C_WINDOW,
+    C_SPAN_LO, C_SPAN_HI,
+    C_COUNT
+};
+
+static int outside(int64_t p, const int64_t *c) {
+    return p < c[C_SPAN_LO] || p >= c[C_SPAN_HI];
+}
+
+/* Rows of one paged part: lengths, the first w page columns, padded rows, the cumsum. */
+static void rows(const int32_t *lens, int64_t n, int64_t bs, const int32_t *table,
+                 int64_t ts, int64_t w, int32_t *cs, int32_t *cu, int32_t *pt, int64_t pts,
+                 int32_t pad_len, int32_t pad_page, int64_t pad_cols) {
+    int64_t acc = 0;
+    cu[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        cs[i] = lens[i];
+        acc += lens[i];
+        cu[i + 1] = (int32_t)acc;
+        memcpy(pt + i * pts, table + i * ts, (size_t)w * sizeof(int32_t));
+    }
+    for (int64_t i = n; i < bs; i++) {
+        cs[i] = pad_len;
+        acc += pad_len;
+        cu[i + 1] = (int32_t)acc;
+        for (int64_t k = 0; k < pad_cols; k++) pt[i * pts + k] = pad_page;
+    }
+}
+
+/* The window part: row i of length L with q queries starts at column
+ * floor(max(0, L - q - W + 1) / P) of its table row and reads min(L - shift, cap * P) tokens
+ * from the cap columns from there (column numbers clamped into the table). */
+static void window(const int64_t *c, const int32_t *lens, const int32_t *q, int64_t n,
+                   int64_t bs, const int32_t *table, int64_t ts, int64_t cols) {
+    int32_t *cs = (int32_t *)(intptr_t)c[C_W_CS], *cu = (int32_t *)(intptr_t)c[C_W_CU];
+    int32_t *pt = (int32_t *)(intptr_t)c[C_W_PT];
+    int64_t pts = c[C_W_PT_STRIDE], cap = c[C_W_CAP], p = c[C_PAGE], size = c[C_WINDOW];
+    int64_t acc = 0;
+    cu[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t len = lens[i], first = len - (q ? q[i] : 1) - (size - 1);
+        int64_t start = first > 0 ? first / p : 0, real = len - start * p;
+        if (real > cap * p) real = cap * p;
+        if (real < 0) real = 0;
+        cs[i] = (int32_t)real;
+        acc += real;
+        cu[i + 1] = (int32_t)acc;
+        for (int64_t k = 0; k < cap; k++) {
+            int64_t col = start + k < cols - 1 ? start + k : cols - 1;
+            pt[i * pts + k] = table[i * ts + col];
+        }
+    }
+    for (int64_t i = n; i < bs; i++) {
+        cs[i] = (int32_t)c[C_PAD_LEN];
+        acc += c[C_PAD_LEN];
+        cu[i + 1] = (int32_t)acc;
+        for (int64_t k = 0; k < c[C_PAD_COLS]; k++) pt[i * pts + k] = (int32_t)c[C_PAD_PAGE];
+    }
+}
+
+/* step(config, lens, n, bs, q, table, table_stride, table_rows, table_cols)
+ *   -> (longest, max_q, total) or None (an input the lane does not take: nothing written).
+ * q == 0: a decode step (one query per row); else an extend step's query lengths. */
+static PyObject *step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 9 || !PyBytes_Check(args[0])
+        || PyBytes_GET_SIZE(args[0]) != (Py_ssize_t)(C_COUNT * sizeof(int64_t))) {
+        PyErr_SetString(PyExc_TypeError, "step(config, lens, n, bs, q, table, stride, rows, "
+                                         "cols): a lane config and eight ints");
+        return NULL;
+    }
+    const int64_t *c = (const int64_t *)PyBytes_AS_STRING(args[0]);
+    int64_t v[8];
+    for (int k = 0; k < 8; k++) {
+        v[k] = PyLong_AsLongLong(args[k + 1]);
+        if (v[k] == -1 && PyErr_Occurred()) return NULL;
+    }
+    int64_t lp = v[0], n = v[1], bs = v[2], qp = v[3], tp = v[4], ts = v[5], trows = v[6],
+            tcols = v[7];
+    if (n < 1 || n > bs || bs > c[C_MAX_BS] || trows < n || tcols < c[C_MAX_PAGES]
+        || ts < tcols || !outside(lp, c) || !outside(tp, c) || (qp && !outside(qp, c)))
+        Py_RETURN_NONE;
+    const int32_t *lens = (const int32_t *)(intptr_t)lp, *q = (const int32_t *)(intptr_t)qp;
+    const int32_t *table = (const int32_t *)(intptr_t)tp;
+    int64_t longest = 0, max_q = 1, total = n, max_len = c[C_MAX_LEN];
+    for (int64_t i = 0; i < n; i++) {
+        int64_t len = lens[i];
+        if (len < 1 || len > max_len) Py_RETURN_NONE;
+        if (len > longest) longest = len;
+    }
+    if (q) {
+        total = 0;
+        max_q = 0;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t e = q[i];
+            if (e < 1 || e > max_len || e > lens[i]) Py_RETURN_NONE;
+            total += e;
+            if (e > max_q) max_q = e;
+        }
+        if (total > c[C_Q_TOTAL]) Py_RETURN_NONE;
+    }
+    /* --- every value checked: writes start here --- */
+    int64_t p = c[C_PAGE], w = (longest + p - 1) / p;
+    if (w > c[C_MAX_PAGES]) w = c[C_MAX_PAGES];
+    rows(lens, n, bs, table, ts, w, (int32_t *)(intptr_t)c[C_CS], (int32_t *)(intptr_t)c[C_CU],
+         (int32_t *)(intptr_t)c[C_PT], c[C_PT_STRIDE], (int32_t)c[C_PAD_LEN],
+         (int32_t)c[C_PAD_PAGE], c[C_PAD_COLS]);
+    if (c[C_WINDOW] > 0) window(c, lens, q, n, bs, table, ts, tcols);
+    if (q) {
+        int32_t *cu_q = (int32_t *)(intptr_t)c[C_CU_Q], *pos = (int32_t *)(intptr_t)c[C_POS];
+        int64_t acc = 0, t = 0;
+        cu_q[0] = 0;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t start = lens[i] - q[i];
+            for (int64_t j = 0; j < q[i]; j++) pos[t++] = (int32_t)(start + j);
+            acc += q[i];
+            cu_q[i + 1] = (int32_t)acc;
+        }
+        int64_t pad = acc > c[C_Q_TOTAL] ? acc : c[C_Q_TOTAL];
+        for (int64_t i = n; i < bs; i++) cu_q[i + 1] = (int32_t)pad;
+        if (t < c[C_POS_SIZE]) memset(pos + t, 0, (size_t)(c[C_POS_SIZE] - t) * sizeof(int32_t));
+    }
+    return Py_BuildValue("(LLL)", (long long)longest, (long long)max_q, (long long)total);
+}
+
+static PyMethodDef methods[] = {
+    {"step", (PyCFunction)(void (*)(void))step, METH_FASTCALL,
+     "One checked step of a CPU pool's host lane (see attnpool.update.native)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_attnpool_lane", NULL, -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__attnpool_lane(void) { return PyModule_Create(&module); }
