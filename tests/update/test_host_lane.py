@@ -9,6 +9,7 @@ system's C compiler) and with the torch lane alone."""
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -228,3 +229,53 @@ def test_a_gpu_or_fused_pool_has_no_lane() -> None:
                            layout=Layout.FLASH_ATTN, max_extend_tokens=T, impl=Impl.TRITON)):
         pool = BufferPool(cfg)
         assert pool.decode._lane is None and pool.extend._lane is None
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_the_native_rebind_makes_rebounds_view(window: int | None,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a phase's first view of a batch size, the native step also makes the step's view
+    (the sliced view rebound with the step's bounds, window part included) in the same call:
+    the phase makes none itself, and the view is :func:`rebound`'s field by field. The
+    module's ``rebind`` makes the same view for any bounds, holding one reference per field; a
+    class it cannot serve is left to :func:`rebound`."""
+    from attnpool.phases._views import rebound
+    from attnpool.phases.host_lane import _rebind_offsets, _same_fields
+
+    module = native.load()
+    if module is None:
+        pytest.skip(f"the native step is not built here: {native.why()}")
+    lane, general, _ = _pools(window, monkeypatch, True)
+    rng = random.Random(4)
+    for kind in ("decode", "extend"):
+        phase = lane.decode if kind == "decode" else lane.extend
+        made = [0]
+        view = phase._view
+
+        def counted(*a: Any, view: Any = view, made: list[int] = made) -> Any:
+            made[0] += 1
+            return view(*a)
+
+        monkeypatch.setattr(phase, "_view", counted)
+        for bs in (1, 5, BS):
+            for i in range(3):  # (the first slices the view of bs rows, the others rebind it)
+                s = _step(rng, kind, bs if i else max(1, bs - 1), torch.int32, True)
+                got, want = _update(lane, kind, bs, s), _update(general, kind, bs, s)
+                assert _bounds(got) == _bounds(want) and type(got) is type(want)
+                assert _same_fields(got, rebound(phase._sliced[bs], *_bounds(got),
+                                                 phase._window_k))
+                assert (got.window is not None) == (window is not None)
+            base, k = phase._sliced[bs], phase._window_k
+            offsets = phase._lane._offsets
+            assert type(offsets) is tuple and offsets[0] is type(base)
+            for q, kk in ((1, 1), (3, 700), (T, C), (9, k + 5)):
+                one = module.rebind(base, offsets[1], q, kk, k)
+                assert _same_fields(one, rebound(base, q, kk, k)), (kind, bs, q, kk)
+            # (references: each view holds one of every field, and gives it back when freed)
+            t, before = base.cache_seqlens, sys.getrefcount(base.cache_seqlens)
+            many = [module.rebind(base, offsets[1], 2, 9, k) for _ in range(50)]
+            assert sys.getrefcount(t) == before + 50
+            del many
+            assert sys.getrefcount(t) == before
+        assert made[0] == 3  # (one view per batch size made by the phase)
+    assert _rebind_offsets(module, object(), 0) is False

@@ -12,7 +12,7 @@ from ..arena import Arena
 from ..config import Phase
 from ..errors import InputError
 from ..views import DecodeView
-from ._views import part_view, rebound
+from ._views import part_view
 from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
 from .host_lane import HostLane
 
@@ -121,13 +121,10 @@ class DecodePhase(PhaseBase[DecodeView]):
         lane = self._lane
         if lane is not None and request_ids is None:
             got = lane.native(bs, seq_lens, None, shared)  # type: ignore[arg-type]
-            if got is not None:  # (checked and written: the view with the step's bound)
+            if got is not None:  # (checked and written, the view rebound: see HostLane.native)
                 self._mark(bs)
                 self._last = None
-                k = got[0] if seq_lens.shape[0] == bs else max(got[0], self.cfg.pad_seq_len)
-                base = self._sliced.get(bs)
-                return self._view(bs, k) if base is None else rebound(base, 1, k,
-                                                                      self._window_k)
+                return lane.first(self._view(bs, got[1])) if type(got) is tuple else got  # type: ignore[return-value]
             view = lane.decode(bs, seq_lens, shared, self._view)  # type: ignore[arg-type]
             if view is not None:
                 self._last = None

@@ -14,7 +14,7 @@ from ..arena import Arena
 from ..config import Phase
 from ..errors import CapacityError, InputError, LayoutError
 from ..views import ExtendView
-from ._views import part_view, rebound
+from ._views import part_view
 from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
 from .host_lane import HostLane
 
@@ -122,15 +122,9 @@ class ExtendPhase(PhaseBase[ExtendView]):
         if (lane is not None and extend_lens_cpu is extend_lens and out_slots is None
                 and window_out_slots is None):
             got = lane.native(bs, seq_lens, extend_lens, shared)  # type: ignore[arg-type]
-            if got is not None:  # (checked and written: the view with the step's bounds)
+            if got is not None:  # (checked and written, the view rebound: see HostLane.native)
                 self._mark(bs)
-                longest, max_q, q_sum = got
-                padded = seq_lens.shape[0] < bs
-                q = max(max_q, t_max - q_sum) if padded else max_q
-                k = max(longest, cfg.pad_seq_len) if padded else longest
-                base = self._sliced.get(bs)
-                return self._view(bs, q, k) if base is None else rebound(base, q, k,
-                                                                         self._window_k)
+                return lane.first(self._view(bs, *got)) if type(got) is tuple else got  # type: ignore[return-value]
             y = lane.check(bs, seq_lens, shared)  # type: ignore[arg-type]
             if y is not None:
                 n, lens, lane_host = y[0], y[1], y[4]

@@ -33,6 +33,7 @@ was and goes the torch lane's way, which raises the same error as ever.
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -45,11 +46,14 @@ from ..inputs import check_bs, check_tensor, host_lens
 from ..update import native as _native
 from ..update.buffers import PagedBuffers
 from ..update.reference_lean import LeanPaged
+from ..views import PagedView
+from ._views import rebound
 
 if TYPE_CHECKING:
     from .base import PhaseBase
 
 V = TypeVar("V")
+PV = TypeVar("PV", bound=PagedView)
 #: the shared keywords a lane call may carry (anything else: the general path)
 _KEYS = frozenset(("block_table", "seq_lens_cpu", "req_pool_indices"))
 #: a checked call: ``(n, seq_lens, rows, block_table, host lengths, exact, longest)``, rows
@@ -69,7 +73,7 @@ class HostLane:
     writes its paged part, :meth:`queries` an extend step's query part."""
 
     __slots__ = ("_b", "_config", "_dev", "_ip", "_lean", "_max_bs", "_max_len", "_max_pages",
-                 "_pad", "_phase", "_span", "_step", "_window", "cfg")
+                 "_module", "_offsets", "_pad", "_phase", "_span", "_step", "_window", "cfg")
 
     def __init__(self, phase: PhaseBase[Any], b: PagedBuffers,
                  queries: Queries | None = None) -> None:
@@ -85,11 +89,14 @@ class HostLane:
         w = phase._window_buffers
         self._window = None if w is None or self.cfg.sliding_window is None \
             else (w, self.cfg.sliding_window)
-        module = _native.load()
+        module = self._module = _native.load()
         #: the native step (:mod:`attnpool.update.native`) and this phase's config of it
-        self._step: Callable[..., tuple[int, int, int] | None] | None = \
+        self._step: Callable[..., PagedView | tuple[int, int] | None] | None = \
             None if module is None else module.step
         self._config = self._native_config(queries)
+        #: (view class, the native rebind's slot offsets) once :meth:`view` has checked them
+        #: on a view of the phase (False: the rebind does not serve it, :func:`rebound` does)
+        self._offsets: tuple[type, bytes] | bool | None = None
 
     def _native_config(self, queries: Queries | None) -> bytes:
         """The native step's static config: the bounds, the pad values and the addresses of
@@ -125,9 +132,12 @@ class HostLane:
         return cls(phase, b, queries)
 
     def native(self, bs: int, seq_lens: object, q_lens: object, shared: dict[str, Any]
-               ) -> tuple[int, int, int] | None:
-        """A step checked and written by the native step: ``(longest length, longest query,
-        query tokens)``; None, nothing written, when there is no native step or it does not
+               ) -> PagedView | tuple[int, int] | None:
+        """A step checked and written by the native step, in one call: the step's view (the
+        phase's sliced view of ``bs`` rows rebound with the step's host bounds by the same
+        call), or the bounds ``(max_seqlen_q, max_seqlen_k)`` when the phase has no such view
+        yet or the rebind does not serve its class (the phase then makes the view and hands it
+        to :meth:`first`); None, nothing written, when there is no native step or it does not
         take the call (the torch lane then checks it, and raises where it is bad).
 
         Taken: ``block_table`` and ``seq_lens_cpu`` only, the host copy the very ``seq_lens``
@@ -152,8 +162,23 @@ class HostLane:
                 return None
             q = q_lens.data_ptr()
         rows, cols = table.shape
-        return step(self._config, seq_lens.data_ptr(), n, bs, q, table.data_ptr(), ts[0], rows,
-                    cols)
+        got, phase = self._offsets, self._phase
+        base = phase._sliced.get(bs) if type(got) is tuple else None
+        if base is None or type(base) is not got[0]:  # type: ignore[index]
+            return step(self._config, seq_lens.data_ptr(), n, bs, q, table.data_ptr(), ts[0],
+                        rows, cols, None, None, 0)
+        return step(self._config, seq_lens.data_ptr(), n, bs, q, table.data_ptr(), ts[0],
+                    rows, cols, base, got[1], phase._window_k)  # type: ignore[index]
+
+    def first(self, view: PV) -> PV:
+        """``view``, made by the phase from :meth:`native`'s bounds. The first such view
+        decides whether the native rebind serves the phase's views from then on: the class
+        holds its fields in ``__slots__`` only, its window part is of its own class, and the
+        rebind's view equals :func:`attnpool.phases._views.rebound`'s field by field (else
+        the phase makes every view itself)."""
+        if self._offsets is None and self._module is not None:
+            self._offsets = _rebind_offsets(self._module, view, self._phase._window_k)
+        return view
 
     def check(self, bs: int, seq_lens: object, shared: dict[str, Any]) -> Checked | None:
         """The shared inputs of a call, checked as the input pass checks them (the same
@@ -226,3 +251,40 @@ class HostLane:
         (host-checked ``q_lens``: inside their bounds, summing to ``tokens <= q_total``)."""
         self._lean.queries_(cu_q, q_lens, n, bs, q_total)
         self._lean.positions_(lens, q_lens, cu_q, n, tokens, positions)
+
+
+def _rebind_offsets(module: Any, base: Any, window_k: int) -> tuple[type, bytes] | bool:
+    """The native rebind's slot offsets for ``base``'s class (``max_seqlen_q``,
+    ``max_seqlen_k``, ``window``), or False when it does not serve that class (see
+    :meth:`HostLane.view`)."""
+    cls = type(base)
+    if not isinstance(base, PagedView):
+        return False
+    w = base.window
+    names = [f.name for f in dataclasses.fields(cls)]
+    slots = sorted(n for k in cls.__mro__ for n in k.__dict__.get("__slots__", ()))
+    if (cls.__dictoffset__ or cls.__weakrefoffset__ or slots != sorted(names)
+            or cls.__basicsize__ != object.__basicsize__ + len(names) * struct.calcsize("P")
+            or not (w is None or type(w) is cls)):
+        return False
+    offsets = struct.pack("<3q", *(module.slot_offset(getattr(cls, name))
+                                   for name in ("max_seqlen_q", "max_seqlen_k", "window")))
+    try:
+        got = module.rebind(base, offsets, 3, 7, window_k)
+    except (TypeError, ValueError):
+        return False
+    return (cls, offsets) if _same_fields(got, rebound(base, 3, 7, window_k)) else False
+
+
+def _same_fields(a: Any, b: Any) -> bool:
+    """Two views of one class with the same field values (tensors: the same objects)."""
+    if type(a) is not type(b):
+        return False
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            if not _same_fields(x, y):
+                return False
+        elif not (x is y or (type(x) is int and x == y)):
+            return False
+    return True

@@ -13,6 +13,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -81,16 +82,121 @@ static void window(const int64_t *c, const int32_t *lens, const int32_t *q, int6
     }
 }
 
-/* step(config, lens, n, bs, q, table, table_stride, table_rows, table_cols)
- *   -> (longest, max_q, total) or None (an input the lane does not take: nothing written).
- * q == 0: a decode step (one query per row); else an extend step's query lengths. */
+/* slot_offset(member_descriptor) -> the byte offset of a __slots__ field in its objects. */
+static PyObject *slot_offset(PyObject *self, PyObject *descr) {
+    (void)self;
+    if (!PyObject_TypeCheck(descr, &PyMemberDescr_Type)) {
+        PyErr_SetString(PyExc_TypeError, "slot_offset takes a __slots__ member descriptor");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(((PyMemberDescrObject *)descr)->d_member->offset);
+}
+
+static int is_plain(PyTypeObject *tp) {
+    /* every field a __slots__ object pointer: no __dict__, no __weakref__ */
+    return tp->tp_dictoffset == 0 && tp->tp_weaklistoffset == 0
+        && tp->tp_itemsize == 0 && tp->tp_basicsize > (Py_ssize_t)sizeof(PyObject);
+}
+
+static PyObject *set_slot(PyObject *obj, Py_ssize_t off, PyObject *value) {
+    PyObject **at = (PyObject **)((char *)obj + off);
+    Py_XSETREF(*at, value);
+    return obj;
+}
+
+/* A copy of a frozen, slotted view whose only new fields are its host bounds (and its window
+ * part's, rebound the same way): what attnpool.phases._views.rebound makes field by field. */
+static PyObject *rebind_view(PyObject *view, const Py_ssize_t *off, PyObject *q, PyObject *k,
+                             long long window_k) {
+    PyTypeObject *tp = Py_TYPE(view);
+    if (!is_plain(tp)) {
+        PyErr_SetString(PyExc_TypeError, "rebind takes a view of __slots__ fields only");
+        return NULL;
+    }
+    PyObject *new = tp->tp_alloc(tp, 0);
+    if (new == NULL) return NULL;
+    PyObject **from = (PyObject **)((char *)view + sizeof(PyObject));
+    PyObject **to = (PyObject **)((char *)new + sizeof(PyObject));
+    Py_ssize_t fields = (tp->tp_basicsize - (Py_ssize_t)sizeof(PyObject)) / sizeof(PyObject *);
+    for (Py_ssize_t i = 0; i < fields; i++) to[i] = Py_XNewRef(from[i]);
+    set_slot(new, off[0], Py_NewRef(q));
+    set_slot(new, off[1], Py_NewRef(k));
+    PyObject *w = *(PyObject **)((char *)view + off[2]);
+    if (w != NULL && w != Py_None) {
+        if (Py_TYPE(w) != tp) {
+            Py_DECREF(new);
+            PyErr_SetString(PyExc_TypeError, "rebind: a window part of another class");
+            return NULL;
+        }
+        long long kk = PyLong_AsLongLong(k);
+        if (kk == -1 && PyErr_Occurred()) { Py_DECREF(new); return NULL; }
+        PyObject *wk = PyLong_FromLongLong(kk < window_k ? kk : window_k);
+        if (wk == NULL) { Py_DECREF(new); return NULL; }
+        PyObject *part = rebind_view(w, off, q, wk, window_k);
+        Py_DECREF(wk);
+        if (part == NULL) { Py_DECREF(new); return NULL; }
+        set_slot(new, off[2], part);
+    }
+    return new;
+}
+
+/* rebind(view, offsets, max_q, max_k, window_k): offsets a bytes of three int64 slot offsets
+ * (max_seqlen_q, max_seqlen_k, window; slot_offset). */
+static PyObject *rebind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5 || !PyBytes_Check(args[1])
+        || PyBytes_GET_SIZE(args[1]) != (Py_ssize_t)(3 * sizeof(int64_t))
+        || !PyLong_Check(args[2]) || !PyLong_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "rebind(view, offsets, max_q, max_k, window_k)");
+        return NULL;
+    }
+    const int64_t *o = (const int64_t *)PyBytes_AS_STRING(args[1]);
+    Py_ssize_t off[3] = {(Py_ssize_t)o[0], (Py_ssize_t)o[1], (Py_ssize_t)o[2]};
+    Py_ssize_t size = Py_TYPE(args[0])->tp_basicsize;
+    for (int i = 0; i < 3; i++) {
+        if (off[i] < (Py_ssize_t)sizeof(PyObject) || off[i] + (Py_ssize_t)sizeof(PyObject *) > size) {
+            PyErr_SetString(PyExc_ValueError, "rebind: a slot offset outside the view");
+            return NULL;
+        }
+    }
+    long long window_k = PyLong_AsLongLong(args[4]);
+    if (window_k == -1 && PyErr_Occurred()) return NULL;
+    return rebind_view(args[0], off, args[2], args[3], window_k);
+}
+
+/* step(config, lens, n, bs, q, table, table_stride, table_rows, table_cols, base, offsets,
+ *      window_k)
+ *   -> the step's view, or (max_seqlen_q, max_seqlen_k) when base is None, or None (an input
+ *      the lane does not take: nothing written).
+ * q == 0: a decode step (one query per row); else an extend step's query lengths. The bounds
+ * are the phase's: the longest real row (a padded batch: at least the pad length; an extend
+ * step's padded batch: its first padded row takes the query slack up to T). base: the
+ * phase's sliced view of bs rows, rebound with the bounds (offsets: see rebind). */
 static PyObject *step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 9 || !PyBytes_Check(args[0])
-        || PyBytes_GET_SIZE(args[0]) != (Py_ssize_t)(C_COUNT * sizeof(int64_t))) {
+    if (nargs != 12 || !PyBytes_Check(args[0])
+        || PyBytes_GET_SIZE(args[0]) != (Py_ssize_t)(C_COUNT * sizeof(int64_t))
+        || (args[9] != Py_None && (!PyBytes_Check(args[10])
+                                   || PyBytes_GET_SIZE(args[10]) != 3 * sizeof(int64_t)))) {
         PyErr_SetString(PyExc_TypeError, "step(config, lens, n, bs, q, table, stride, rows, "
-                                         "cols): a lane config and eight ints");
+                                         "cols, base, offsets, window_k)");
         return NULL;
+    }
+    Py_ssize_t off[3] = {0, 0, 0};
+    long long window_k = 0;
+    if (args[9] != Py_None) {
+        const int64_t *o = (const int64_t *)PyBytes_AS_STRING(args[10]);
+        Py_ssize_t size = Py_TYPE(args[9])->tp_basicsize;
+        for (int i = 0; i < 3; i++) {
+            off[i] = (Py_ssize_t)o[i];
+            if (off[i] < (Py_ssize_t)sizeof(PyObject)
+                || off[i] + (Py_ssize_t)sizeof(PyObject *) > size || !is_plain(Py_TYPE(args[9]))) {
+                PyErr_SetString(PyExc_ValueError, "step: a slot offset outside the view");
+                return NULL;
+            }
+        }
+        window_k = PyLong_AsLongLong(args[11]);
+        if (window_k == -1 && PyErr_Occurred()) return NULL;
     }
     const int64_t *c = (const int64_t *)PyBytes_AS_STRING(args[0]);
     int64_t v[8];
@@ -143,12 +249,25 @@ static PyObject *step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         for (int64_t i = n; i < bs; i++) cu_q[i + 1] = (int32_t)pad;
         if (t < c[C_POS_SIZE]) memset(pos + t, 0, (size_t)(c[C_POS_SIZE] - t) * sizeof(int32_t));
     }
-    return Py_BuildValue("(LLL)", (long long)longest, (long long)max_q, (long long)total);
+    int64_t bound_q = max_q, bound_k = longest;
+    if (n < bs) {
+        if (bound_k < c[C_PAD_LEN]) bound_k = c[C_PAD_LEN];
+        if (q && bound_q < c[C_Q_TOTAL] - total) bound_q = c[C_Q_TOTAL] - total;
+    }
+    if (args[9] == Py_None) return Py_BuildValue("(LL)", (long long)bound_q, (long long)bound_k);
+    PyObject *bq = PyLong_FromLongLong(bound_q), *bk = PyLong_FromLongLong(bound_k), *view = NULL;
+    if (bq != NULL && bk != NULL) view = rebind_view(args[9], off, bq, bk, window_k);
+    Py_XDECREF(bq);
+    Py_XDECREF(bk);
+    return view;
 }
 
 static PyMethodDef methods[] = {
     {"step", (PyCFunction)(void (*)(void))step, METH_FASTCALL,
      "One checked step of a CPU pool's host lane (see attnpool.update.native)."},
+    {"slot_offset", slot_offset, METH_O, "The byte offset of a __slots__ field."},
+    {"rebind", (PyCFunction)(void (*)(void))rebind, METH_FASTCALL,
+     "A view with new host bounds (attnpool.phases._views.rebound's fields)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -113,7 +113,7 @@ class CPUKernel:
         if view.page_table is None:
             raise LayoutError("vLLM's CPU kernel reads page tables (Layout.FLASH_ATTN)")
         qsl, lens, table = view.cu_seqlens_q, view.cache_seqlens, view.page_table
-        if lens.shape[0] != n:  # (a view of the step's own rows needs no slicing)
+        if len(lens) != n:  # (a view of the step's own rows needs no slicing)
             qsl, lens, table = qsl[: n + 1], lens[:n], table[:n]
         sched = self._ops.get_scheduler_metadata(
             n, self.num_heads, self.num_kv_heads, self.head_size, lens, self.dtype, qsl,

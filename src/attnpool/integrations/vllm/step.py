@@ -155,6 +155,7 @@ class StepFiller:
         self.backend, self.dtype = backend, dtype
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.host = sizes.device.type == "cpu"
+        self._caps = (sizes.max_num_seqs, sizes.max_num_batched_tokens)
         dev, t = sizes.device, sizes.max_num_batched_tokens
         # staging, allocated once: query lengths, each token's block and offset
         self._q_lens = torch.empty(sizes.max_num_seqs, dtype=torch.int32, device=dev)
@@ -178,13 +179,14 @@ class StepFiller:
         This is the builder's whole per-step cost, run between two forwards: inputs vLLM
         already sliced to the step's rows are not sliced again, and with vLLM's kernel
         attending no adapter call is bound (the kernel reads the pool's buffers itself)."""
-        n = num_reqs
-        if n > self.sizes.max_num_seqs or num_actual_tokens > self.sizes.max_num_batched_tokens:
+        n, (max_seqs, max_tokens) = num_reqs, self._caps
+        if n > max_seqs or num_actual_tokens > max_tokens:
             raise CapacityError(f"a step of {n} requests and {num_actual_tokens} tokens is past "
-                                f"the pool's max_num_seqs={self.sizes.max_num_seqs}, "
-                                f"max_num_batched_tokens={self.sizes.max_num_batched_tokens}")
-        lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
-        table = block_table if block_table.shape[0] == n else block_table[:n]
+                                f"the pool's max_num_seqs={max_seqs}, "
+                                f"max_num_batched_tokens={max_tokens}")
+        # (len(): a tensor's rows without making its torch.Size)
+        lens = seq_lens if len(seq_lens) == n else seq_lens[:n]
+        table = block_table if len(block_table) == n else block_table[:n]
         host = lens if self.host else None
         view: DecodeView | ExtendView
         if max_query_len == 1 and not self.one_phase:
@@ -197,10 +199,10 @@ class StepFiller:
             view = self._extend.update_(n, seq_lens=lens, extend_lens=q_lens,
                                             block_table=table, seq_lens_cpu=host,
                                             extend_lens_cpu=q_lens if self.host else None)
-        tokens = slot_mapping.shape[0]
-        if tokens > self._blocks.shape[0]:
+        tokens = len(slot_mapping)
+        if tokens > max_tokens:
             raise CapacityError(f"slot_mapping has {tokens} tokens, more than "
-                                f"max_num_batched_tokens={self._blocks.shape[0]}")
+                                f"max_num_batched_tokens={max_tokens}")
         if self.kernel is not None:  # vLLM's kernel stores by slot itself: no block/offset pair
             return StepMetadata(view, None, self._none, self._none, num_actual_tokens,
                                 self.kernel.step(view, n))
