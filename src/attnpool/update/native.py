@@ -9,13 +9,13 @@ one call that checks every value and then writes every field, the same bytes
 (``tests/update/test_host_lane.py`` compares the whole arena of both with the general path's).
 
 How it is built: like Triton's launchers, from the C source shipped in the package, by the
-compiler and flags Python itself was built with (``sysconfig``'s ``LDSHARED``), into
-``$ATTNPOOL_CACHE_DIR`` (default ``~/.cache/attnpool``) under a name keyed by the source and the
-interpreter, so a later process loads it without compiling; a compile writes a private file
-and renames it into place, so processes starting together (tensor-parallel workers) never load
-a half-written one. Where there is no compiler, the build fails, or ``ATTNPOOL_NATIVE=0`` is
-set, :func:`load` returns None and the torch lane runs: the same bytes, more host time.
-:func:`why` says which.
+compiler and flags Python itself was built with (``sysconfig``'s ``LDSHARED``), into the
+``native`` folder of attnpool's cache (``$ATTNPOOL_CACHE``, else ``~/.cache/attnpool``, as
+``attnpool fetch`` uses it) under a name keyed by the source and the interpreter, so a later
+process loads it without compiling; a compile writes a private file and renames it into place,
+so processes starting together (tensor-parallel workers) never load a half-written one. Where
+there is no compiler, the build fails, or ``ATTNPOOL_NATIVE=0`` is set, :func:`load` returns
+None and the torch lane runs: the same bytes, more host time. :func:`why` says which.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ NAME = "_attnpool_lane"
 SOURCE = Path(__file__).with_name("host_lane.c")
 #: set to ``0`` to keep the torch lane (no compile, no load)
 ENV = "ATTNPOOL_NATIVE"
-#: where compiled steps are kept (default ``~/.cache/attnpool``)
-CACHE_ENV = "ATTNPOOL_CACHE_DIR"
+#: attnpool's cache folder (default ``~/.cache/attnpool``); compiled steps go to its ``native``
+CACHE_ENV = "ATTNPOOL_CACHE"
 
 _state: list[ModuleType | str | None] = [None]  # the module, or why there is none
 
@@ -45,10 +45,7 @@ _state: list[ModuleType | str | None] = [None]  # the module, or why there is no
 def cache_dir() -> Path:
     """The folder compiled steps are kept in."""
     root = os.environ.get(CACHE_ENV)
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "attnpool"
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "attnpool") / "native"
 
 
 def _target() -> Path:

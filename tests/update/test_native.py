@@ -1,0 +1,61 @@
+"""The native step's build (:mod:`attnpool.update.native`): compiled once into the cache folder,
+loaded from there by a later process, and replaced by the torch lane (None, with the reason)
+when it is turned off or cannot be built. The step's bytes are tests/update/test_host_lane.py's.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnpool import BufferPool, Layout, PoolConfig
+from attnpool.update import native
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty cache folder and no module loaded yet (restored after the test)."""
+    monkeypatch.setattr(native, "_state", [None])
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.delenv(native.ENV, raising=False)
+    return tmp_path
+
+
+def _compiler() -> None:
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine")
+
+
+def test_compiled_once_then_loaded_from_the_cache(fresh: Path) -> None:
+    _compiler()
+    module = native.load()
+    assert module is not None, native.why()
+    built = list((fresh / "native").iterdir())
+    assert len(built) == 1 and built[0].name.startswith(native.NAME)
+    assert native.load() is module and native.why().startswith("in use")
+    # a later process loads the file without compiling (no compiler on its PATH)
+    code = ("import sys; from attnpool.update import native; m = native.load(); "
+            "sys.exit(0 if m is not None and m.__file__ == sys.argv[1] else 1)")
+    done = subprocess.run([sys.executable, "-c", code, str(built[0])], check=False,
+                          env={"PATH": "", native.CACHE_ENV: str(fresh),
+                               "LDSHARED": "/nonexistent-cc"})
+    assert done.returncode == 0
+
+
+def test_turned_off_or_unbuildable_leaves_the_torch_lane(fresh: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.load() is None and "turned off" in native.why()
+    monkeypatch.setattr(native, "_state", [None])
+    monkeypatch.delenv(native.ENV)
+    monkeypatch.setenv("LDSHARED", "false")  # (a compiler that fails)
+    assert native.load() is None and native.why().startswith("not built")
+    assert not any(p.is_file() for p in fresh.rglob("*"))  # (nothing half-written left)
+    pool = BufferPool(PoolConfig(max_bs=2, max_context_len=64, page_size=16, device="cpu",
+                                 layout=Layout.FLASH_ATTN, max_extend_tokens=16))
+    lane = pool.decode._lane
+    assert lane is not None and lane._step is None  # (the torch lane serves every step)
