@@ -147,6 +147,7 @@ def _bad_calls(pool: BufferPool) -> list[tuple[str, str, int, dict[str, Any]]]:
         out.append(("a short host copy", kind, 4, s))
         out.append(("bs below n", kind, 3, good()))
         out.append(("bs past max_bs", kind, BS + 1, good()))
+        out.append(("bs past int64", kind, 2 ** 70, good()))
         s = good()
         s["block_table"] = s["block_table"][:, :10]
         out.append(("a narrow block table", kind, 4, s))

@@ -202,7 +202,11 @@ static PyObject *step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t v[8];
     for (int k = 0; k < 8; k++) {
         v[k] = PyLong_AsLongLong(args[k + 1]);
-        if (v[k] == -1 && PyErr_Occurred()) return NULL;
+        if (v[k] == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
+            PyErr_Clear();  /* (an int past int64, e.g. bs: not the lane's, the usual error) */
+            Py_RETURN_NONE;
+        }
     }
     int64_t lp = v[0], n = v[1], bs = v[2], qp = v[3], tp = v[4], ts = v[5], trows = v[6],
             tcols = v[7];
