@@ -191,14 +191,14 @@ class StepFiller:
         view: DecodeView | ExtendView
         if max_query_len == 1 and not self.one_phase:
             view = self._decode.update_(n, seq_lens=lens, block_table=table,
-                                            seq_lens_cpu=host)
+                                        seq_lens_cpu=host)
         else:
             q_lens = self._q_lens[:n]
             torch.diff(query_start_loc if query_start_loc.shape[0] == n + 1
                        else query_start_loc[:n + 1], out=q_lens)
             view = self._extend.update_(n, seq_lens=lens, extend_lens=q_lens,
-                                            block_table=table, seq_lens_cpu=host,
-                                            extend_lens_cpu=q_lens if self.host else None)
+                                        block_table=table, seq_lens_cpu=host,
+                                        extend_lens_cpu=q_lens if self.host else None)
         tokens = len(slot_mapping)
         if tokens > max_tokens:
             raise CapacityError(f"slot_mapping has {tokens} tokens, more than "
