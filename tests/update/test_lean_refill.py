@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnpool import BufferPool, Impl, Layout, PoolConfig
+from attnpool.update import native
 
 from tests.helpers.opcount import count
 
@@ -44,13 +45,21 @@ def _step(n: int, seed: int) -> dict[str, Any]:
             "extend_lens": torch.tensor(ext, dtype=torch.int32), "block_table": table[:n]}
 
 
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("kind", ["decode", "extend"])
 @pytest.mark.parametrize("n", [1, 8, 16])
-def test_an_engine_step_is_within_the_op_budget(kind: str, window: int | None, n: int) -> None:
+def test_an_engine_step_is_within_the_op_budget(kind: str, window: int | None, n: int,
+                                                use_native: bool) -> None:
     """Decode and mixed steps, with and without a sliding-window part, from a block table with
-    the inputs themselves as host copies (a CPU engine's builder)."""
+    the inputs themselves as host copies (a CPU engine's builder): with the native step
+    (:mod:`attnpool.update.native`) no torch op at all, with the torch lane within the
+    budget."""
+    if use_native and native.load() is None:
+        pytest.skip(f"the native step is not built here: {native.why()}")
     pool = _pool(64, window)
+    if not use_native:
+        pool.decode._lane._step = pool.extend._lane._step = None  # type: ignore[union-attr]
     s = _step(n, 1)
     seq, ext = s["seq_lens"], s["extend_lens"]
 
@@ -63,7 +72,7 @@ def test_an_engine_step_is_within_the_op_budget(kind: str, window: int | None, n
 
     update()
     c = count(update)
-    assert c.num_ops <= STEP_BUDGET[(kind, window is not None)], c.ops
+    assert c.num_ops <= (0 if use_native else STEP_BUDGET[(kind, window is not None)]), c.ops
 
 
 class _Sizes(TorchDispatchMode):
