@@ -280,3 +280,21 @@ def test_the_native_rebind_makes_rebounds_view(window: int | None,
             assert sys.getrefcount(t) == before
         assert made[0] == 3  # (one view per batch size made by the phase)
     assert _rebind_offsets(module, object(), 0) is False
+
+
+def test_prepare_views_slices_ahead_and_writes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prepare_views`` slices each size's view without writing a byte; the first update of a
+    prepared size then reuses those tensors (no slicing in the step); a size past ``max_bs``
+    is refused."""
+    lane, _, _ = _pools(None, monkeypatch, native.load() is not None)
+    before = _bytes(lane)
+    for phase in (lane.decode, lane.extend):
+        phase.prepare_views(range(1, BS + 1))
+        assert sorted(phase._sliced) == list(range(1, BS + 1))
+    assert torch.equal(_bytes(lane), before)
+    for kind in ("decode", "extend"):
+        phase = lane.decode if kind == "decode" else lane.extend
+        got = _update(lane, kind, 3, _step(random.Random(5), kind, 3, torch.int32, True))
+        assert got.cache_seqlens is phase._sliced[3].cache_seqlens
+    with pytest.raises(PoolError):
+        lane.decode.prepare_views([BS + 1])

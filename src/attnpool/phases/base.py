@@ -4,7 +4,7 @@ bookkeeping. The input pass is :mod:`.inputs_pass`; views of parts are :mod:`._v
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from functools import partial
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -112,6 +112,17 @@ class PhaseBase(Generic[ViewT]):
         check_bs(self.cfg, bs)
         self._ready(bs)
         return self._capture_view(bs)
+
+    def prepare_views(self, sizes: Iterable[int]) -> None:
+        """Slice the views of these batch sizes now; nothing is written. An update's first
+        view of a size slices a dozen tensors of the phase's buffers, every later one reuses
+        them (:meth:`_rebound`): an engine whose builder runs between two forwards on a CPU,
+        where that first slicing costs several later steps, calls this once at start with
+        every size it may step with, so the first step of each size costs what the others do.
+        """
+        for bs in sizes:
+            check_bs(self.cfg, bs)
+            self._capture_view(bs)
 
     def _capture_view(self, bs: int) -> ViewT:
         """The view :meth:`view` hands out once its bytes are valid (static host bounds)."""

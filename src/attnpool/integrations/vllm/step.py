@@ -152,6 +152,9 @@ class StepFiller:
             sizes if window_part else replace(sizes, sliding_window=None), layout))
         #: the pool's two phases, looked up once (``pool.decode`` is a checked lookup)
         self._decode, self._extend = self.pool.decode, self.pool.extend
+        if sizes.device.type == "cpu":  # (the first step of each size: no slicing in a build)
+            for phase in (self._decode, self._extend):
+                phase.prepare_views(range(1, sizes.max_num_seqs + 1))
         self.backend, self.dtype = backend, dtype
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.host = sizes.device.type == "cpu"
