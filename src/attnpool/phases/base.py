@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from functools import partial
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -24,6 +24,12 @@ from ._validate import Values, validate
 from ._views import rebound, window_view
 from .bound import BoundUpdate
 from .inputs_pass import InputPass, Inputs, Shared, new_record
+
+
+class _Lane(Protocol):
+    """What this module asks of a phase's host lane (:class:`.host_lane.HostLane`)."""
+
+    def first(self, view: Any) -> Any: ...
 
 __all__ = ["Inputs", "PhaseBase", "Replay", "Shared", "UpdatePath", "capturing", "new_record"]
 
@@ -58,6 +64,8 @@ class PhaseBase(Generic[ViewT]):
     """
 
     phase: Phase
+    #: the phase's host lane (:mod:`.host_lane`): decode's and extend's on a CPU pool, else None
+    _lane: _Lane | None = None
     #: per part (in :meth:`_parts` order), parameter -> the name its input has in the phase's
     #: value record where the two differ (e.g. the encoder's cross part reads ``encoder_lens``
     #: as lengths)
@@ -118,11 +126,15 @@ class PhaseBase(Generic[ViewT]):
         view of a size slices a dozen tensors of the phase's buffers, every later one reuses
         them (:meth:`_rebound`): an engine whose builder runs between two forwards on a CPU,
         where that first slicing costs several later steps, calls this once at start with
-        every size it may step with, so the first step of each size costs what the others do.
+        every size it may step with, so the first step of each size costs what the others do
+        (and the native rebind of a host lane is checked here, not in a step).
         """
+        lane = self._lane
         for bs in sizes:
             check_bs(self.cfg, bs)
-            self._capture_view(bs)
+            view = self._capture_view(bs)
+            if lane is not None:
+                lane.first(view)
 
     def _capture_view(self, bs: int) -> ViewT:
         """The view :meth:`view` hands out once its bytes are valid (static host bounds)."""

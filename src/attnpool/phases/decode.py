@@ -63,7 +63,7 @@ class DecodePhase(PhaseBase[DecodeView]):
         self._b = self._paged()
         self._keep = arena.buffer(self.phase, "keep")
         #: the host lane of a CPU pool (:mod:`.host_lane`), else None
-        self._lane = HostLane.maybe(self, self._b)
+        self._lane: HostLane | None = HostLane.maybe(self, self._b)
         #: (request ids, arena epoch) right after the last decode update, for ``request_ids``.
         self._last: tuple[list[Hashable], int] | None = None
 

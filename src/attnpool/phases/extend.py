@@ -69,7 +69,8 @@ class ExtendPhase(PhaseBase[ExtendView]):
         #: T: packed query tokens of one batch, and the query total of a padded one.
         self.max_tokens = arena.cfg.max_extend_tokens
         #: the host lane of a CPU pool (:mod:`.host_lane`), else None
-        self._lane = HostLane.maybe(self, self._b, (self._cu_q, self._pos, self.max_tokens))
+        self._lane: HostLane | None = HostLane.maybe(self, self._b,
+                                                     (self._cu_q, self._pos, self.max_tokens))
 
     def _capture_view(self, bs: int) -> ExtendView:
         """The ``bs``-row view for capture: every row padded, static host bounds
