@@ -94,7 +94,7 @@ class HostLane:
         self._step: Callable[..., PagedView | tuple[int, int] | None] | None = \
             None if module is None else module.step
         self._config = self._native_config(queries)
-        #: (view class, the native rebind's slot offsets) once :meth:`view` has checked them
+        #: (view class, the native rebind's slot offsets) once :meth:`first` has checked them
         #: on a view of the phase (False: the rebind does not serve it, :func:`rebound` does)
         self._offsets: tuple[type, bytes] | bool | None = None
 
@@ -107,14 +107,14 @@ class HostLane:
         b, p = self._b, self.cfg.page_size
         pt = b.page_table
         assert pt is not None  # (maybe(): a Layout.FLASH_ATTN part has a page table)
-        cu_q, pos, total = (None, None, 0) if queries is None else queries
+        cu_q, pos, t_max = (None, None, 0) if queries is None else queries
         wb, size = (None, 0) if self._window is None else self._window
         wpt = None if wb is None else wb.page_table
         return struct.pack(
             "<23q", self._max_bs, self._max_pages, self._max_len, p, self._pad[0],
             self._pad[1], ceil_div(self._pad[0], p),
             ptr(b.cache_seqlens), ptr(b.cu_seqlens_k), ptr(pt), pt.stride(0),
-            ptr(cu_q), ptr(pos), 0 if pos is None else pos.shape[0], total,
+            ptr(cu_q), ptr(pos), 0 if pos is None else pos.shape[0], t_max,
             ptr(None if wb is None else wb.cache_seqlens),
             ptr(None if wb is None else wb.cu_seqlens_k), ptr(wpt),
             0 if wpt is None else wpt.stride(0), 0 if wpt is None else wpt.shape[1], size,
