@@ -28,6 +28,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
+from ..config import cache_root
 from ..errors import InputError
 
 
@@ -74,8 +75,7 @@ FETCH_COMMAND = "python -m attnpool fetch {name}"
 
 def cache_dir() -> pathlib.Path:
     """``$ATTNPOOL_CACHE``, else ``~/.cache/attnpool`` (not created here)."""
-    env = os.environ.get("ATTNPOOL_CACHE")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "attnpool"
+    return cache_root()
 
 
 def checkpoint(name: str) -> Checkpoint:
