@@ -9,7 +9,6 @@ from __future__ import annotations
 import enum
 import importlib.util
 import os
-import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeGuard
@@ -440,11 +439,3 @@ class PoolConfig:
     def phases(self) -> tuple[Phase, ...]:
         """The phases this config enables, in declaration order (computed once)."""
         return self._phases
-
-
-def cache_root() -> pathlib.Path:
-    """attnpool's cache folder: ``$ATTNPOOL_CACHE`` when set, else ``~/.cache/attnpool`` (not
-    created here). ``attnpool fetch`` keeps checkpoints there, the native step
-    (:mod:`attnpool.update.native`) its compiled extension under ``native/``."""
-    env = os.environ.get("ATTNPOOL_CACHE")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "attnpool"

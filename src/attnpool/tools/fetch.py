@@ -28,7 +28,6 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 
-from ..config import cache_root
 from ..errors import InputError
 
 
@@ -75,7 +74,8 @@ FETCH_COMMAND = "python -m attnpool fetch {name}"
 
 def cache_dir() -> pathlib.Path:
     """``$ATTNPOOL_CACHE``, else ``~/.cache/attnpool`` (not created here)."""
-    return cache_root()
+    env = os.environ.get("ATTNPOOL_CACHE")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "attnpool"
 
 
 def checkpoint(name: str) -> Checkpoint:

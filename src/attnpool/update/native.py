@@ -31,14 +31,12 @@ import sysconfig
 from pathlib import Path
 from types import ModuleType
 
-from ..config import cache_root
-
 #: the extension's module name (its ``PyInit_`` symbol)
 NAME = "_attnpool_lane"
 SOURCE = Path(__file__).with_name("host_lane.c")
 #: set to ``0`` to keep the torch lane (no compile, no load)
 ENV = "ATTNPOOL_NATIVE"
-#: attnpool's cache folder (:func:`attnpool.config.cache_root`); compiled steps go to ``native/``
+#: attnpool's cache folder (default ``~/.cache/attnpool``); compiled steps go to its ``native``
 CACHE_ENV = "ATTNPOOL_CACHE"
 
 _state: list[ModuleType | str | None] = [None]  # the module, or why there is none
@@ -46,7 +44,8 @@ _state: list[ModuleType | str | None] = [None]  # the module, or why there is no
 
 def cache_dir() -> Path:
     """The folder compiled steps are kept in."""
-    return cache_root() / "native"
+    root = os.environ.get(CACHE_ENV)
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "attnpool") / "native"
 
 
 def _target() -> Path:
