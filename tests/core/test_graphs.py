@@ -77,6 +77,7 @@ def replays_match_eager(dev: torch.device, steps: int, memory: Callable[[], int]
     ref_pool = BufferPool(cfg)
     if dev.type == "cuda":
         torch.cuda.synchronize()
+    gc.collect()  # cycles left by the setup's first calls would be freed mid-stream otherwise
     mem0 = memory()
     for step in range(steps):
         n = rng.randint(1, 32)
@@ -90,6 +91,7 @@ def replays_match_eager(dev: torch.device, steps: int, memory: Callable[[], int]
         del seq, rpi, tab, x, out, want
     if dev.type == "cuda":
         torch.cuda.synchronize()
+    gc.collect()  # only what is still referenced counts
     assert memory() == mem0
     assert {k: v.data_ptr() for k, v in pool.arena.buffers().items()} == ptrs
 

@@ -5,6 +5,7 @@ when it is turned off or cannot be built. The step's bytes are tests/update/test
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def test_compiled_once_then_loaded_from_the_cache(fresh: Path) -> None:
     code = ("import sys; from attnpool.update import native; m = native.load(); "
             "sys.exit(0 if m is not None and m.__file__ == sys.argv[1] else 1)")
     done = subprocess.run([sys.executable, "-c", code, str(built[0])], check=False,
-                          env={"PATH": "", native.CACHE_ENV: str(fresh),
+                          env={**os.environ, "PATH": "", native.CACHE_ENV: str(fresh),
                                "LDSHARED": "/nonexistent-cc"})
     assert done.returncode == 0
 
