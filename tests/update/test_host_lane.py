@@ -300,3 +300,70 @@ def test_prepare_views_slices_ahead_and_writes_nothing(monkeypatch: pytest.Monke
         assert got.cache_seqlens is phase._sliced[3].cache_seqlens
     with pytest.raises(PoolError):
         lane.decode.prepare_views([BS + 1])
+
+
+def _host_step(pool: BufferPool, kind: str, bs: int, s: dict[str, Any]) -> Any:
+    if kind == "decode":
+        return pool.decode.host_step(bs, s["seq_lens"], s["block_table"])
+    return pool.extend.host_step(bs, s["seq_lens"], s["extend_lens"], s["block_table"])
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_host_step_is_update_in_one_native_call(window: int | None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``host_step`` (an engine builder's first call on a CPU pool) writes what ``update_``
+    writes on the general path and returns a view with its bounds, for every step the native
+    step takes; every bad call of the adversarial list it returns None for, with nothing
+    written, and ``update_`` then raises as ever; so do calls it does not take (int64 inputs,
+    a tensor subclass: ``update_`` serves them; strided lengths: ``update_`` refuses them)."""
+    if native.load() is None:
+        pytest.skip(f"the native step is not built here: {native.why()}")
+    lane, general, _ = _pools(window, monkeypatch, True)
+    rng = random.Random(7)
+    for i in range(40):
+        kind = ("decode", "extend")[i % 2]
+        n = rng.randint(1, BS)
+        bs = n if i % 3 else rng.randint(n, BS)
+        s = _step(rng, kind, n, torch.int32, True)
+        got = _host_step(lane, kind, bs, s)
+        want = _update(general, kind, bs, s)
+        assert got is not None and type(got) is type(want)
+        assert torch.equal(_bytes(lane), _bytes(general)), (kind, n, bs)
+        assert _bounds(got) == _bounds(want) and got.is_current
+    s = _step(rng, "decode", 3, torch.int32, True)
+    others = {"int64 lengths": (s["seq_lens"].long(), s["block_table"]),
+              "a Parameter table": (s["seq_lens"], torch.nn.Parameter(s["block_table"],
+                                                                     requires_grad=False)),
+              "strided lengths": (s["seq_lens"].repeat_interleave(2)[::2], s["block_table"])}
+    for label, (lens, table) in others.items():
+        before = _bytes(lane)
+        assert lane.decode.host_step(3, lens, table) is None, label
+        assert torch.equal(_bytes(lane), before), label
+        if label == "strided lengths":  # (refused by every path)
+            with pytest.raises(PoolError, match="contiguous"):
+                lane.decode.update_(3, seq_lens=lens, block_table=table, seq_lens_cpu=lens)
+            continue
+        view = lane.decode.update_(3, seq_lens=lens, block_table=table, seq_lens_cpu=lens)
+        want = general.decode.update_(3, seq_lens=lens, block_table=table, seq_lens_cpu=lens)
+        assert torch.equal(_bytes(lane), _bytes(general)) and _bounds(view) == _bounds(want)
+    for label, kind, bs, s in _bad_calls(lane):  # (last: its list writes a capture view)
+        if set(s) - {"seq_lens", "extend_lens", "block_table", "seq_lens_cpu",
+                     "extend_lens_cpu"} or s.get("seq_lens_cpu") is not s["seq_lens"]:
+            continue  # (not a call of host_step's shape)
+        before = _bytes(lane)
+        assert _host_step(lane, kind, bs, s) is None, label
+        assert torch.equal(_bytes(lane), before), label
+        with pytest.raises(PoolError):
+            _update(lane, kind, bs, s)
+
+
+def test_host_step_declines_a_pool_without_the_lane_or_in_validation() -> None:
+    s = _step(random.Random(8), "decode", 2, torch.int32, True)
+    for pool in (BufferPool(PoolConfig(max_bs=4, max_context_len=C, page_size=PAGE,
+                                       device="cpu", layout=Layout.FLASHINFER,
+                                       max_extend_tokens=T)),
+                 BufferPool(PoolConfig(max_bs=4, max_context_len=C, page_size=PAGE,
+                                       device="cpu", layout=Layout.FLASH_ATTN,
+                                       max_extend_tokens=T), validate=True)):
+        assert pool.decode.host_step(2, s["seq_lens"], s["block_table"]) is None
+        assert pool.extend.host_step(2, s["seq_lens"], s["seq_lens"], s["block_table"]) is None

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from attnpool import BufferPool, Layout, PoolConfig
 from attnpool.update import native
@@ -60,3 +61,28 @@ def test_turned_off_or_unbuildable_leaves_the_torch_lane(fresh: Path,
                                  layout=Layout.FLASH_ATTN, max_extend_tokens=16))
     lane = pool.decode._lane
     assert lane is not None and lane._step is None  # (the torch lane serves every step)
+
+
+def test_diffs_is_torch_diff_or_declines_untouched() -> None:
+    """``diffs`` (vLLM's query lengths from ``query_start_loc``) writes ``torch.diff``'s
+    values into the first ``n`` rows and nothing else; inputs it does not take leave ``out``
+    as it was and return None (the caller then runs ``torch.diff``)."""
+    module = native.load()
+    if module is None:
+        pytest.skip(f"the native step is not built here: {native.why()}")
+    qsl = torch.tensor([0, 1, 5, 6, 20, 21], dtype=torch.int32)
+    out = torch.full((8,), -7, dtype=torch.int32)
+    assert module.diffs(qsl, out, 4) is True
+    assert out[:4].tolist() == torch.diff(qsl[:5]).tolist() and out[4:].eq(-7).all()
+    assert module.diffs(qsl, out, 0) is True and out[:4].tolist() == [1, 4, 1, 14]
+    fresh = torch.full((8,), -7, dtype=torch.int32)
+    for label, args in {"n past query_start_loc": (qsl, fresh, 5 + 1),
+                        "n past out": (torch.arange(12, dtype=torch.int32), fresh, 9),
+                        "negative n": (qsl, fresh, -1), "a float n": (qsl, fresh, 2.0),
+                        "n past int64": (qsl, fresh, 2 ** 70),
+                        "int64 input": (qsl.long(), fresh, 3),
+                        "int64 out": (qsl, fresh.long(), 3),
+                        "strided input": (torch.arange(24, dtype=torch.int32)[::2], fresh, 3),
+                        "a list": ([0, 1, 2], fresh, 2)}.items():
+        assert module.diffs(*args) is None, label
+        assert fresh.eq(-7).all(), label

@@ -120,11 +120,10 @@ class DecodePhase(PhaseBase[DecodeView]):
         """
         lane = self._lane
         if lane is not None and request_ids is None:
-            got = lane.native(bs, seq_lens, None, shared)  # type: ignore[arg-type]
-            if got is not None:  # (checked and written, the view rebound: see HostLane.native)
-                self._mark(bs)
-                self._last = None
-                return lane.first(self._view(bs, got[1])) if type(got) is tuple else got  # type: ignore[return-value]
+            if len(shared) == 2 and shared.get("seq_lens_cpu") is seq_lens:
+                view = self.host_step(bs, seq_lens, shared.get("block_table"))  # type: ignore[arg-type]
+                if view is not None:
+                    return view
             view = lane.decode(bs, seq_lens, shared, self._view)  # type: ignore[arg-type]
             if view is not None:
                 self._last = None
@@ -153,6 +152,26 @@ class DecodePhase(PhaseBase[DecodeView]):
         self._run((bs, x.launch_key, keep is None), bs,
                   new_record(DecodeValues, (x, keep, self._width(x.seq_lens_host))))
         return self._done(bs, n, x.seq_lens_host, ids)
+
+    def host_step(self, bs: int, seq_lens: Tensor, block_table: Tensor) -> DecodeView | None:
+        """``update_(bs, seq_lens=seq_lens, block_table=block_table, seq_lens_cpu=seq_lens)``
+        as one native call (:meth:`HostLane.native <attnpool.phases.host_lane.HostLane.native>`):
+        an engine's builder on a CPU pool, whose lengths live on the host, calls this first
+        and :meth:`update_` only when it returns None.
+
+        None, nothing written, when the native step does not take the call: no native step
+        (:mod:`attnpool.update.native`), a pool without the host lane (not on a CPU, another
+        layout or update path), validation on, inputs that are not int32 CPU tensors with
+        contiguous rows, or a bad value. :meth:`update_` then takes the call on its other paths
+        or raises the precise :class:`attnpool.PoolError`, before any write either way.
+        """
+        lane = self._lane
+        got = None if lane is None else lane.native(bs, seq_lens, block_table, None)
+        if got is None:
+            return None
+        self._mark(bs)
+        self._last = None
+        return lane.first(self._view(bs, got[1])) if type(got) is tuple else got  # type: ignore[union-attr,return-value]
 
     def _parts(self, ops: UpdatePath, bs: int, values: DecodeValues) -> tuple[Replay, ...]:
         """One paged part (``keep``: the incremental page table, see the class docstring), then

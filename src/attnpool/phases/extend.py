@@ -122,10 +122,10 @@ class ExtendPhase(PhaseBase[ExtendView]):
         lane = self._lane
         if (lane is not None and extend_lens_cpu is extend_lens and out_slots is None
                 and window_out_slots is None):
-            got = lane.native(bs, seq_lens, extend_lens, shared)  # type: ignore[arg-type]
-            if got is not None:  # (checked and written, the view rebound: see HostLane.native)
-                self._mark(bs)
-                return lane.first(self._view(bs, *got)) if type(got) is tuple else got  # type: ignore[return-value]
+            if len(shared) == 2 and shared.get("seq_lens_cpu") is seq_lens:
+                view = self.host_step(bs, seq_lens, extend_lens, shared.get("block_table"))  # type: ignore[arg-type]
+                if view is not None:
+                    return view
             y = lane.check(bs, seq_lens, shared)  # type: ignore[arg-type]
             if y is not None:
                 n, lens, lane_host = y[0], y[1], y[4]
@@ -166,6 +166,19 @@ class ExtendPhase(PhaseBase[ExtendView]):
         self._mark(bs)
         return self._view(bs, self._max_q(ehost, n, bs),
                           self._max_k(host, 0, n, bs, cfg.max_context_len))
+
+    def host_step(self, bs: int, seq_lens: Tensor, extend_lens: Tensor, block_table: Tensor
+                  ) -> ExtendView | None:
+        """``update_(bs, seq_lens=seq_lens, extend_lens=extend_lens, block_table=block_table,
+        seq_lens_cpu=seq_lens, extend_lens_cpu=extend_lens)`` as one native call: what
+        :meth:`attnpool.phases.decode.DecodePhase.host_step` is for decode (None, nothing
+        written, when the native step does not take the call: then call :meth:`update_`)."""
+        lane = self._lane
+        got = None if lane is None else lane.native(bs, seq_lens, block_table, extend_lens)
+        if got is None:
+            return None
+        self._mark(bs)
+        return lane.first(self._view(bs, *got)) if type(got) is tuple else got  # type: ignore[union-attr,misc,return-value]
 
     def _max_q(self, ehost: list[int] | None, n: int, bs: int) -> int:
         """Host bound of the query lengths: tight from ``extend_lens_cpu`` (a padded batch's

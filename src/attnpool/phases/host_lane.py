@@ -38,7 +38,6 @@ import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 from torch import Tensor
 
 from ..config import INT_DTYPES, Impl, Layout, ceil_div
@@ -61,8 +60,6 @@ _KEYS = frozenset(("block_table", "seq_lens_cpu", "req_pool_indices"))
 #: ``exact``: the host lengths are ``seq_lens``' own values (the host copy is the tensor
 #: itself); ``longest``: the largest host length (0 without rows)
 Checked = tuple[int, Tensor, Tensor, Tensor, list[int], bool, int]
-_I32 = torch.int32
-_ROW = (1,)  # (the stride of a contiguous 1-D tensor)
 #: a query part of an extend phase: ``(cu_seqlens_q, positions, T)``
 Queries = tuple[Tensor, Tensor, int]
 
@@ -92,7 +89,7 @@ class HostLane:
         module = self._module = _native.load()
         #: the native step (:mod:`attnpool.update.native`) and this phase's config of it
         self._step: Callable[..., PagedView | tuple[int, int] | None] | None = \
-            None if module is None else module.step
+            None if module is None else module.step_tensors
         self._config = self._native_config(queries)
         #: (view class, the native rebind's slot offsets) once :meth:`first` has checked them
         #: on a view of the phase (False: the rebind does not serve it, :func:`rebound` does)
@@ -131,7 +128,7 @@ class HostLane:
             return None
         return cls(phase, b, queries)
 
-    def native(self, bs: int, seq_lens: object, q_lens: object, shared: dict[str, Any]
+    def native(self, bs: int, seq_lens: object, block_table: object, q_lens: object
                ) -> PagedView | tuple[int, int] | None:
         """A step checked and written by the native step, in one call: the step's view (the
         phase's sliced view of ``bs`` rows rebound with the step's host bounds by the same
@@ -140,35 +137,21 @@ class HostLane:
         to :meth:`first`); None, nothing written, when there is no native step or it does not
         take the call (the torch lane then checks it, and raises where it is bad).
 
-        Taken: ``block_table`` and ``seq_lens_cpu`` only, the host copy the very ``seq_lens``
-        tensor, every input an int32 CPU tensor with contiguous rows (``q_lens``: an extend
-        step's query lengths, its host copy itself; None for decode). The shapes, the arena
-        overlap and every value are checked in C, before any write."""
+        ``seq_lens`` is its own host copy (the caller checked that). Taken: every input an
+        int32 CPU ``torch.Tensor`` with contiguous rows (``q_lens``: an extend step's query
+        lengths, their own host copy too; None for decode). The tensors are read in C (type,
+        dtype, device, strides, shape, address: a dozen attribute reads that cost several
+        times more as Python bytecode on a cold cache), then the shapes, the arena overlap and
+        every value, before any write."""
         step = self._step
-        if step is None or len(shared) != 2 or self._phase.validate:
+        if step is None or self._phase.validate:
             return None
-        table: Any = shared.get("block_table")
-        # (one stride() per tensor checks its rank and its contiguous rows at once)
-        if (shared.get("seq_lens_cpu") is not seq_lens or type(seq_lens) is not Tensor
-                or type(table) is not Tensor or type(bs) is not int
-                or seq_lens.dtype is not _I32 or table.dtype is not _I32
-                or not seq_lens.is_cpu or not table.is_cpu or seq_lens.stride() != _ROW
-                or len(ts := table.stride()) != 2 or ts[1] != 1):
-            return None
-        n, q = len(seq_lens), 0
-        if q_lens is not None:
-            if (type(q_lens) is not Tensor or q_lens.dtype is not _I32 or not q_lens.is_cpu
-                    or q_lens.stride() != _ROW or len(q_lens) != n):
-                return None
-            q = q_lens.data_ptr()
-        rows, cols = table.shape
         got, phase = self._offsets, self._phase
-        base = phase._sliced.get(bs) if type(got) is tuple else None
+        base = phase._sliced.get(bs) if type(got) is tuple else None  # (bs: C checks an int)
         if base is None or type(base) is not got[0]:  # type: ignore[index]
-            return step(self._config, seq_lens.data_ptr(), n, bs, q, table.data_ptr(), ts[0],
-                        rows, cols, None, None, 0)
-        return step(self._config, seq_lens.data_ptr(), n, bs, q, table.data_ptr(), ts[0],
-                    rows, cols, base, got[1], phase._window_k)  # type: ignore[index]
+            return step(self._config, seq_lens, block_table, q_lens, bs, None, None, 0)
+        return step(self._config, seq_lens, block_table, q_lens, bs, base,
+                    got[1], phase._window_k)  # type: ignore[index]
 
     def first(self, view: PV) -> PV:
         """``view``, made by the phase from :meth:`native`'s bounds. The first such view

@@ -164,52 +164,35 @@ static PyObject *rebind(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return rebind_view(args[0], off, args[2], args[3], window_k);
 }
 
-/* step(config, lens, n, bs, q, table, table_stride, table_rows, table_cols, base, offsets,
- *      window_k)
- *   -> the step's view, or (max_seqlen_q, max_seqlen_k) when base is None, or None (an input
- *      the lane does not take: nothing written).
- * q == 0: a decode step (one query per row); else an extend step's query lengths. The bounds
- * are the phase's: the longest real row (a padded batch: at least the pad length; an extend
- * step's padded batch: its first padded row takes the query slack up to T). base: the
- * phase's sliced view of bs rows, rebound with the bounds (offsets: see rebind). */
-static PyObject *step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 12 || !PyBytes_Check(args[0])
-        || PyBytes_GET_SIZE(args[0]) != (Py_ssize_t)(C_COUNT * sizeof(int64_t))
-        || (args[9] != Py_None && (!PyBytes_Check(args[10])
-                                   || PyBytes_GET_SIZE(args[10]) != 3 * sizeof(int64_t)))) {
-        PyErr_SetString(PyExc_TypeError, "step(config, lens, n, bs, q, table, stride, rows, "
-                                         "cols, base, offsets, window_k)");
-        return NULL;
+/* The base view's slot offsets (offsets: a bytes of three int64, see rebind) checked against
+ * its class; 0, or -1 with an error set. */
+static int view_offsets(PyObject *base, PyObject *offsets, PyObject *window_k_obj,
+                        Py_ssize_t *off, long long *window_k) {
+    off[0] = off[1] = off[2] = 0;
+    *window_k = 0;
+    if (base == Py_None) return 0;
+    if (!PyBytes_Check(offsets) || PyBytes_GET_SIZE(offsets) != 3 * sizeof(int64_t)) {
+        PyErr_SetString(PyExc_TypeError, "step: offsets must be a bytes of three int64");
+        return -1;
     }
-    Py_ssize_t off[3] = {0, 0, 0};
-    long long window_k = 0;
-    if (args[9] != Py_None) {
-        const int64_t *o = (const int64_t *)PyBytes_AS_STRING(args[10]);
-        Py_ssize_t size = Py_TYPE(args[9])->tp_basicsize;
-        for (int i = 0; i < 3; i++) {
-            off[i] = (Py_ssize_t)o[i];
-            if (off[i] < (Py_ssize_t)sizeof(PyObject)
-                || off[i] + (Py_ssize_t)sizeof(PyObject *) > size || !is_plain(Py_TYPE(args[9]))) {
-                PyErr_SetString(PyExc_ValueError, "step: a slot offset outside the view");
-                return NULL;
-            }
-        }
-        window_k = PyLong_AsLongLong(args[11]);
-        if (window_k == -1 && PyErr_Occurred()) return NULL;
-    }
-    const int64_t *c = (const int64_t *)PyBytes_AS_STRING(args[0]);
-    int64_t v[8];
-    for (int k = 0; k < 8; k++) {
-        v[k] = PyLong_AsLongLong(args[k + 1]);
-        if (v[k] == -1 && PyErr_Occurred()) {
-            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
-            PyErr_Clear();  /* (an int past int64, e.g. bs: not the lane's, the usual error) */
-            Py_RETURN_NONE;
+    const int64_t *o = (const int64_t *)PyBytes_AS_STRING(offsets);
+    Py_ssize_t size = Py_TYPE(base)->tp_basicsize;
+    for (int i = 0; i < 3; i++) {
+        off[i] = (Py_ssize_t)o[i];
+        if (off[i] < (Py_ssize_t)sizeof(PyObject)
+            || off[i] + (Py_ssize_t)sizeof(PyObject *) > size || !is_plain(Py_TYPE(base))) {
+            PyErr_SetString(PyExc_ValueError, "step: a slot offset outside the view");
+            return -1;
         }
     }
-    int64_t lp = v[0], n = v[1], bs = v[2], qp = v[3], tp = v[4], ts = v[5], trows = v[6],
-            tcols = v[7];
+    *window_k = PyLong_AsLongLong(window_k_obj);
+    return (*window_k == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* The step itself, on checked pointers and sizes (see step below for its arguments). */
+static PyObject *run_step(const int64_t *c, int64_t lp, int64_t n, int64_t bs, int64_t qp,
+                          int64_t tp, int64_t ts, int64_t trows, int64_t tcols, PyObject *base,
+                          const Py_ssize_t *off, long long window_k) {
     if (n < 1 || n > bs || bs > c[C_MAX_BS] || trows < n || tcols < c[C_MAX_PAGES]
         || ts < tcols || !outside(lp, c) || !outside(tp, c) || (qp && !outside(qp, c)))
         Py_RETURN_NONE;
@@ -258,17 +241,185 @@ static PyObject *step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         if (bound_k < c[C_PAD_LEN]) bound_k = c[C_PAD_LEN];
         if (q && bound_q < c[C_Q_TOTAL] - total) bound_q = c[C_Q_TOTAL] - total;
     }
-    if (args[9] == Py_None) return Py_BuildValue("(LL)", (long long)bound_q, (long long)bound_k);
+    if (base == Py_None) return Py_BuildValue("(LL)", (long long)bound_q, (long long)bound_k);
     PyObject *bq = PyLong_FromLongLong(bound_q), *bk = PyLong_FromLongLong(bound_k), *view = NULL;
-    if (bq != NULL && bk != NULL) view = rebind_view(args[9], off, bq, bk, window_k);
+    if (bq != NULL && bk != NULL) view = rebind_view(base, off, bq, bk, window_k);
     Py_XDECREF(bq);
     Py_XDECREF(bk);
     return view;
 }
 
+/* step(config, lens, n, bs, q, table, table_stride, table_rows, table_cols, base, offsets,
+ *      window_k)
+ *   -> the step's view, or (max_seqlen_q, max_seqlen_k) when base is None, or None (an input
+ *      the lane does not take: nothing written).
+ * The inputs as addresses and sizes; q == 0: a decode step (one query per row), else an extend
+ * step's query lengths. The bounds are the phase's: the longest real row (a padded batch: at
+ * least the pad length; an extend step's padded batch: its first padded row takes the query
+ * slack up to T). base: the phase's sliced view of bs rows, rebound with the bounds
+ * (offsets: see rebind). */
+static PyObject *step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 12 || !PyBytes_Check(args[0])
+        || PyBytes_GET_SIZE(args[0]) != (Py_ssize_t)(C_COUNT * sizeof(int64_t))) {
+        PyErr_SetString(PyExc_TypeError, "step(config, lens, n, bs, q, table, stride, rows, "
+                                         "cols, base, offsets, window_k)");
+        return NULL;
+    }
+    Py_ssize_t off[3];
+    long long window_k;
+    if (view_offsets(args[9], args[10], args[11], off, &window_k) < 0) return NULL;
+    int64_t v[8];
+    for (int k = 0; k < 8; k++) {
+        v[k] = PyLong_AsLongLong(args[k + 1]);
+        if (v[k] == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
+            PyErr_Clear();  /* (an int past int64, e.g. bs: not the lane's, the usual error) */
+            Py_RETURN_NONE;
+        }
+    }
+    return run_step((const int64_t *)PyBytes_AS_STRING(args[0]), v[0], v[1], v[2], v[3], v[4],
+                    v[5], v[6], v[7], args[9], off, window_k);
+}
+
+/* What a tensor is, read through its Python attributes (no torch headers: the module builds
+ * with the interpreter's own compiler settings alone). Set once by setup(). */
+static PyObject *tensor_type, *int32_dtype;
+static PyObject *s_dtype, *s_is_cpu, *s_stride, *s_shape, *s_data_ptr;
+
+/* setup(torch.Tensor, torch.int32) */
+static PyObject *setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "setup(torch.Tensor, torch.int32)");
+        return NULL;
+    }
+    if (s_dtype == NULL) {
+        s_dtype = PyUnicode_InternFromString("dtype");
+        s_is_cpu = PyUnicode_InternFromString("is_cpu");
+        s_stride = PyUnicode_InternFromString("stride");
+        s_shape = PyUnicode_InternFromString("shape");
+        s_data_ptr = PyUnicode_InternFromString("data_ptr");
+        if (!s_dtype || !s_is_cpu || !s_stride || !s_shape || !s_data_ptr) return NULL;
+    }
+    Py_XSETREF(tensor_type, Py_NewRef(args[0]));
+    Py_XSETREF(int32_dtype, Py_NewRef(args[1]));
+    Py_RETURN_NONE;
+}
+
+/* An int32 CPU tensor of `rank` dimensions (1 or 2), its last dimension contiguous: its
+ * address, rows, columns and row stride. 1 taken, 0 not the lane's (another type, dtype,
+ * device or layout), -1 with an error set. */
+static int host_tensor(PyObject *t, int rank, int64_t *ptr, int64_t *rows, int64_t *cols,
+                       int64_t *row_stride) {
+    if (tensor_type == NULL || (PyObject *)Py_TYPE(t) != tensor_type) return 0;
+    PyObject *a = PyObject_GetAttr(t, s_dtype);
+    if (a == NULL) return -1;
+    int ok = a == int32_dtype;
+    Py_DECREF(a);
+    if (!ok) return 0;
+    a = PyObject_GetAttr(t, s_is_cpu);
+    if (a == NULL) return -1;
+    ok = a == Py_True;
+    Py_DECREF(a);
+    if (!ok) return 0;
+    int64_t st[2] = {0, 0}, sh[2] = {0, 1};
+    for (int which = 0; which < 2; which++) {
+        a = which ? PyObject_GetAttr(t, s_shape) : PyObject_CallMethodNoArgs(t, s_stride);
+        if (a == NULL) return -1;
+        ok = PyTuple_Check(a) && PyTuple_GET_SIZE(a) == rank;
+        for (int d = 0; ok && d < rank; d++) {
+            int64_t x = PyLong_AsLongLong(PyTuple_GET_ITEM(a, d));
+            if (x == -1 && PyErr_Occurred()) { Py_DECREF(a); return -1; }
+            (which ? sh : st)[d] = x;
+        }
+        Py_DECREF(a);
+        if (!ok) return 0;
+    }
+    if (st[rank - 1] != 1 && sh[rank - 1] > 1) return 0;
+    a = PyObject_CallMethodNoArgs(t, s_data_ptr);
+    if (a == NULL) return -1;
+    *ptr = PyLong_AsLongLong(a);
+    Py_DECREF(a);
+    if (*ptr == -1 && PyErr_Occurred()) return -1;
+    *rows = sh[0];
+    *cols = rank == 2 ? sh[1] : 1;
+    *row_stride = rank == 2 ? st[0] : 1;
+    return 1;
+}
+
+/* step_tensors(config, seq_lens, block_table, q_lens, bs, base, offsets, window_k): step() on
+ * the engine's host tensors themselves, read here: taken when every tensor is an int32 CPU
+ * torch.Tensor with contiguous rows (q_lens: None for decode, else as many rows as seq_lens)
+ * and bs an int; else None, nothing written (as for every value step() does not take). */
+static PyObject *step_tensors(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8 || !PyBytes_Check(args[0])
+        || PyBytes_GET_SIZE(args[0]) != (Py_ssize_t)(C_COUNT * sizeof(int64_t))) {
+        PyErr_SetString(PyExc_TypeError, "step_tensors(config, seq_lens, block_table, q_lens, "
+                                         "bs, base, offsets, window_k)");
+        return NULL;
+    }
+    if (!PyLong_CheckExact(args[4])) Py_RETURN_NONE;
+    Py_ssize_t off[3];
+    long long window_k;
+    if (view_offsets(args[5], args[6], args[7], off, &window_k) < 0) return NULL;
+    int overflow = 0;
+    long long bs = PyLong_AsLongLongAndOverflow(args[4], &overflow);
+    if (overflow || (bs == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    int64_t lp, n, one, unit, tp, trows, tcols, ts, qp = 0, qn, r;
+    if ((r = host_tensor(args[1], 1, &lp, &n, &one, &unit)) <= 0
+        || (r = host_tensor(args[2], 2, &tp, &trows, &tcols, &ts)) <= 0)
+        return r < 0 ? NULL : Py_NewRef(Py_None);
+    if (args[3] != Py_None) {
+        if ((r = host_tensor(args[3], 1, &qp, &qn, &one, &unit)) <= 0)
+            return r < 0 ? NULL : Py_NewRef(Py_None);
+        if (qn != n) Py_RETURN_NONE;
+    }
+    return run_step((const int64_t *)PyBytes_AS_STRING(args[0]), lp, n, bs, qp, tp, ts, trows,
+                    tcols, args[5], off, window_k);
+}
+
+/* diffs(query_start_loc, out, n) -> True once out[i] = query_start_loc[i + 1] -
+ * query_start_loc[i] for i < n (vLLM's query lengths), or None, nothing written, when an input
+ * is not an int32 CPU tensor with contiguous rows, n is not an int in [0, len(out)] or
+ * query_start_loc has fewer than n + 1 values. */
+static PyObject *diffs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "diffs(query_start_loc, out, n)");
+        return NULL;
+    }
+    if (!PyLong_CheckExact(args[2])) Py_RETURN_NONE;
+    int overflow = 0;
+    long long n = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+    if (overflow || (n == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    int64_t a, an, b, bn, one, unit, r;
+    if ((r = host_tensor(args[0], 1, &a, &an, &one, &unit)) <= 0
+        || (r = host_tensor(args[1], 1, &b, &bn, &one, &unit)) <= 0)
+        return r < 0 ? NULL : Py_NewRef(Py_None);
+    if (n < 0 || n > bn || an < n + 1) Py_RETURN_NONE;
+    const int32_t *q = (const int32_t *)(intptr_t)a;
+    int32_t *out = (int32_t *)(intptr_t)b;
+    for (long long i = 0; i < n; i++) out[i] = q[i + 1] - q[i];
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
     {"step", (PyCFunction)(void (*)(void))step, METH_FASTCALL,
      "One checked step of a CPU pool's host lane (see attnpool.update.native)."},
+    {"step_tensors", (PyCFunction)(void (*)(void))step_tensors, METH_FASTCALL,
+     "step() on the engine's int32 CPU tensors, read in C."},
+    {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL,
+     "Name torch.Tensor and torch.int32 to the tensor readers."},
+    {"diffs", (PyCFunction)(void (*)(void))diffs, METH_FASTCALL,
+     "Consecutive differences of an int32 CPU tensor into another."},
     {"slot_offset", slot_offset, METH_O, "The byte offset of a __slots__ field."},
     {"rebind", (PyCFunction)(void (*)(void))rebind, METH_FASTCALL,
      "A view with new host bounds (attnpool.phases._views.rebound's fields)."},

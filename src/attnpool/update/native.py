@@ -80,6 +80,9 @@ def _import(path: Path) -> ModuleType:
         raise OSError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    import torch  # (the lane's callers hold torch already; the CLI never loads the step)
+
+    module.setup(torch.Tensor, torch.int32)  # what step_tensors and diffs take
     return module
 
 

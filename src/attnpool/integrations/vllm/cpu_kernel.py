@@ -90,6 +90,11 @@ class CPUKernel:
         self.window = -1 if window is None else window
         self.kv_cache_dtype, self.causal = kv_cache_dtype, causal
         self._ops: Any = torch.ops._C
+        #: the work split op, called per step: its overload's own callable when torch exposes
+        #: it (``OpOverload._op``: the dispatcher call without the overload's Python frame,
+        #: about 1 us of a build that costs vLLM 10 warm), else the overload
+        split = self._ops.get_scheduler_metadata.default
+        self._split = getattr(split, "_op", split)
         #: (data_ptr, shape) of a layer's cache -> its K and V halves (see :meth:`halves`)
         self._halves: dict[tuple[int, torch.Size], tuple[Tensor, Tensor]] = {}
 
@@ -113,9 +118,9 @@ class CPUKernel:
         if view.page_table is None:
             raise LayoutError("vLLM's CPU kernel reads page tables (Layout.FLASH_ATTN)")
         qsl, lens, table = view.cu_seqlens_q, view.cache_seqlens, view.page_table
-        if len(lens) != n:  # (a view of the step's own rows needs no slicing)
+        if lens.shape[0] != n:  # (a view of the step's own rows needs no slicing)
             qsl, lens, table = qsl[: n + 1], lens[:n], table[:n]
-        sched = self._ops.get_scheduler_metadata(
+        sched = self._split(
             n, self.num_heads, self.num_kv_heads, self.head_size, lens, self.dtype, qsl,
             self.causal,
             self.window, self.isa, self.split_kv, None, self.kv_cache_dtype)

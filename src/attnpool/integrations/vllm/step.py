@@ -38,6 +38,7 @@ from ...adapters.flashinfer_step import LayerFacts, plans_for
 from ...config import Layout, PoolConfig
 from ...errors import CapacityError, LayoutError
 from ...pool import BufferPool
+from ...update import native
 from ...views import DecodeView, ExtendView, PagedView
 from .cache import slot_index_
 from .cpu_kernel import CPUKernel, KernelStep
@@ -162,6 +163,12 @@ class StepFiller:
         dev, t = sizes.device, sizes.max_num_batched_tokens
         # staging, allocated once: query lengths, each token's block and offset
         self._q_lens = torch.empty(sizes.max_num_seqs, dtype=torch.int32, device=dev)
+        #: its first n rows for every n (a slice per step is a dispatched op)
+        self._q_rows = [self._q_lens[:k] for k in range(sizes.max_num_seqs + 1)]
+        #: the native step's ``diffs`` on a CPU (vLLM's query lengths from its host
+        #: ``query_start_loc`` in one C call), else None: ``torch.diff``
+        module = native.load() if self.host else None
+        self._diffs = None if module is None else module.diffs
         self._blocks = torch.empty(t, dtype=torch.int64, device=dev)
         self._offsets = torch.empty(t, dtype=torch.int64, device=dev)
         self._none = self._blocks[:0]  # (no block/offset pair: vLLM's kernel stores by slot)
@@ -187,22 +194,28 @@ class StepFiller:
             raise CapacityError(f"a step of {n} requests and {num_actual_tokens} tokens is past "
                                 f"the pool's max_num_seqs={max_seqs}, "
                                 f"max_num_batched_tokens={max_tokens}")
-        # (len(): a tensor's rows without making its torch.Size)
-        lens = seq_lens if len(seq_lens) == n else seq_lens[:n]
-        table = block_table if len(block_table) == n else block_table[:n]
+        # (shape[0]: a third of len()'s cost, which is a Python method of torch.Tensor)
+        lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
+        table = block_table if block_table.shape[0] == n else block_table[:n]
         host = lens if self.host else None
-        view: DecodeView | ExtendView
+        # (on a CPU, the native step first: one C call, else the update's other paths)
+        view: DecodeView | ExtendView | None
         if max_query_len == 1 and not self.one_phase:
-            view = self._decode.update_(n, seq_lens=lens, block_table=table,
-                                        seq_lens_cpu=host)
+            view = None if host is None else self._decode.host_step(n, lens, table)
+            if view is None:
+                view = self._decode.update_(n, seq_lens=lens, block_table=table,
+                                            seq_lens_cpu=host)
         else:
-            q_lens = self._q_lens[:n]
-            torch.diff(query_start_loc if query_start_loc.shape[0] == n + 1
-                       else query_start_loc[:n + 1], out=q_lens)
-            view = self._extend.update_(n, seq_lens=lens, extend_lens=q_lens,
-                                        block_table=table, seq_lens_cpu=host,
-                                        extend_lens_cpu=q_lens if self.host else None)
-        tokens = len(slot_mapping)
+            q_lens = self._q_rows[n]
+            if self._diffs is None or self._diffs(query_start_loc, q_lens, n) is None:
+                torch.diff(query_start_loc if query_start_loc.shape[0] == n + 1
+                           else query_start_loc[:n + 1], out=q_lens)
+            view = None if host is None else self._extend.host_step(n, lens, q_lens, table)
+            if view is None:
+                view = self._extend.update_(n, seq_lens=lens, extend_lens=q_lens,
+                                            block_table=table, seq_lens_cpu=host,
+                                            extend_lens_cpu=q_lens if self.host else None)
+        tokens = slot_mapping.shape[0]
         if tokens > max_tokens:
             raise CapacityError(f"slot_mapping has {tokens} tokens, more than "
                                 f"max_num_batched_tokens={max_tokens}")
