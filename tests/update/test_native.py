@@ -24,6 +24,9 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setattr(native, "_state", [None])
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
     monkeypatch.delenv(native.ENV, raising=False)
+    # (the C++ tensor reader takes half a minute to build: its own test builds it once, into
+    # the usual cache folder)
+    monkeypatch.setenv(native.TENSOR_ENV, "0")
     return tmp_path
 
 
@@ -86,3 +89,45 @@ def test_diffs_is_torch_diff_or_declines_untouched() -> None:
                         "a list": ([0, 1, 2], fresh, 2)}.items():
         assert module.diffs(*args) is None, label
         assert fresh.eq(-7).all(), label
+
+
+def test_the_cpp_tensor_reader_reads_what_the_attributes_say() -> None:
+    """The C++ reader (``tensor_facts.cpp``, built once per torch into the usual cache folder)
+    and the attribute reader take and refuse the same tensors, and a step through either
+    writes the same arena bytes."""
+    module = native.load()
+    if module is None:
+        pytest.skip(f"the native step is not built here: {native.why()}")
+    facts = native._tensor_facts()
+    if facts is None:
+        pytest.skip(f"the C++ tensor reader is not built here: {native.why()}")
+    cfg = PoolConfig(max_bs=4, max_context_len=64, page_size=16, device="cpu",
+                     layout=Layout.FLASH_ATTN, max_extend_tokens=16)
+    lens = torch.tensor([5, 17, 33], dtype=torch.int32)
+    table = torch.arange(40, dtype=torch.int32).view(10, 4)[:3]
+    calls = {"good": (lens, table), "int64 lengths": (lens.long(), table),
+             "int64 table": (lens, table.long()), "strided lengths":
+             (torch.tensor([5, 0, 17, 0, 33, 0], dtype=torch.int32)[::2], table),
+             "column-major table": (lens, table.t().contiguous().t()),
+             "a 2-D length tensor": (lens.view(3, 1), table),
+             "a 1-D table": (lens, table.reshape(-1)),
+             "a Parameter table": (lens, torch.nn.Parameter(table.clone(), requires_grad=False)),
+             "a sparse table": (lens, table.to_sparse()), "a meta table": (lens, table.to("meta")),
+             "empty lengths": (lens[:0], table)}
+    got: dict[str, list[object]] = {}
+    try:
+        for reader in (facts, None):
+            module.setup(torch.Tensor, torch.int32, reader)
+            pool = BufferPool(cfg, poison=True)  # (the same bytes where nothing writes)
+            for label, (seq, tab) in calls.items():
+                view = pool.decode.host_step(3, seq, tab)
+                got.setdefault(label, []).append(
+                    None if view is None else (view.max_seqlen_k,
+                                               pool.arena.storage.view(torch.uint8).clone()))
+    finally:
+        module.setup(torch.Tensor, torch.int32, facts)
+    for label, (a, b) in got.items():
+        assert (a is None) == (b is None), label
+        if a is not None:
+            assert a[0] == b[0] and torch.equal(a[1], b[1]), label  # type: ignore[index]
+    assert [k for k, v in got.items() if v[0] is not None] == ["good"]

@@ -189,7 +189,12 @@ static int view_offsets(PyObject *base, PyObject *offsets, PyObject *window_k_ob
     return (*window_k == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* The step itself, on checked pointers and sizes (see step below for its arguments). */
+/* The step on the inputs' addresses and sizes: the step's view, or (max_seqlen_q,
+ * max_seqlen_k) when base is None, or None (a value the lane does not take: nothing
+ * written). qp == 0: a decode step (one query per row); else an extend step's query lengths.
+ * The bounds are the phase's: the longest real row (a padded batch: at least the pad length;
+ * an extend step's padded batch: its first padded row takes the query slack up to T). base:
+ * the phase's sliced view of bs rows, rebound with the bounds (off: see rebind). */
 static PyObject *run_step(const int64_t *c, int64_t lp, int64_t n, int64_t bs, int64_t qp,
                           int64_t tp, int64_t ts, int64_t trows, int64_t tcols, PyObject *base,
                           const Py_ssize_t *off, long long window_k) {
@@ -249,51 +254,25 @@ static PyObject *run_step(const int64_t *c, int64_t lp, int64_t n, int64_t bs, i
     return view;
 }
 
-/* step(config, lens, n, bs, q, table, table_stride, table_rows, table_cols, base, offsets,
- *      window_k)
- *   -> the step's view, or (max_seqlen_q, max_seqlen_k) when base is None, or None (an input
- *      the lane does not take: nothing written).
- * The inputs as addresses and sizes; q == 0: a decode step (one query per row), else an extend
- * step's query lengths. The bounds are the phase's: the longest real row (a padded batch: at
- * least the pad length; an extend step's padded batch: its first padded row takes the query
- * slack up to T). base: the phase's sliced view of bs rows, rebound with the bounds
- * (offsets: see rebind). */
-static PyObject *step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 12 || !PyBytes_Check(args[0])
-        || PyBytes_GET_SIZE(args[0]) != (Py_ssize_t)(C_COUNT * sizeof(int64_t))) {
-        PyErr_SetString(PyExc_TypeError, "step(config, lens, n, bs, q, table, stride, rows, "
-                                         "cols, base, offsets, window_k)");
-        return NULL;
-    }
-    Py_ssize_t off[3];
-    long long window_k;
-    if (view_offsets(args[9], args[10], args[11], off, &window_k) < 0) return NULL;
-    int64_t v[8];
-    for (int k = 0; k < 8; k++) {
-        v[k] = PyLong_AsLongLong(args[k + 1]);
-        if (v[k] == -1 && PyErr_Occurred()) {
-            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
-            PyErr_Clear();  /* (an int past int64, e.g. bs: not the lane's, the usual error) */
-            Py_RETURN_NONE;
-        }
-    }
-    return run_step((const int64_t *)PyBytes_AS_STRING(args[0]), v[0], v[1], v[2], v[3], v[4],
-                    v[5], v[6], v[7], args[9], off, window_k);
-}
-
-/* What a tensor is, read through its Python attributes (no torch headers: the module builds
- * with the interpreter's own compiler settings alone). Set once by setup(). */
+/* What a tensor is: read by tensor_facts.cpp's function when attnpool.update.native could
+ * build it (the C++ tensor's own fields), else through the tensor's Python attributes (this
+ * file needs no torch headers: it builds with the interpreter's own compiler settings alone).
+ * Set once by setup(). */
+typedef int (*facts_fn)(PyObject *obj, int rank, int64_t *out);
+static facts_fn tensor_facts;
 static PyObject *tensor_type, *int32_dtype;
 static PyObject *s_dtype, *s_is_cpu, *s_stride, *s_shape, *s_data_ptr;
 
-/* setup(torch.Tensor, torch.int32) */
+/* setup(torch.Tensor, torch.int32, facts): facts the capsule of tensor_facts.cpp, or None */
 static PyObject *setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2 || !PyType_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "setup(torch.Tensor, torch.int32)");
+    if (nargs != 3 || !PyType_Check(args[0])
+        || (args[2] != Py_None && !PyCapsule_IsValid(args[2], "attnpool.tensor_facts"))) {
+        PyErr_SetString(PyExc_TypeError, "setup(torch.Tensor, torch.int32, facts or None)");
         return NULL;
     }
+    tensor_facts = args[2] == Py_None
+        ? NULL : (facts_fn)PyCapsule_GetPointer(args[2], "attnpool.tensor_facts");
     if (s_dtype == NULL) {
         s_dtype = PyUnicode_InternFromString("dtype");
         s_is_cpu = PyUnicode_InternFromString("is_cpu");
@@ -313,6 +292,15 @@ static PyObject *setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 static int host_tensor(PyObject *t, int rank, int64_t *ptr, int64_t *rows, int64_t *cols,
                        int64_t *row_stride) {
     if (tensor_type == NULL || (PyObject *)Py_TYPE(t) != tensor_type) return 0;
+    if (tensor_facts != NULL) {
+        int64_t out[4];
+        if (!tensor_facts(t, rank, out)) return 0;
+        *ptr = out[0];
+        *rows = out[1];
+        *cols = out[2];
+        *row_stride = out[3];
+        return 1;
+    }
     PyObject *a = PyObject_GetAttr(t, s_dtype);
     if (a == NULL) return -1;
     int ok = a == int32_dtype;
@@ -348,10 +336,11 @@ static int host_tensor(PyObject *t, int rank, int64_t *ptr, int64_t *rows, int64
     return 1;
 }
 
-/* step_tensors(config, seq_lens, block_table, q_lens, bs, base, offsets, window_k): step() on
- * the engine's host tensors themselves, read here: taken when every tensor is an int32 CPU
- * torch.Tensor with contiguous rows (q_lens: None for decode, else as many rows as seq_lens)
- * and bs an int; else None, nothing written (as for every value step() does not take). */
+/* step_tensors(config, seq_lens, block_table, q_lens, bs, base, offsets, window_k): the step
+ * (run_step) on the engine's host tensors themselves, read here: taken when every tensor is an
+ * int32 CPU torch.Tensor with contiguous rows (q_lens: None for decode, else as many rows as
+ * seq_lens) and bs an int; else None, nothing written (as for every value run_step does not
+ * take). */
 static PyObject *step_tensors(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 8 || !PyBytes_Check(args[0])
@@ -412,12 +401,10 @@ static PyObject *diffs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 }
 
 static PyMethodDef methods[] = {
-    {"step", (PyCFunction)(void (*)(void))step, METH_FASTCALL,
-     "One checked step of a CPU pool's host lane (see attnpool.update.native)."},
     {"step_tensors", (PyCFunction)(void (*)(void))step_tensors, METH_FASTCALL,
-     "step() on the engine's int32 CPU tensors, read in C."},
+     "One checked step of a CPU pool's host lane, on the engine's int32 CPU tensors."},
     {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL,
-     "Name torch.Tensor and torch.int32 to the tensor readers."},
+     "Name torch.Tensor, torch.int32 and the C++ tensor reader (or None) to the step."},
     {"diffs", (PyCFunction)(void (*)(void))diffs, METH_FASTCALL,
      "Consecutive differences of an int32 CPU tensor into another."},
     {"slot_offset", slot_offset, METH_O, "The byte offset of a __slots__ field."},

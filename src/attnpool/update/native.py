@@ -34,12 +34,18 @@ from types import ModuleType
 #: the extension's module name (its ``PyInit_`` symbol)
 NAME = "_attnpool_lane"
 SOURCE = Path(__file__).with_name("host_lane.c")
+#: the C++ tensor reader's module name and source (see :func:`_tensor_facts`)
+TENSOR_NAME = "_attnpool_tensor"
+TENSOR_SOURCE = Path(__file__).with_name("tensor_facts.cpp")
 #: set to ``0`` to keep the torch lane (no compile, no load)
 ENV = "ATTNPOOL_NATIVE"
+#: set to ``0`` to build the step without the C++ tensor reader (it reads tensor attributes)
+TENSOR_ENV = "ATTNPOOL_NATIVE_TENSOR"
 #: attnpool's cache folder (default ``~/.cache/attnpool``); compiled steps go to its ``native``
 CACHE_ENV = "ATTNPOOL_CACHE"
 
 _state: list[ModuleType | str | None] = [None]  # the module, or why there is none
+_tensor_state: list[str] = [""]  # how the step reads tensors (for why())
 
 
 def cache_dir() -> Path:
@@ -48,25 +54,22 @@ def cache_dir() -> Path:
     return (Path(root).expanduser() if root else Path.home() / ".cache" / "attnpool") / "native"
 
 
-def _target() -> Path:
-    """The compiled file for this source and interpreter."""
-    tag = hashlib.sha256(SOURCE.read_bytes() + sys.version.encode()
+def _target(name: str, source: Path, extra: str = "") -> Path:
+    """The compiled file of ``source`` for this interpreter (and ``extra``: torch's build)."""
+    tag = hashlib.sha256(source.read_bytes() + sys.version.encode() + extra.encode()
                          + str(sysconfig.get_platform()).encode()).hexdigest()[:16]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    return cache_dir() / f"{NAME}_{tag}{suffix}"
+    return cache_dir() / f"{name}_{tag}{suffix}"
 
 
-def _compile(out: Path) -> None:
-    """Compile :data:`SOURCE` into ``out`` (raises on failure)."""
-    ldshared = sysconfig.get_config_var("LDSHARED")
-    if not ldshared or sys.platform == "win32":
-        raise OSError("no C toolchain recorded for this interpreter")
+def _compile(cmd: list[str], out: Path) -> None:
+    """Run the compile command ``cmd`` (which ends by naming its output) into ``out``: the
+    output goes to a private name first and is renamed into place (raises on failure)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    cmd = [*shlex.split(os.environ.get("LDSHARED", ldshared)), "-O2", "-fPIC",
-           f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", str(tmp)]
+    cmd = [*cmd, str(tmp)]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
         if done.returncode != 0:
             raise OSError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-400:]}")
         os.replace(tmp, out)
@@ -74,15 +77,59 @@ def _compile(out: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _import(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(NAME, path)
+def _c_command() -> list[str]:
+    """host_lane.c's compile: Python's own C toolchain (``LDSHARED``), Python's headers."""
+    ldshared = sysconfig.get_config_var("LDSHARED")
+    if not ldshared or sys.platform == "win32":
+        raise OSError("no C toolchain recorded for this interpreter")
+    return [*shlex.split(os.environ.get("LDSHARED", ldshared)), "-O2", "-fPIC",
+            f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o"]
+
+
+def _cpp_command(torch_dir: Path, cxx11_abi: bool) -> list[str]:
+    """tensor_facts.cpp's compile: Python's C++ compiler (``CXX``), torch's headers, linked
+    against torch's libc10 (found at run time through the rpath of torch's own folder)."""
+    cxx = os.environ.get("CXX") or sysconfig.get_config_var("CXX")
+    if not cxx or sys.platform == "win32":
+        raise OSError("no C++ compiler recorded for this interpreter")
+    inc, lib = torch_dir / "include", torch_dir / "lib"
+    return [*shlex.split(cxx), "-shared", "-O2", "-fPIC", "-std=c++17", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}",
+            f"-I{sysconfig.get_paths()['include']}", f"-I{inc}",
+            f"-I{inc / 'torch' / 'csrc' / 'api' / 'include'}", str(TENSOR_SOURCE),
+            f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}", "-o"]
+
+
+def _tensor_facts() -> object:
+    """The C++ tensor reader's capsule (built on first use like the step, keyed by torch's
+    version and folder too), or None: the step then reads tensor attributes. Why a second
+    module: reading five attributes of two tensors through Python costs the step more than
+    its writes on a cold cache, and the step's own source stays C without torch headers (it
+    builds in a second; this takes half a minute, once per torch build)."""
+    import torch
+
+    if os.environ.get(TENSOR_ENV, "1") == "0":
+        _tensor_state[0] = f"tensor attributes ({TENSOR_ENV}=0)"
+        return None
+    try:
+        torch_dir = Path(torch.__file__).parent
+        path = _target(TENSOR_NAME, TENSOR_SOURCE, f"{torch.__version__}|{torch_dir}")
+        if not path.exists():
+            _compile(_cpp_command(torch_dir, bool(torch._C._GLIBCXX_USE_CXX11_ABI)), path)
+        facts = _import(TENSOR_NAME, path).facts
+    except (OSError, ImportError, AttributeError, subprocess.SubprocessError) as e:
+        _tensor_state[0] = f"tensor attributes (the C++ reader is not built: {e})"
+        return None
+    _tensor_state[0] = f"the C++ tensor reader ({path})"
+    return facts
+
+
+def _import(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise OSError(f"cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    import torch  # (the lane's callers hold torch already; the CLI never loads the step)
-
-    module.setup(torch.Tensor, torch.int32)  # what step_tensors and diffs take
     return module
 
 
@@ -95,10 +142,13 @@ def load() -> ModuleType | None:
             got = f"turned off ({ENV}=0)"
         else:
             try:
-                path = _target()
+                path = _target(NAME, SOURCE)
                 if not path.exists():
-                    _compile(path)
-                got = _import(path)
+                    _compile(_c_command(), path)
+                got = _import(NAME, path)
+                import torch  # (the lane's callers hold torch already; the CLI never loads it)
+
+                got.setup(torch.Tensor, torch.int32, _tensor_facts())
             except (OSError, ImportError, subprocess.SubprocessError) as e:
                 got = f"not built: {e}"
         _state[0] = got
@@ -109,4 +159,5 @@ def why() -> str:
     """Whether the native step is in use, and if not why."""
     load()
     got = _state[0]
-    return f"in use ({got.__file__})" if isinstance(got, ModuleType) else str(got)
+    return (f"in use ({got.__file__}), reading tensors by {_tensor_state[0]}"
+            if isinstance(got, ModuleType) else str(got))
