@@ -131,3 +131,20 @@ def test_the_cpp_tensor_reader_reads_what_the_attributes_say() -> None:
         if a is not None:
             assert a[0] == b[0] and torch.equal(a[1], b[1]), label  # type: ignore[index]
     assert [k for k, v in got.items() if v[0] is not None] == ["good"]
+
+
+def test_a_failed_cpp_build_is_recorded_not_retried(fresh: Path, monkeypatch: pytest.MonkeyPatch
+                                                    ) -> None:
+    """A C++ reader that cannot be built leaves the attribute reader and a record of why, so
+    that the next process does not spend the build's time again (the step itself is built)."""
+    monkeypatch.delenv(native.TENSOR_ENV)
+    monkeypatch.setenv("CXX", "false")  # (a compiler that fails)
+    assert native._tensor_facts() is None
+    assert [p.suffix for p in (fresh / "native").iterdir()] == [".failed"]
+    ran = fresh / "ran"
+    script = fresh / "cxx.sh"
+    script.write_text(f"#!/bin/sh\ntouch {ran}\nexit 1\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("CXX", str(script))
+    assert native._tensor_facts() is None and not ran.exists()
+    assert "delete it to retry" in native._tensor_state[0]

@@ -93,7 +93,7 @@ def _cpp_command(torch_dir: Path, cxx11_abi: bool) -> list[str]:
     if not cxx or sys.platform == "win32":
         raise OSError("no C++ compiler recorded for this interpreter")
     inc, lib = torch_dir / "include", torch_dir / "lib"
-    return [*shlex.split(cxx), "-shared", "-O2", "-fPIC", "-std=c++17", "-w",
+    return [*shlex.split(cxx), "-shared", "-O2", "-fPIC", "-std=c++20", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}",
             f"-I{sysconfig.get_paths()['include']}", f"-I{inc}",
             f"-I{inc / 'torch' / 'csrc' / 'api' / 'include'}", str(TENSOR_SOURCE),
@@ -105,17 +105,25 @@ def _tensor_facts() -> object:
     version and folder too), or None: the step then reads tensor attributes. Why a second
     module: reading five attributes of two tensors through Python costs the step more than
     its writes on a cold cache, and the step's own source stays C without torch headers (it
-    builds in a second; this takes half a minute, once per torch build)."""
+    builds in a second; this takes half a minute, once per torch build, and a build that
+    failed is recorded next to its target so that later processes do not try again)."""
     import torch
 
     if os.environ.get(TENSOR_ENV, "1") == "0":
         _tensor_state[0] = f"tensor attributes ({TENSOR_ENV}=0)"
         return None
+    torch_dir = Path(torch.__file__).parent
+    path = _target(TENSOR_NAME, TENSOR_SOURCE, f"{torch.__version__}|{torch_dir}")
+    failed = path.with_name(path.name + ".failed")  # (a failed build is not retried per process)
     try:
-        torch_dir = Path(torch.__file__).parent
-        path = _target(TENSOR_NAME, TENSOR_SOURCE, f"{torch.__version__}|{torch_dir}")
+        if failed.exists():
+            raise OSError(f"{failed.read_text()[-400:]} (recorded in {failed}: delete it to retry)")
         if not path.exists():
-            _compile(_cpp_command(torch_dir, bool(torch._C._GLIBCXX_USE_CXX11_ABI)), path)
+            try:
+                _compile(_cpp_command(torch_dir, bool(torch._C._GLIBCXX_USE_CXX11_ABI)), path)
+            except (OSError, subprocess.SubprocessError) as e:
+                failed.write_text(str(e))
+                raise
         facts = _import(TENSOR_NAME, path).facts
     except (OSError, ImportError, AttributeError, subprocess.SubprocessError) as e:
         _tensor_state[0] = f"tensor attributes (the C++ reader is not built: {e})"
