@@ -44,6 +44,9 @@ TENSOR_ENV = "ATTNPOOL_NATIVE_TENSOR"
 #: attnpool's cache folder (default ``~/.cache/attnpool``); compiled steps go to its ``native``
 CACHE_ENV = "ATTNPOOL_CACHE"
 
+#: the C++ standard of the tensor reader's build (torch 2.14's headers need C++20)
+_CPP_STD = "-std=c++20"
+
 _state: list[ModuleType | str | None] = [None]  # the module, or why there is none
 _tensor_state: list[str] = [""]  # how the step reads tensors (for why())
 
@@ -93,7 +96,7 @@ def _cpp_command(torch_dir: Path, cxx11_abi: bool) -> list[str]:
     if not cxx or sys.platform == "win32":
         raise OSError("no C++ compiler recorded for this interpreter")
     inc, lib = torch_dir / "include", torch_dir / "lib"
-    return [*shlex.split(cxx), "-shared", "-O2", "-fPIC", "-std=c++20", "-w",
+    return [*shlex.split(cxx), "-shared", "-O2", "-fPIC", _CPP_STD, "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(cxx11_abi)}",
             f"-I{sysconfig.get_paths()['include']}", f"-I{inc}",
             f"-I{inc / 'torch' / 'csrc' / 'api' / 'include'}", str(TENSOR_SOURCE),
@@ -113,7 +116,7 @@ def _tensor_facts() -> object:
         _tensor_state[0] = f"tensor attributes ({TENSOR_ENV}=0)"
         return None
     torch_dir = Path(torch.__file__).parent
-    path = _target(TENSOR_NAME, TENSOR_SOURCE, f"{torch.__version__}|{torch_dir}")
+    path = _target(TENSOR_NAME, TENSOR_SOURCE, f"{torch.__version__}|{torch_dir}|{_CPP_STD}")
     failed = path.with_name(path.name + ".failed")  # (a failed build is not retried per process)
     try:
         if failed.exists():
