@@ -216,3 +216,18 @@ def test_refusals() -> None:
     b["num_reqs"] = 5
     with pytest.raises(CapacityError, match="max_num_seqs=4"):
         _filler().fill(**b)  # type: ignore[arg-type]
+
+
+def test_too_many_slots_are_refused_before_any_write() -> None:
+    """A step whose ``slot_mapping`` is past ``max_num_batched_tokens`` is refused before the
+    pool is refilled: the arena keeps the last step's bytes."""
+    f = _filler()
+    b = _batch()
+    b.pop("q_lens")
+    f.fill(**b)  # type: ignore[arg-type]
+    before = f.pool.arena.storage.view(torch.uint8).clone()
+    b["seq_lens"] = b["seq_lens"] + 1  # type: ignore[operator]  # (a step that would write)
+    b["slot_mapping"] = torch.zeros(49, dtype=torch.int64)  # (the filler's T is 48)
+    with pytest.raises(CapacityError, match="49 slots"):
+        f.fill(**b)  # type: ignore[arg-type]
+    assert torch.equal(f.pool.arena.storage.view(torch.uint8), before)

@@ -190,10 +190,11 @@ class StepFiller:
         already sliced to the step's rows are not sliced again, and with vLLM's kernel
         attending no adapter call is bound (the kernel reads the pool's buffers itself)."""
         n, (max_seqs, max_tokens) = num_reqs, self._caps
-        if n > max_seqs or num_actual_tokens > max_tokens:
-            raise CapacityError(f"a step of {n} requests and {num_actual_tokens} tokens is past "
-                                f"the pool's max_num_seqs={max_seqs}, "
-                                f"max_num_batched_tokens={max_tokens}")
+        tokens = slot_mapping.shape[0]
+        if n > max_seqs or num_actual_tokens > max_tokens or tokens > max_tokens:
+            raise CapacityError(f"a step of {n} requests, {num_actual_tokens} tokens and "
+                                f"{tokens} slots is past the pool's max_num_seqs={max_seqs}, "
+                                f"max_num_batched_tokens={max_tokens} (nothing written)")
         # (shape[0]: a third of len()'s cost, which is a Python method of torch.Tensor)
         lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
         table = block_table if block_table.shape[0] == n else block_table[:n]
@@ -215,10 +216,6 @@ class StepFiller:
                 view = self._extend.update_(n, seq_lens=lens, extend_lens=q_lens,
                                             block_table=table, seq_lens_cpu=host,
                                             extend_lens_cpu=q_lens if self.host else None)
-        tokens = slot_mapping.shape[0]
-        if tokens > max_tokens:
-            raise CapacityError(f"slot_mapping has {tokens} tokens, more than "
-                                f"max_num_batched_tokens={max_tokens}")
         if self.kernel is not None:  # vLLM's kernel stores by slot itself: no block/offset pair
             return StepMetadata(view, None, self._none, self._none, num_actual_tokens,
                                 self.kernel.step(view, n))
