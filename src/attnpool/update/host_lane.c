@@ -140,30 +140,6 @@ static PyObject *rebind_view(PyObject *view, const Py_ssize_t *off, PyObject *q,
     return new;
 }
 
-/* rebind(view, offsets, max_q, max_k, window_k): offsets a bytes of three int64 slot offsets
- * (max_seqlen_q, max_seqlen_k, window; slot_offset). */
-static PyObject *rebind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 5 || !PyBytes_Check(args[1])
-        || PyBytes_GET_SIZE(args[1]) != (Py_ssize_t)(3 * sizeof(int64_t))
-        || !PyLong_Check(args[2]) || !PyLong_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "rebind(view, offsets, max_q, max_k, window_k)");
-        return NULL;
-    }
-    const int64_t *o = (const int64_t *)PyBytes_AS_STRING(args[1]);
-    Py_ssize_t off[3] = {(Py_ssize_t)o[0], (Py_ssize_t)o[1], (Py_ssize_t)o[2]};
-    Py_ssize_t size = Py_TYPE(args[0])->tp_basicsize;
-    for (int i = 0; i < 3; i++) {
-        if (off[i] < (Py_ssize_t)sizeof(PyObject) || off[i] + (Py_ssize_t)sizeof(PyObject *) > size) {
-            PyErr_SetString(PyExc_ValueError, "rebind: a slot offset outside the view");
-            return NULL;
-        }
-    }
-    long long window_k = PyLong_AsLongLong(args[4]);
-    if (window_k == -1 && PyErr_Occurred()) return NULL;
-    return rebind_view(args[0], off, args[2], args[3], window_k);
-}
-
 /* The base view's slot offsets (offsets: a bytes of three int64, see rebind) checked against
  * its class; 0, or -1 with an error set. */
 static int view_offsets(PyObject *base, PyObject *offsets, PyObject *window_k_obj,
@@ -172,7 +148,7 @@ static int view_offsets(PyObject *base, PyObject *offsets, PyObject *window_k_ob
     *window_k = 0;
     if (base == Py_None) return 0;
     if (!PyBytes_Check(offsets) || PyBytes_GET_SIZE(offsets) != 3 * sizeof(int64_t)) {
-        PyErr_SetString(PyExc_TypeError, "step: offsets must be a bytes of three int64");
+        PyErr_SetString(PyExc_TypeError, "offsets must be a bytes of three int64");
         return -1;
     }
     const int64_t *o = (const int64_t *)PyBytes_AS_STRING(offsets);
@@ -181,12 +157,26 @@ static int view_offsets(PyObject *base, PyObject *offsets, PyObject *window_k_ob
         off[i] = (Py_ssize_t)o[i];
         if (off[i] < (Py_ssize_t)sizeof(PyObject)
             || off[i] + (Py_ssize_t)sizeof(PyObject *) > size || !is_plain(Py_TYPE(base))) {
-            PyErr_SetString(PyExc_ValueError, "step: a slot offset outside the view");
+            PyErr_SetString(PyExc_ValueError, "a slot offset outside the view");
             return -1;
         }
     }
     *window_k = PyLong_AsLongLong(window_k_obj);
     return (*window_k == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* rebind(view, offsets, max_q, max_k, window_k): offsets a bytes of three int64 slot offsets
+ * (max_seqlen_q, max_seqlen_k, window; slot_offset). */
+static PyObject *rebind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5 || args[0] == Py_None || !PyLong_Check(args[2]) || !PyLong_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "rebind(view, offsets, max_q, max_k, window_k)");
+        return NULL;
+    }
+    Py_ssize_t off[3];
+    long long window_k;
+    if (view_offsets(args[0], args[1], args[4], off, &window_k) < 0) return NULL;
+    return rebind_view(args[0], off, args[2], args[3], window_k);
 }
 
 /* The step on the inputs' addresses and sizes: the step's view, or (max_seqlen_q,
