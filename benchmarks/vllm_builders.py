@@ -17,9 +17,17 @@ caches in between (the model's forward). Likewise every attnpool layer gets vLLM
 Workloads: 1 request, 8 requests, 64 requests (prompts of 20-120 tokens, 24 new tokens each,
 ``max_num_batched_tokens=256`` so that prefill chunks share steps with decode rows). A step is
 ``decode`` (every row one query) or ``mixed`` (any row more: prefill chunks, with or without
-decode rows). Prints, per model, step kind and requests in the step (1, 8, 64), the medians of
-both builders in microseconds and in small torch ops (``torch.add`` of two 8-element tensors,
-timed in the same process), and their ratio.
+decode rows), and is counted under its workload (the requests of its ``generate`` call: a
+mixed step of the 8-request workload may hold 3 of them).
+
+Which builder runs first in a step matters as much as the builders do: the first runs on the
+caches the forward left (its work split op alone costs 50-70 us there), the second on what the
+first warmed. So each builder's figure is the mean of its two medians, over the steps where it
+ran first and over those where it ran second (the order alternates step by step): a
+position-balanced median, which a handful of mixed steps cannot tilt by their order. Prints,
+per model, step kind and workload, both builders' medians by position, their balanced figures
+in microseconds and in small torch ops (``torch.add`` of two 8-element tensors, timed in the
+same process), and their ratio.
 """
 
 from __future__ import annotations
@@ -40,10 +48,13 @@ from benchmarks.host_unit import small_op_s
 
 from tests.helpers import vllm_engine as ve
 
-#: (model, kind, requests) -> ([native seconds], [attnpool seconds])
-TIMES: dict[tuple[str, str, int], tuple[list[float], list[float]]] = collections.defaultdict(
-    lambda: ([], []))
+#: (model, kind, workload) -> [native first, native second, attnpool first, attnpool second]
+#: seconds per build (first / second: which builder ran first in the step)
+TIMES: dict[tuple[str, str, int], list[list[float]]] = collections.defaultdict(
+    lambda: [[], [], [], []])
 MODEL = [""]
+#: the requests of the ``generate`` call running now (the workload a step is counted under)
+WORKLOAD = [0]
 #: layer name -> (vLLM's own metadata of the layer's group this step, step kind)
 TWIN_MD: dict[str, tuple[Any, str]] = {}
 #: (model, kind, "store" | "attention") -> ([native seconds], [attnpool seconds]) per layer call
@@ -71,7 +82,7 @@ def _twin_builders() -> None:
     def timed_build(self: Any, common_prefix_len: int, cm: Any, fast_build: bool = False
                     ) -> Any:
         kind = "decode" if cm.max_query_len == 1 else "mixed"
-        native, ours = TIMES[(MODEL[0], kind, cm.num_reqs)]
+        times = TIMES[(MODEL[0], kind, WORKLOAD[0])]
         self._turn ^= 1
         if self._turn:
             t = time.perf_counter()
@@ -79,16 +90,16 @@ def _twin_builders() -> None:
             t1 = time.perf_counter()
             out = build(self, common_prefix_len, cm, fast_build)
             t2 = time.perf_counter()
-            native.append(t1 - t)
-            ours.append(t2 - t1)
+            times[0].append(t1 - t)
+            times[3].append(t2 - t1)
         else:
             t = time.perf_counter()
             out = build(self, common_prefix_len, cm, fast_build)
             t1 = time.perf_counter()
             twin_md = self._twin.build(common_prefix_len, cm, fast_build)
             t2 = time.perf_counter()
-            ours.append(t1 - t)
-            native.append(t2 - t1)
+            times[2].append(t1 - t)
+            times[1].append(t2 - t1)
         for name in self.layer_names:  # (what each layer's twin reads this step)
             TWIN_MD[name] = (twin_md, kind)
         return out
@@ -175,7 +186,8 @@ PIECES: dict[str, list[float]] = collections.defaultdict(list)
 
 def _time_pieces() -> None:
     """Wrap the pieces of attnpool's build with ``perf_counter`` (``--pieces``): the pool's
-    updates, the host lane's native step (or the torch lane's check and write), the work
+    updates, the Python path of ``host_step`` (a size's first step; later ones are one C call,
+    not wrapped), the host lane's native step (or the torch lane's check and write), the work
     split, and a probe of two ``torch.add`` calls and a small list comprehension at the start
     of each build (what the same code costs right after a forward, on cold caches). The
     wrappers cost a little themselves, so the build's own figures come from a run without
@@ -199,7 +211,9 @@ def _time_pieces() -> None:
 
         setattr(cls, name, timed)
 
-    for cls, name, label in ((DecodePhase, "update_", "pool.decode.update_"),
+    for cls, name, label in ((DecodePhase, "_host_step", "pool.decode.host_step's Python path"),
+                             (ExtendPhase, "_host_step", "pool.extend.host_step's Python path"),
+                             (DecodePhase, "update_", "pool.decode.update_"),
                              (ExtendPhase, "update_", "pool.extend.update_"),
                              (HostLane, "native", "host lane: native step (its checks, "
                                                  "the C call)"),
@@ -234,6 +248,12 @@ def _model(name: str) -> Path:
     return ve.save_tiny(name, Path("/tmp/attnpool-vllm-bench"))
 
 
+def _median(xs: list[float]) -> float:
+    """The median (the mean of the middle two of an even count)."""
+    ys, k = sorted(xs), len(xs) // 2
+    return ys[k] if len(ys) % 2 else (ys[k - 1] + ys[k]) / 2
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2,mistral")
@@ -260,6 +280,7 @@ def main() -> int:
                 skip_tokenizer_init=True))
             for _ in range(args.rounds):
                 for reqs in REQUESTS:
+                    WORKLOAD[0] = reqs
                     prompts = [{"prompt_token_ids": [rng.randrange(1, 400)
                                                      for _ in range(rng.randint(20, 120))]}
                                for _ in range(reqs)]
@@ -267,27 +288,29 @@ def main() -> int:
             del llm
     op = small_op_s()
     print(f"one small torch op (torch.add, 8 elements): {op * 1e6:.2f} us\n")
-    print("| model | step | requests | steps | vLLM's builder us | attnpool us | vLLM's in "
-          "small ops | attnpool in small ops | attnpool / vLLM |\n"
-          "|---|---|---|---|---|---|---|---|---|")
-    for (model, kind, n), (native, ours) in sorted(TIMES.items()):
-        if n not in REQUESTS:
+    print("| model | step | requests | steps | vLLM's builder us, first / second | attnpool "
+          "us, first / second | vLLM's builder us | attnpool us | vLLM's in small ops | "
+          "attnpool in small ops | attnpool / vLLM |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for (model, kind, n), times in sorted(TIMES.items()):
+        if min(len(t) for t in times) == 0:  # (a kind seen in one position only)
             continue
-        a, b = sorted(native)[len(native) // 2], sorted(ours)[len(ours) // 2]
-        print(f"| {model} | {kind} | {n} | {len(ours)} | {a * 1e6:.0f} | {b * 1e6:.0f} | "
-              f"{a / op:.0f} | {b / op:.0f} | {b / a:.2f}x |")
+        m = [_median(t) for t in times]
+        a, b = (m[0] + m[1]) / 2, (m[2] + m[3]) / 2
+        print(f"| {model} | {kind} | {n} | {sum(len(t) for t in times[:2])} | "
+              f"{m[0] * 1e6:.0f} / {m[1] * 1e6:.0f} | {m[2] * 1e6:.0f} / {m[3] * 1e6:.0f} | "
+              f"{a * 1e6:.0f} | {b * 1e6:.0f} | {a / op:.0f} | {b / op:.0f} | {b / a:.2f}x |")
     print("\nper layer call (medians over every layer of every step):\n\n"
           "| model | step | part | calls | vLLM's impl us | attnpool us | attnpool / vLLM |\n"
           "|---|---|---|---|---|---|---|")
     for (model, kind, part), (native, ours) in sorted(LAYER_TIMES.items()):
-        a, b = sorted(native)[len(native) // 2], sorted(ours)[len(ours) // 2]
+        a, b = _median(native), _median(ours)
         print(f"| {model} | {kind} | {part} | {len(ours)} | {a * 1e6:.1f} | {b * 1e6:.1f} | "
               f"{b / a:.2f}x |")
     if PIECES:
         print("\npieces of attnpool's build (medians, every model and step; --pieces):\n\n"
               "| piece | calls | us |\n|---|---|---|")
         for label, times in PIECES.items():
-            print(f"| {label} | {len(times)} | {sorted(times)[len(times) // 2] * 1e6:.1f} |")
+            print(f"| {label} | {len(times)} | {_median(times) * 1e6:.1f} |")
     return 0
 
 

@@ -16,6 +16,7 @@ re-padded when another phase wrote there since.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -157,7 +158,7 @@ class Arena:
     here ever reallocates.
     """
 
-    __slots__ = ("_bufs", "_gen", "_own", "cfg", "plan", "recorded", "storage")
+    __slots__ = ("_bufs", "_gens", "_own", "cfg", "plan", "recorded", "storage")
 
     def __init__(self, cfg: PoolConfig, poison: bool = False) -> None:
         self.cfg = cfg
@@ -171,8 +172,10 @@ class Arena:
         #: per region (the overlay, or a phase that is not overlaid): the last write's
         #: ``(phase, generation, rows)``; absent: nothing valid there (see :meth:`mark_written`).
         self._own: dict[object, tuple[Phase, int, int]] = {}
-        #: bumped by every write through this arena (updates, capture states, poison)
-        self._gen = 0
+        #: the generations: a new one for every write through this arena (updates, capture
+        #: states, poison); a counter object, which the host lane's C step advances too
+        #: (``host_lane.c``'s ``mark``, the same record as :meth:`mark`)
+        self._gens = itertools.count(1)
         #: set once an update ran in capturable mode (``num_real``): the engine may replay it from
         #: its own graph, writing bytes behind this bookkeeping, so epochs prove nothing after.
         self.recorded = False
@@ -228,8 +231,7 @@ class Arena:
     def mark(self, regions: tuple[object, ...], phase: Phase, rows: int) -> None:
         """:meth:`mark_written` with ``phase``'s :meth:`regions` looked up once by the caller
         (the per-update path)."""
-        self._gen += 1
-        rec = (phase, self._gen, rows)
+        rec = (phase, next(self._gens), rows)
         for r in regions:
             self._own[r] = rec
 
@@ -277,7 +279,7 @@ class Arena:
         for (_, _), buf in self._bufs.items():
             buf.fill_(sentinel(buf.dtype))
         self._own.clear()
-        self._gen += 1
+        next(self._gens)
         self._write_constants()
 
     def _write_constants(self) -> None:

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from attnpool import CapacityError, ExtendView, LayoutError
+from attnpool import CapacityError, DecodeView, ExtendView, LayoutError
 from attnpool.adapters.backends import Backend
 from attnpool.config import Impl
 from attnpool.integrations.vllm import SWITCH, enabled
@@ -71,17 +71,19 @@ def test_store_and_views_round_trip_padding_to_the_null_block() -> None:
     assert torch.equal(kv[1, 0].reshape(-1)[P * D:].view(P, D)[1], val[0, 0])
 
 
-def _filler(impl: Impl = Impl.REFERENCE, window: int | None = None) -> StepFiller:
+def _filler(impl: Impl = Impl.REFERENCE, window: int | None = None, poison: bool = False
+            ) -> StepFiller:
     sizes = EngineSizes(max_num_seqs=4, max_num_batched_tokens=48, max_model_len=128,
                         block_size=P, sliding_window=window, num_blocks=24,
                         device=torch.device("cpu"))
     f = StepFiller(sizes, Backend.SDPA, H, H_KV, torch.float64)
-    if impl is not Impl.REFERENCE:
+    if impl is not Impl.REFERENCE or poison:
         import dataclasses
 
         from attnpool import BufferPool
-        f.pool = BufferPool(dataclasses.replace(f.pool.cfg, impl=impl))
+        f.pool = BufferPool(dataclasses.replace(f.pool.cfg, impl=impl), poison=poison)
         f._decode, f._extend = f.pool.decode, f.pool.extend
+        f._decode_step, f._extend_step = f._decode.host_step, f._extend.host_step
     return f
 
 
@@ -231,3 +233,29 @@ def test_too_many_slots_are_refused_before_any_write() -> None:
     with pytest.raises(CapacityError, match="49 slots"):
         f.fill(**b)  # type: ignore[arg-type]
     assert torch.equal(f.pool.arena.storage.view(torch.uint8), before)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_rows_past_num_reqs_are_not_the_steps(decode: bool) -> None:
+    """vLLM may hand tensors taller than the step (rows of its persistent buffers past
+    ``num_reqs``). The native step takes vLLM's tensors as they come: it reads a taller table's
+    first rows only and declines longer lengths, which are then sliced; either way the pool
+    holds what the exact tensors give, bounds included."""
+    b = _batch()
+    b.pop("q_lens")
+    if decode:
+        b.update(max_query_len=1, num_actual_tokens=4,
+                 query_start_loc=torch.arange(5, dtype=torch.int32),
+                 slot_mapping=torch.tensor([39, 64, 92, 149], dtype=torch.int64))
+    tall = dict(b)
+    qsl = b["query_start_loc"]
+    assert isinstance(qsl, torch.Tensor)
+    tall["seq_lens"] = torch.cat([b["seq_lens"], torch.tensor([127, 3], dtype=torch.int32)])  # type: ignore[list-item]
+    tall["query_start_loc"] = torch.cat([qsl, qsl[-1:] + 5])
+    got: list[tuple[torch.Tensor, tuple[int, int]]] = []
+    for inputs in (b, tall):
+        f = _filler(poison=True)  # (both arenas start from the same bytes)
+        view = f.fill(**inputs).view  # type: ignore[arg-type]
+        assert isinstance(view, DecodeView if decode else ExtendView)
+        got.append((f.pool.arena.storage.clone(), (view.max_seqlen_q, view.max_seqlen_k)))
+    assert torch.equal(got[0][0], got[1][0]) and got[0][1] == got[1][1]

@@ -42,23 +42,27 @@ def _pools(window: int | None, monkeypatch: pytest.MonkeyPatch, use_native: bool
     taken = [0, 0]
     assert lane.decode._lane is not None and lane.extend._lane is not None
     write: Callable[..., None] = HostLane.write
-    step: Callable[..., Any] = HostLane.native
 
     def counted(self: HostLane, *a: Any, **k: Any) -> None:
         taken[0] += 1
         write(self, *a, **k)
 
-    def counted_native(self: HostLane, *a: Any, **k: Any) -> Any:
-        got = step(self, *a, **k)
-        taken[1] += got is not None
-        return got
+    def counting(step: Callable[..., Any]) -> Callable[..., Any]:
+        def counted_step(*a: Any) -> Any:  # (every native step goes through host_step)
+            got = step(*a)
+            taken[1] += got is not None
+            return got
+        return counted_step
 
     monkeypatch.setattr(HostLane, "write", counted)
-    monkeypatch.setattr(HostLane, "native", counted_native)
     if use_native:
         assert lane.decode._lane._step is not None and lane.extend._lane._step is not None
-    else:
+    else:  # (the torch lane only: no C step, bound or not)
         lane.decode._lane._step = lane.extend._lane._step = None
+        lane.decode.host_step, lane.extend.host_step = (lane.decode._host_step,
+                                                        lane.extend._host_step)
+    lane.decode.host_step = counting(lane.decode.host_step)  # type: ignore[method-assign]
+    lane.extend.host_step = counting(lane.extend.host_step)  # type: ignore[method-assign]
     general.decode._lane = general.extend._lane = None
     return lane, general, taken
 
@@ -355,6 +359,56 @@ def test_host_step_is_update_in_one_native_call(window: int | None,
         assert torch.equal(_bytes(lane), before), label
         with pytest.raises(PoolError):
             _update(lane, kind, bs, s)
+
+
+def test_the_bound_host_step_is_the_python_step_in_one_call(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """``host_step`` is one C call (``HostLane.bind``) once the phase has a sliced view of
+    the size and the native rebind serves its class: before that a step goes to the phase's
+    Python step, after it no step enters Python. Either way the arena records the same write
+    (a new generation, the phase owning its regions with the step's rows), so views of the
+    other phase turn stale and the step's own view is current, as after the Python step."""
+    module = native.load()
+    if module is None:
+        pytest.skip(f"the native step is not built here: {native.why()}")
+    (lane, _, _), (py, _, _) = _pools(40, monkeypatch, True), _pools(40, monkeypatch, True)
+    for phase in (py.decode, py.extend):  # (the same pool with the Python step only)
+        phase.host_step = phase._host_step  # type: ignore[method-assign]
+    assert type(lane.decode.host_step) is not type(lane.decode._host_step)
+    calls = [0]
+    native_step = HostLane.native
+
+    def counted(self: HostLane, *a: Any) -> Any:
+        calls[0] += 1
+        return native_step(self, *a)
+
+    monkeypatch.setattr(HostLane, "native", counted)
+    rng = random.Random(11)
+    seen: set[tuple[str, int, bool]] = set()
+    for i in range(30):
+        kind = ("decode", "extend")[i % 2]
+        bs = rng.choice([2, 5, BS])
+        s = _step(rng, kind, bs, torch.int32, True)
+        other = (lane.extend if kind == "decode" else lane.decode).view(bs)
+        (py.extend if kind == "decode" else py.decode).view(bs)  # (a view may pad its rows)
+        phase = lane.decode if kind == "decode" else lane.extend
+        fresh = bs not in phase._sliced or phase._lane._offsets is None  # type: ignore[union-attr]
+        before = calls[0]
+        got, want = _host_step(lane, kind, bs, s), _host_step(py, kind, bs, s)
+        assert got is not None and want is not None and _bounds(got) == _bounds(want)
+        assert torch.equal(_bytes(lane), _bytes(py)), (kind, bs)
+        assert calls[0] - before == (2 if fresh else 1)  # (py's: always)
+        seen.add((kind, bs, fresh))
+        assert lane.arena._own == py.arena._own  # (both arenas: the same generations)
+        assert got.is_current and not other.is_current
+    assert {f for _, _, f in seen} == {True, False}
+    lane.decode.validate = True  # (read per call: validation turns the bound step off)
+    s = _step(rng, "decode", 3, torch.int32, True)
+    before = _bytes(lane)
+    assert lane.decode.host_step(3, s["seq_lens"], s["block_table"]) is None
+    assert torch.equal(_bytes(lane), before)
+    with pytest.raises(TypeError, match="phase_step"):
+        module.phase_step([], 3, s["seq_lens"], s["block_table"])
 
 
 def test_host_step_declines_a_pool_without_the_lane_or_in_validation() -> None:

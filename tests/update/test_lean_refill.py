@@ -60,6 +60,8 @@ def test_an_engine_step_is_within_the_op_budget(kind: str, window: int | None, n
     pool = _pool(64, window)
     if not use_native:
         pool.decode._lane._step = pool.extend._lane._step = None  # type: ignore[union-attr]
+        pool.decode.host_step = pool.decode._host_step  # (the bound C step too)
+        pool.extend.host_step = pool.extend._host_step
     s = _step(n, 1)
     seq, ext = s["seq_lens"], s["extend_lens"]
 

@@ -31,6 +31,8 @@ class _Lane(Protocol):
 
     def first(self, view: Any) -> Any: ...
 
+    def validating(self, on: bool) -> None: ...
+
 __all__ = ["Inputs", "PhaseBase", "Replay", "Shared", "UpdatePath", "capturing", "new_record"]
 
 #: cached views per phase before the cache is dropped
@@ -82,8 +84,7 @@ class PhaseBase(Generic[ViewT]):
         self.ops: UpdatePath = update_path(self.fused)
         self._dev = arena.storage.device
         self._arange = arena.buffer(None, "arange")
-        #: debug validation of device values (``BufferPool(validate=True)``, see ._validate)
-        self.validate = False
+        self._validate = False
         #: the arena regions this phase's updates write (see Arena.mark)
         self._regions = arena.regions(self.phase)
         #: the producer every view of this phase carries (``view.is_current``, stale checks)
@@ -114,6 +115,19 @@ class PhaseBase(Generic[ViewT]):
         self.input_pass = InputPass(arena, self.phase.value, self._window_buffers is not None,
                                     self.fused, str(self.impl))
 
+
+    @property
+    def validate(self) -> bool:
+        """Debug validation of device values (``BufferPool(validate=True)``, see ._validate).
+        A property so that the host lane's bound step (one C call, no Python frame) holds the
+        flag itself, set here, instead of looking it up on every step."""
+        return self._validate
+
+    @validate.setter
+    def validate(self, on: bool) -> None:
+        self._validate = bool(on)
+        if self._lane is not None:
+            self._lane.validating(self._validate)
     def view(self, bs: int) -> ViewT:
         """The ``bs``-row view for capture: valid padded values (the capture state, written
         first when the bytes do not hold it: see the class docstring) and static host bounds."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -64,6 +64,13 @@ class DecodePhase(PhaseBase[DecodeView]):
         self._keep = arena.buffer(self.phase, "keep")
         #: the host lane of a CPU pool (:mod:`.host_lane`), else None
         self._lane: HostLane | None = HostLane.maybe(self, self._b)
+        #: ``host_step(bs, seq_lens, block_table) -> DecodeView | None``: ``update_(bs,
+        #: seq_lens=seq_lens, block_table=block_table, seq_lens_cpu=seq_lens)`` in one native
+        #: call, for an engine's builder on a CPU pool (see :meth:`_host_step`); one C call
+        #: with no Python frame where the native step is built (:meth:`HostLane.bind
+        #: <attnpool.phases.host_lane.HostLane.bind>`)
+        self.host_step: Callable[[int, Tensor, Tensor], DecodeView | None] = \
+            self._host_step if self._lane is None else self._lane.bind(self._host_step)
         #: (request ids, arena epoch) right after the last decode update, for ``request_ids``.
         self._last: tuple[list[Hashable], int] | None = None
 
@@ -153,7 +160,7 @@ class DecodePhase(PhaseBase[DecodeView]):
                   new_record(DecodeValues, (x, keep, self._width(x.seq_lens_host))))
         return self._done(bs, n, x.seq_lens_host, ids)
 
-    def host_step(self, bs: int, seq_lens: Tensor, block_table: Tensor) -> DecodeView | None:
+    def _host_step(self, bs: int, seq_lens: Tensor, block_table: Tensor) -> DecodeView | None:
         """``update_(bs, seq_lens=seq_lens, block_table=block_table, seq_lens_cpu=seq_lens)``
         as one native call (:meth:`HostLane.native <attnpool.phases.host_lane.HostLane.native>`):
         an engine's builder on a CPU pool, whose lengths live on the host, calls this first
@@ -164,13 +171,15 @@ class DecodePhase(PhaseBase[DecodeView]):
         layout or update path), validation on, inputs that are not int32 CPU tensors with
         contiguous rows, or a bad value. :meth:`update_` then takes the call on its other paths
         or raises the precise :class:`attnpool.PoolError`, before any write either way.
+
+        The arena's record of the write (``_mark``) retires the incremental page table's last
+        state too (``_last`` holds the epoch of its own update, which no longer matches).
         """
         lane = self._lane
         got = None if lane is None else lane.native(bs, seq_lens, block_table, None)
         if got is None:
             return None
         self._mark(bs)
-        self._last = None
         return lane.first(self._view(bs, got[1])) if type(got) is tuple else got  # type: ignore[union-attr,return-value]
 
     def _parts(self, ops: UpdatePath, bs: int, values: DecodeValues) -> tuple[Replay, ...]:

@@ -5,7 +5,7 @@ docs/design.md, Extend.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from torch import Tensor
@@ -71,6 +71,11 @@ class ExtendPhase(PhaseBase[ExtendView]):
         #: the host lane of a CPU pool (:mod:`.host_lane`), else None
         self._lane: HostLane | None = HostLane.maybe(self, self._b,
                                                      (self._cu_q, self._pos, self.max_tokens))
+        #: ``host_step(bs, seq_lens, extend_lens, block_table) -> ExtendView | None``: the
+        #: extend step's :attr:`DecodePhase.host_step
+        #: <attnpool.phases.decode.DecodePhase.host_step>` (see :meth:`_host_step`)
+        self.host_step: Callable[[int, Tensor, Tensor, Tensor], ExtendView | None] = \
+            self._host_step if self._lane is None else self._lane.bind(self._host_step)
 
     def _capture_view(self, bs: int) -> ExtendView:
         """The ``bs``-row view for capture: every row padded, static host bounds
@@ -167,11 +172,11 @@ class ExtendPhase(PhaseBase[ExtendView]):
         return self._view(bs, self._max_q(ehost, n, bs),
                           self._max_k(host, 0, n, bs, cfg.max_context_len))
 
-    def host_step(self, bs: int, seq_lens: Tensor, extend_lens: Tensor, block_table: Tensor
-                  ) -> ExtendView | None:
+    def _host_step(self, bs: int, seq_lens: Tensor, extend_lens: Tensor, block_table: Tensor
+                   ) -> ExtendView | None:
         """``update_(bs, seq_lens=seq_lens, extend_lens=extend_lens, block_table=block_table,
         seq_lens_cpu=seq_lens, extend_lens_cpu=extend_lens)`` as one native call: what
-        :meth:`attnpool.phases.decode.DecodePhase.host_step` is for decode (None, nothing
+        :attr:`attnpool.phases.decode.DecodePhase.host_step` is for decode (None, nothing
         written, when the native step does not take the call: then call :meth:`update_`)."""
         lane = self._lane
         got = None if lane is None else lane.native(bs, seq_lens, block_table, extend_lens)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import Tensor
@@ -70,7 +71,8 @@ class HostLane:
     writes its paged part, :meth:`queries` an extend step's query part."""
 
     __slots__ = ("_b", "_config", "_dev", "_ip", "_lean", "_max_bs", "_max_len", "_max_pages",
-                 "_module", "_offsets", "_pad", "_phase", "_span", "_step", "_window", "cfg")
+                 "_module", "_offsets", "_pad", "_phase", "_span", "_state", "_step", "_window",
+                 "cfg")
 
     def __init__(self, phase: PhaseBase[Any], b: PagedBuffers,
                  queries: Queries | None = None) -> None:
@@ -94,6 +96,15 @@ class HostLane:
         #: (view class, the native rebind's slot offsets) once :meth:`first` has checked them
         #: on a view of the phase (False: the rebind does not serve it, :func:`rebound` does)
         self._offsets: tuple[type, bytes] | bool | None = None
+        #: what :meth:`bind`'s call reads, in ``host_lane.c``'s order (``phase_step``): the
+        #: config, the phase's validation flag (:meth:`validating`), its sliced views, the
+        #: view class and its rebind offsets (None until :meth:`first` has checked them), the
+        #: window part's key bound, the arena's owners and generations, the phase's regions
+        #: and tag (what ``Arena.mark`` records), and the fallback
+        arena = phase.arena
+        self._state: list[Any] = [self._config, phase.validate, phase._sliced, None, None,
+                                  phase._window_k, arena._own, arena._gens, phase._regions,
+                                  phase.phase, None]
 
     def _native_config(self, queries: Queries | None) -> bytes:
         """The native step's static config: the bounds, the pad values and the addresses of
@@ -153,6 +164,29 @@ class HostLane:
         return step(self._config, seq_lens, block_table, q_lens, bs, base,
                     got[1], phase._window_k)  # type: ignore[index]
 
+    def bind(self, fallback: Callable[..., V]) -> Callable[..., V]:
+        """The phase's ``host_step`` (``fallback``: its Python form, :meth:`native` and the
+        view made by the phase) as one C call where the native step is built: the same
+        checks, the step on the phase's sliced view of ``bs`` rows, and the arena's record of
+        the write (what ``Arena.mark`` records), with no Python frame on the way. A size whose
+        view the rebind does not serve yet (its first step, or a class it never serves) goes
+        to ``fallback``, so that every call is answered as ``fallback`` answers it; the
+        fallback itself where there is no native step.
+
+        Why: an engine's builder calls this once per step, between two forwards, on caches
+        the forward has just evicted; there each Python frame (the method, the lane's call,
+        the arena's bookkeeping) costs microseconds, as much as the step's own writes."""
+        module = self._module
+        if module is None or not hasattr(module, "phase_step"):
+            return fallback
+        self._state[-1] = fallback
+        return partial(module.phase_step, self._state)
+
+    def validating(self, on: bool) -> None:
+        """The phase's validation flag, as its setter changes it (the bound step declines every
+        call while it is on: validation is the general path's)."""
+        self._state[1] = on
+
     def first(self, view: PV) -> PV:
         """``view``, made by the phase from :meth:`native`'s bounds. The first such view
         decides whether the native rebind serves the phase's views from then on: the class
@@ -160,7 +194,9 @@ class HostLane:
         rebind's view equals :func:`attnpool.phases._views.rebound`'s field by field (else
         the phase makes every view itself)."""
         if self._offsets is None and self._module is not None:
-            self._offsets = _rebind_offsets(self._module, view, self._phase._window_k)
+            got = self._offsets = _rebind_offsets(self._module, view, self._phase._window_k)
+            if type(got) is tuple:
+                self._state[3:5] = got
         return view
 
     def check(self, bs: int, seq_lens: object, shared: dict[str, Any]) -> Checked | None:

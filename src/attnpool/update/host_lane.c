@@ -326,40 +326,117 @@ static int host_tensor(PyObject *t, int rank, int64_t *ptr, int64_t *rows, int64
     return 1;
 }
 
-/* step_tensors(config, seq_lens, block_table, q_lens, bs, base, offsets, window_k): the step
- * (run_step) on the engine's host tensors themselves, read here: taken when every tensor is an
- * int32 CPU torch.Tensor with contiguous rows (q_lens: None for decode, else as many rows as
- * seq_lens) and bs an int; else None, nothing written (as for every value run_step does not
- * take). */
-static PyObject *step_tensors(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 8 || !PyBytes_Check(args[0])
-        || PyBytes_GET_SIZE(args[0]) != (Py_ssize_t)(C_COUNT * sizeof(int64_t))) {
-        PyErr_SetString(PyExc_TypeError, "step_tensors(config, seq_lens, block_table, q_lens, "
-                                         "bs, base, offsets, window_k)");
-        return NULL;
-    }
-    if (!PyLong_CheckExact(args[4])) Py_RETURN_NONE;
-    Py_ssize_t off[3];
-    long long window_k;
-    if (view_offsets(args[5], args[6], args[7], off, &window_k) < 0) return NULL;
+/* The step (run_step) on the engine's host tensors themselves, read here: taken when every
+ * tensor is an int32 CPU torch.Tensor with contiguous rows (q_lens: None for decode, else as
+ * many rows as seq_lens) and bs an int; else None, nothing written (as for every value
+ * run_step does not take). */
+static PyObject *tensors_step(const int64_t *c, PyObject *lens, PyObject *table, PyObject *q,
+                              PyObject *bs_obj, PyObject *base, const Py_ssize_t *off,
+                              long long window_k) {
+    if (!PyLong_CheckExact(bs_obj)) Py_RETURN_NONE;
     int overflow = 0;
-    long long bs = PyLong_AsLongLongAndOverflow(args[4], &overflow);
+    long long bs = PyLong_AsLongLongAndOverflow(bs_obj, &overflow);
     if (overflow || (bs == -1 && PyErr_Occurred())) {
         PyErr_Clear();
         Py_RETURN_NONE;
     }
     int64_t lp, n, one, unit, tp, trows, tcols, ts, qp = 0, qn, r;
-    if ((r = host_tensor(args[1], 1, &lp, &n, &one, &unit)) <= 0
-        || (r = host_tensor(args[2], 2, &tp, &trows, &tcols, &ts)) <= 0)
+    if ((r = host_tensor(lens, 1, &lp, &n, &one, &unit)) <= 0
+        || (r = host_tensor(table, 2, &tp, &trows, &tcols, &ts)) <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
-    if (args[3] != Py_None) {
-        if ((r = host_tensor(args[3], 1, &qp, &qn, &one, &unit)) <= 0)
+    if (q != Py_None) {
+        if ((r = host_tensor(q, 1, &qp, &qn, &one, &unit)) <= 0)
             return r < 0 ? NULL : Py_NewRef(Py_None);
         if (qn != n) Py_RETURN_NONE;
     }
-    return run_step((const int64_t *)PyBytes_AS_STRING(args[0]), lp, n, bs, qp, tp, ts, trows,
-                    tcols, args[5], off, window_k);
+    return run_step(c, lp, n, bs, qp, tp, ts, trows, tcols, base, off, window_k);
+}
+
+static int is_config(PyObject *config) {
+    return PyBytes_Check(config)
+        && PyBytes_GET_SIZE(config) == (Py_ssize_t)(C_COUNT * sizeof(int64_t));
+}
+
+/* step_tensors(config, seq_lens, block_table, q_lens, bs, base, offsets, window_k): one step
+ * (tensors_step) on the phase's sliced view base (None: the bounds instead of a view). */
+static PyObject *step_tensors(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8 || !is_config(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "step_tensors(config, seq_lens, block_table, q_lens, "
+                                         "bs, base, offsets, window_k)");
+        return NULL;
+    }
+    Py_ssize_t off[3];
+    long long window_k;
+    if (view_offsets(args[5], args[6], args[7], off, &window_k) < 0) return NULL;
+    return tensors_step((const int64_t *)PyBytes_AS_STRING(args[0]), args[1], args[2], args[3],
+                        args[4], args[5], off, window_k);
+}
+
+/* A phase's bound step (attnpool.phases.host_lane.HostLane.bind): the state list's items. */
+enum {
+    S_CONFIG, S_VALIDATE, S_SLICED, S_CLASS, S_OFFSETS, S_WINDOW_K, S_OWN, S_GENS, S_REGIONS,
+    S_TAG, S_FALLBACK, S_COUNT
+};
+
+/* attnpool.arena.Arena.mark(regions, tag, rows), here: the arena's next generation (its
+ * counter), and the record (tag, generation, rows) as the owner of each region. 0, or -1
+ * with an error set. */
+static int mark(PyObject *own, PyObject *gens, PyObject *regions, PyObject *tag,
+                PyObject *rows) {
+    if (!PyDict_CheckExact(own) || !PyTuple_Check(regions) || Py_TYPE(gens)->tp_iternext == NULL) {
+        PyErr_SetString(PyExc_TypeError, "mark: a dict, a counter and a tuple of regions");
+        return -1;
+    }
+    PyObject *gen = Py_TYPE(gens)->tp_iternext(gens), *rec = NULL;
+    int ok = gen != NULL && (rec = PyTuple_Pack(3, tag, gen, rows)) != NULL;
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(regions); i++)
+        ok = PyDict_SetItem(own, PyTuple_GET_ITEM(regions, i), rec) == 0;
+    if (gen == NULL && !PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "mark: the generations ran out");
+    Py_XDECREF(gen);
+    Py_XDECREF(rec);
+    return ok ? 0 : -1;
+}
+
+/* phase_step(state, bs, seq_lens, [q_lens,] block_table): a phase's host_step in one call.
+ * None, nothing written, in validation mode or for a call the step does not take; the
+ * state's fallback (the phase's own host_step) for a size whose sliced view the rebind does
+ * not serve yet; else the step on that view, recorded in the arena as the phase's write. */
+static PyObject *phase_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if ((nargs != 4 && nargs != 5) || !PyList_CheckExact(args[0])
+        || PyList_GET_SIZE(args[0]) != S_COUNT || !is_config(PyList_GET_ITEM(args[0], S_CONFIG))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "phase_step(state, bs, seq_lens, [q_lens,] block_table)");
+        return NULL;
+    }
+    /* (the state's items, borrowed: nothing on the way runs Python code that could change
+     * the list, which only HostLane.first and HostLane.validating set; the fallback's call
+     * is the last use of them) */
+    PyObject *const *item = ((PyListObject *)args[0])->ob_item, *base = NULL, *got = NULL;
+    if (item[S_VALIDATE] != Py_False) Py_RETURN_NONE;
+    if (item[S_CLASS] != Py_None && PyLong_CheckExact(args[1])) {
+        base = PyDict_GetItemWithError(item[S_SLICED], args[1]);
+        if (base == NULL && PyErr_Occurred()) goto done;
+        Py_XINCREF(base);
+    }
+    if (base == NULL || (PyObject *)Py_TYPE(base) != item[S_CLASS]) {
+        got = PyObject_Vectorcall(item[S_FALLBACK], args + 1, (size_t)(nargs - 1), NULL);
+        goto done;
+    }
+    Py_ssize_t off[3];
+    long long window_k;
+    if (view_offsets(base, item[S_OFFSETS], item[S_WINDOW_K], off, &window_k) < 0) goto done;
+    got = tensors_step((const int64_t *)PyBytes_AS_STRING(item[S_CONFIG]), args[2],
+                       args[nargs - 1], nargs == 5 ? args[3] : Py_None, args[1], base, off,
+                       window_k);
+    if (got != NULL && got != Py_None
+        && mark(item[S_OWN], item[S_GENS], item[S_REGIONS], item[S_TAG], args[1]) < 0)
+        Py_CLEAR(got);
+done:
+    Py_XDECREF(base);
+    return got;
 }
 
 /* diffs(query_start_loc, out, n) -> True once out[i] = query_start_loc[i + 1] -
@@ -393,6 +470,8 @@ static PyObject *diffs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 static PyMethodDef methods[] = {
     {"step_tensors", (PyCFunction)(void (*)(void))step_tensors, METH_FASTCALL,
      "One checked step of a CPU pool's host lane, on the engine's int32 CPU tensors."},
+    {"phase_step", (PyCFunction)(void (*)(void))phase_step, METH_FASTCALL,
+     "A phase's host_step in one call: the step on its sliced view, recorded in the arena."},
     {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL,
      "Name torch.Tensor, torch.int32 and the C++ tensor reader (or None) to the step."},
     {"diffs", (PyCFunction)(void (*)(void))diffs, METH_FASTCALL,

@@ -67,6 +67,10 @@ class KernelStep(NamedTuple):
     scheduler_metadata: Tensor
 
 
+#: ``tuple.__new__``: a :class:`KernelStep` made without its generated ``__new__`` frame
+_new = tuple.__new__
+
+
 class CPUKernel:
     """vLLM's CPU kernel for one KV-cache group (see the module docstring).
 
@@ -124,7 +128,7 @@ class CPUKernel:
             n, self.num_heads, self.num_kv_heads, self.head_size, lens, self.dtype, qsl,
             self.causal,
             self.window, self.isa, self.split_kv, None, self.kv_cache_dtype)
-        return KernelStep(qsl, lens, table, sched)
+        return _new(KernelStep, (qsl, lens, table, sched))  # (KernelStep(...): a Python frame)
 
     def attend(self, step: KernelStep, query: Tensor, kv_cache: Tensor, output: Tensor,
                scale: float, window: int | None, softcap: float, sinks: Tensor | None,

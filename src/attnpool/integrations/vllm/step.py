@@ -151,8 +151,10 @@ class StepFiller:
         self.plans, layout = plans_for(backend, facts, sizes.device)
         self.pool = BufferPool(pool_config(
             sizes if window_part else replace(sizes, sliding_window=None), layout))
-        #: the pool's two phases, looked up once (``pool.decode`` is a checked lookup)
+        #: the pool's two phases, looked up once (``pool.decode`` is a checked lookup), and
+        #: their ``host_step`` calls (one C call each where the native step is built)
         self._decode, self._extend = self.pool.decode, self.pool.extend
+        self._decode_step, self._extend_step = self._decode.host_step, self._extend.host_step
         if sizes.device.type == "cpu":  # (the first step of each size: no slicing in a build)
             for phase in (self._decode, self._extend):
                 phase.prepare_views(range(1, sizes.max_num_seqs + 1))
@@ -195,27 +197,28 @@ class StepFiller:
             raise CapacityError(f"a step of {n} requests, {num_actual_tokens} tokens and "
                                 f"{tokens} slots is past the pool's max_num_seqs={max_seqs}, "
                                 f"max_num_batched_tokens={max_tokens} (nothing written)")
-        # (shape[0]: a third of len()'s cost, which is a Python method of torch.Tensor)
-        lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
-        table = block_table if block_table.shape[0] == n else block_table[:n]
-        host = lens if self.host else None
-        # (on a CPU, the native step first: one C call, else the update's other paths)
-        view: DecodeView | ExtendView | None
-        if max_query_len == 1 and not self.one_phase:
-            view = None if host is None else self._decode.host_step(n, lens, table)
-            if view is None:
-                view = self._decode.update_(n, seq_lens=lens, block_table=table,
-                                            seq_lens_cpu=host)
-        else:
+        q_lens = None
+        if max_query_len != 1 or self.one_phase:  # (the query lengths: staging, one C call)
             q_lens = self._q_rows[n]
             if self._diffs is None or self._diffs(query_start_loc, q_lens, n) is None:
                 torch.diff(query_start_loc if query_start_loc.shape[0] == n + 1
                            else query_start_loc[:n + 1], out=q_lens)
-            view = None if host is None else self._extend.host_step(n, lens, q_lens, table)
-            if view is None:
-                view = self._extend.update_(n, seq_lens=lens, extend_lens=q_lens,
-                                            block_table=table, seq_lens_cpu=host,
-                                            extend_lens_cpu=q_lens if self.host else None)
+        # (on a CPU, the native step first, on vLLM's tensors as they come: it reads the
+        # first n rows of a taller table and declines longer lengths, which go on below)
+        view: DecodeView | ExtendView | None = None
+        if self.host:
+            view = (self._decode_step(n, seq_lens, block_table) if q_lens is None
+                    else self._extend_step(n, seq_lens, q_lens, block_table))
+        if view is None:
+            # (shape[0]: a third of len()'s cost, which is a Python method of torch.Tensor)
+            lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
+            table = block_table if block_table.shape[0] == n else block_table[:n]
+            host = lens if self.host else None
+            view = (self._decode.update_(n, seq_lens=lens, block_table=table, seq_lens_cpu=host)
+                    if q_lens is None else
+                    self._extend.update_(n, seq_lens=lens, extend_lens=q_lens,
+                                         block_table=table, seq_lens_cpu=host,
+                                         extend_lens_cpu=q_lens if self.host else None))
         if self.kernel is not None:  # vLLM's kernel stores by slot itself: no block/offset pair
             return StepMetadata(view, None, self._none, self._none, num_actual_tokens,
                                 self.kernel.step(view, n))
