@@ -17,6 +17,7 @@ re-padded when another phase wrote there since.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -234,6 +235,12 @@ class Arena:
         rec = (phase, next(self._gens), rows)
         for r in regions:
             self._own[r] = rec
+
+    def mark_state(self) -> tuple[dict[object, tuple[Phase, int, int]], Iterator[int]]:
+        """The owners of the regions and the generation counter, for a native step that
+        records its write itself (``host_lane.c``'s ``mark``: :meth:`mark`'s record, the same
+        counter advanced); both objects live as long as the arena."""
+        return self._own, self._gens
 
     def holds(self, phase: Phase) -> bool:
         """True while every region ``phase`` writes holds ``phase``'s last write."""

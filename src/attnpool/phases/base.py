@@ -115,7 +115,6 @@ class PhaseBase(Generic[ViewT]):
         self.input_pass = InputPass(arena, self.phase.value, self._window_buffers is not None,
                                     self.fused, str(self.impl))
 
-
     @property
     def validate(self) -> bool:
         """Debug validation of device values (``BufferPool(validate=True)``, see ._validate).
@@ -128,6 +127,7 @@ class PhaseBase(Generic[ViewT]):
         self._validate = bool(on)
         if self._lane is not None:
             self._lane.validating(self._validate)
+
     def view(self, bs: int) -> ViewT:
         """The ``bs``-row view for capture: valid padded values (the capture state, written
         first when the bytes do not hold it: see the class docstring) and static host bounds."""

@@ -101,10 +101,9 @@ class HostLane:
         #: view class and its rebind offsets (None until :meth:`first` has checked them), the
         #: window part's key bound, the arena's owners and generations, the phase's regions
         #: and tag (what ``Arena.mark`` records), and the fallback
-        arena = phase.arena
+        own, gens = phase.arena.mark_state()
         self._state: list[Any] = [self._config, phase.validate, phase._sliced, None, None,
-                                  phase._window_k, arena._own, arena._gens, phase._regions,
-                                  phase.phase, None]
+                                  phase._window_k, own, gens, phase._regions, phase.phase, None]
 
     def _native_config(self, queries: Queries | None) -> bytes:
         """The native step's static config: the bounds, the pad values and the addresses of
