@@ -176,7 +176,7 @@ class HostLane:
         the forward has just evicted; there each Python frame (the method, the lane's call,
         the arena's bookkeeping) costs microseconds, as much as the step's own writes."""
         module = self._module
-        if module is None or not hasattr(module, "phase_step"):
+        if module is None:
             return fallback
         self._state[-1] = fallback
         return partial(module.phase_step, self._state)
