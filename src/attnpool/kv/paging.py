@@ -19,6 +19,7 @@ Pure Python, no tensors: this module imports nothing of the library but its erro
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from ..config import ceil_div
@@ -58,9 +59,13 @@ class PageAllocator:
                              f"got {pad_page}")
         self.num_pages, self.page_size, self.num_rows = num_pages, page_size, num_rows
         self.pad_page = pad_page
-        # Stacks: the lowest ids are handed out first (pop from the end of a reversed list).
-        self._pages = [p for p in reversed(range(num_pages)) if p != pad_page]
-        self._rows = list(reversed(range(num_rows)))
+        # Min-heaps: the lowest free ids are handed out first, however pages came back, so the
+        # pages of one request are one run of ids whenever the free ones are (every request of a
+        # fresh cache, or of one whose requests all ended), and requests admitted together get
+        # runs in admission order: what the SDPA adapter reads in place on a CPU, with no copy
+        # (attnpool.adapters.sdpa.gather). A sorted list is already a heap.
+        self._pages = [p for p in range(num_pages) if p != pad_page]
+        self._rows = list(range(num_rows))
         self._live: dict[int, Allocation] = {}
 
     @property
@@ -100,8 +105,8 @@ class PageAllocator:
         need = self.pages_for(tokens)
         if not self._rows or need > len(self._pages):
             return None
-        row = self._rows.pop()
-        pages = tuple(self._pages.pop() for _ in range(need))
+        row = heapq.heappop(self._rows)
+        pages = tuple(heapq.heappop(self._pages) for _ in range(need))
         alloc = Allocation(row, pages)
         self._live[row] = alloc
         return alloc
@@ -111,8 +116,9 @@ class PageAllocator:
         if self._live.get(alloc.row) is not alloc:
             raise InputError(f"allocation of row {alloc.row} is not live (released twice?)")
         del self._live[alloc.row]
-        self._pages.extend(reversed(alloc.pages))
-        self._rows.append(alloc.row)
+        for page in alloc.pages:
+            heapq.heappush(self._pages, page)
+        heapq.heappush(self._rows, alloc.row)
 
     def slot(self, alloc: Allocation, pos: int) -> int:
         """Token slot of position ``pos`` of ``alloc``'s request (``page * P + offset``)."""

@@ -16,6 +16,16 @@ copy is most of a decode layer's cost on a CPU besides SDPA itself, so two thing
   half a row of extra lanes (short rows in big pages copy token lanes).
 * **K and V in one copy** when they are one run of rows (a :class:`attnpool.KVCachePool`
   layer keeps its V pages after its K pages): one ``index_select`` over both instead of two.
+* **No copy at all, on a CPU, when the cache already holds the block.** When every row of a
+  pass is ``L`` tokens long (a batch of equal prompts, a single request) and each row's pages
+  are one run of consecutive page ids, the rows starting a fixed number of pages apart (what
+  an allocator that hands out fresh pages in order gives requests admitted together), the
+  ``[b, H_kv, L, D]`` block SDPA takes is a strided view of the cache itself (``Gather.run``):
+  a layer reads K and V where they lie, with no copy and no tail to zero. Only written lanes
+  are read (every lane below ``L`` is below its row's length), so ``torch.empty`` memory and
+  poison stay out of reach: nothing else in the pass changes (the same mask, the same SDPA
+  call over the same values at the same lanes, bit for bit). A cache whose token rows are
+  not one run, a dtype to convert or fp8 scales take the copy.
 
 Either way the same values reach SDPA at the same lanes: the results are bit-identical to the
 token-level copy of separate caches. (:func:`cache_as_pages`, the regrouping of a cache into
@@ -67,6 +77,9 @@ class Gather:
         raw: ``(pages [b, W] as the view holds them, live [b, L], arange)``, for those slots.
         pair: per K-to-V distance (token rows), :func:`gather_pair`'s index, its tail and the
             page size used: derived once per forward, not per layer.
+        run: ``(first, stride, end)`` in token rows when the rows can be read in place (see the
+            module docstring): row ``i``'s lanes are token rows ``first + i * stride ..``, and
+            ``end`` is one past the last token row read; None otherwise.
     """
 
     pages: Tensor | None
@@ -76,6 +89,7 @@ class Gather:
     slots: Tensor | None
     raw: tuple[Tensor, Tensor, Tensor]
     pair: dict[int, tuple[Tensor, Tensor | None, int]] = field(default_factory=dict)
+    run: tuple[int, int, int] | None = None
 
     def token_slots(self) -> Tensor:
         """:attr:`slots`, built on first use: ``page * P + offset`` of every lane (int64),
@@ -103,17 +117,58 @@ def plan_gather(pages: Tensor, lens: Tensor, live: Tensor, t: Tensor, page: int,
     lengths (reading them is free on a CPU; a few host ints per row, no tensor op per lane)."""
     span = pages.shape[1] * page
     g = Gather(None, page, span, None, None, (pages, live, t))
-    if pages.device.type != "cpu" or page == 1 or 2 * (span - lmax) > lmax:
+    if pages.device.type != "cpu":
+        g.token_slots()
+        return g
+    each = lens.view(-1).tolist()
+    if each and min(each) == lmax:  # every lane is written: maybe one strided view
+        g.run = _run_of(pages, page, lmax, t)
+    if page == 1 or 2 * (span - lmax) > lmax:
         g.token_slots()
         return g
     g.pages = torch.where(t[:span:page] < lens, pages, 0).view(-1)
     tail: list[int] = []
-    for i, n in enumerate(lens.view(-1).tolist()):
+    for i, n in enumerate(each):
         if n % page:  # lanes n .. the end of its page (below L) hold what the page held
             tail.extend(range(i * span + n, i * span + min(n - n % page + page, lmax)))
     if tail:
         g.tail = torch.tensor(tail, dtype=torch.int64, device=pages.device)
     return g
+
+
+def _run_of(pages: Tensor, page: int, lmax: int, t: Tensor) -> tuple[int, int, int] | None:
+    """``Gather.run`` of rows whose first ``ceil(L / page)`` page ids are ``pages [b, >= W]``
+    (host memory), or None: each row's pages consecutive, row ``i``'s first page
+    ``first + i * stride`` (``stride >= 0``: rows may share pages), no page id negative."""
+    w = -(-lmax // page)
+    ids = pages[:, :w].to(torch.int64)
+    first = ids[:, :1]
+    if int(first[0]) < 0 or not bool((ids == first + t[:w]).all()):
+        return None
+    steps = first[1:] - first[:-1]
+    stride = int(steps[0]) if steps.numel() else 0
+    if stride < 0 or (steps.numel() and not bool((steps == stride).all())):
+        return None
+    rows = ids.shape[0]
+    start = int(first[0]) * page
+    return start, stride * page, start + (rows - 1) * stride * page + lmax
+
+
+def _in_place(pl: Lanes, cache: Tensor, dtype: torch.dtype, scale: Tensor | None
+              ) -> Tensor | None:
+    """``cache``'s key lanes as ``[b, H_kv, L, D]``, a strided view of the cache itself
+    (``Gather.run``), or None when this cache cannot be read so: its token rows are not one run,
+    it needs converting or dequantizing, or the rows reach past its end (ids out of range: the
+    copy then raises the index error)."""
+    run = pl.gather.run
+    if (run is None or scale is not None or cache.dtype != dtype or cache.dim() != 4
+            or not token_rows(cache) or run[2] > cache.shape[0] * cache.shape[1]):
+        return None
+    first, stride, _ = run
+    tok = cache.stride(1)
+    return cache.as_strided((pl.b, cache.shape[2], pl.lmax, cache.shape[3]),
+                            (stride * tok, cache.stride(2), tok, cache.stride(3)),
+                            cache.storage_offset() + first * tok)
 
 
 def _lanes(pl: Lanes, x: Tensor, d: int, lead: tuple[int, ...], span: int, tail: Tensor | None,
@@ -147,6 +202,8 @@ def gather_kv(pl: Lanes, cache: Tensor, dtype: torch.dtype, scale: Tensor | None
     ``scale`` (an fp8 cache's ``[1]`` or ``[H_kv]`` float32 scale): only the gathered lanes are
     dequantized (``stored * scale`` in float32, then ``dtype``), never the whole cache."""
     g, hk, d = pl.gather, pl.num_kv_heads, cache.shape[-1]
+    if g.run is not None and (lanes := _in_place(pl, cache, dtype, scale)) is not None:
+        return lanes
     if g.pages is not None and not (cache.shape[0] * cache.shape[1]) % g.page:
         if cache.is_contiguous():
             x = cache.view(-1, g.page * hk * d).index_select(0, g.pages)
@@ -187,6 +244,10 @@ def gather_pair(pl: Lanes, k_cache: Tensor, v_cache: Tensor, dtype: torch.dtype,
         # one copy of K serves both, V is a view of it
         k = gather_kv(pl, k_cache, dtype, k_scale)
         return k, k[..., : v_cache.shape[-1]]
+    if pl.gather.run is not None:
+        kl, vl = _in_place(pl, k_cache, dtype, k_scale), _in_place(pl, v_cache, dtype, v_scale)
+        if kl is not None and vl is not None:
+            return kl, vl
     dist = None if k_scale is not None or v_scale is not None else _kv_gap(k_cache, v_cache)
     if dist is None:
         return gather_kv(pl, k_cache, dtype, k_scale), gather_kv(pl, v_cache, dtype, v_scale)
