@@ -23,6 +23,7 @@ from .backends import Backend, Need, select
 from .flashinfer import GraphWrappers
 from .flashinfer_step import StepPlans
 from .flashinfer_step import run as flashinfer_run
+from .sdpa.lean import lean_out, lean_ready
 from .sdpa.paged import attention_out, plan, run_plan
 from .sdpa.planning import Plan
 
@@ -77,14 +78,17 @@ class Run:
     window), ``local`` the forward's chunked-local-attention view (``pool.local`` updated for
     the same step; chunked layers), else the full part. SDPA: each part's gather
     plan (token slots, masks, query lanes) is computed once per forward, the first time a layer
-    reads that part, instead of once per layer. flash-attn reads the view's tensors directly,
-    so there is nothing to prepare (FA2 only runs parts with one query count for every row;
-    prefill and draft extend parts go through SDPA). FlashInfer runs the wrappers the
-    integration planned for every part of the view before the forward (``planned``, with the
-    scale and soft cap every layer must share: :meth:`.flashinfer_step.StepPlans.check`).
+    reads that part, instead of once per layer; when the full part's plan reads the cache in
+    place with one query per row (a CPU decode step of equal rows), later layers go straight
+    to :func:`.sdpa.lean.lean_out` (the same SDPA call, without the general path's steps).
+    flash-attn reads the view's tensors directly, so there is nothing to prepare (FA2 only runs
+    parts with one query count for every row; prefill and draft extend parts go through SDPA).
+    FlashInfer runs the wrappers the integration planned for every part of the view before the
+    forward (``planned``, with the scale and soft cap every layer must share:
+    :meth:`.flashinfer_step.StepPlans.check`).
     """
 
-    __slots__ = ("_args", "_plans", "backend", "local", "planned", "view")
+    __slots__ = ("_args", "_lean", "_plans", "backend", "local", "planned", "view")
 
     def __init__(self, backend: Backend, view: object, num_q: int, num_heads: int,
                  num_kv_heads: int, dtype: torch.dtype, prefix_free: bool,
@@ -93,11 +97,18 @@ class Run:
         self.backend, self.view, self.local = backend, view, local
         self._args = (num_q, num_heads, num_kv_heads, dtype, prefix_free)
         self._plans: dict[int, Plan] = {}
+        self._lean: Plan | None = None  # the full part's plan, when lean_out serves its layers
         self.planned = planned
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: float | None, *,
                  window: bool = False, softcap: float = 0.0, sinks: Tensor | None = None,
                  local: bool = False) -> Tensor:
+        lean = self._lean
+        if lean is not None and not (window or local or softcap or sinks is not None):
+            # a decode layer reading the cache in place: SDPA with nothing around it
+            out = lean_out(lean, q, k, v, scale)
+            if out is not None:
+                return out
         view = self.view
         if local:
             if self.local is None:
@@ -129,6 +140,8 @@ class Run:
                 pl = self._plans[key] = plan(
                     part, num_q=num_q, num_heads=heads, num_kv_heads=kv_heads, dtype=dtype,
                     prefix_free=prefix_free and not local)
+                if key == 0 and lean_ready(pl):
+                    self._lean = pl
             return run_plan(pl, q, k, v, softmax_scale=scale, softcap=softcap, sinks=sinks)
         from . import flash_attn as fa  # lazy: CUDA-only kernels
 

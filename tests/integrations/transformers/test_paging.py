@@ -57,6 +57,25 @@ def test_rows_run_out_before_pages() -> None:
     assert a.admit(1) == Allocation(0, (0,))
 
 
+def test_lowest_free_pages_first_so_requests_get_runs() -> None:
+    """Requests admitted together get consecutive runs of pages in admission order, also after
+    every request of an earlier batch ended (whatever order they ended in): the layout the SDPA
+    adapter reads in place on a CPU."""
+    a = PageAllocator(num_pages=20, page_size=4, num_rows=4)
+    first = [a.admit(12) for _ in range(3)]
+    assert [x.pages for x in first if x is not None] == [(1, 2, 3), (4, 5, 6), (7, 8, 9)]
+    for x in (first[1], first[2], first[0]):
+        assert x is not None
+        a.release(x)
+    again = [a.admit(16) for _ in range(3)]
+    assert [(x.row, x.pages) for x in again if x is not None] == [
+        (0, (1, 2, 3, 4)), (1, (5, 6, 7, 8)), (2, (9, 10, 11, 12))]
+    assert again[1] is not None
+    a.release(again[1])  # a hole in the middle: the next request fills it first
+    x = a.admit(20)
+    assert x is not None and x.pages == (5, 6, 7, 8, 13)
+
+
 class _Watch:
     """Checks every admission against the allocations already live."""
 

@@ -5,8 +5,11 @@ library's CPU backend and the oracle the kernel adapters are checked against.
   and :func:`plan` / :func:`run_plan` for a forward over many layers),
 * :mod:`.planning`: the layer-independent half of a pass (:class:`~.planning.Plan`: where each
   row's keys and queries are),
-* :mod:`.gather`: the copy of each layer's key lanes out of the paged cache, and
-  :func:`cache_as_pages` (how every adapter reads a cache in pages of another size).
+* :mod:`.gather`: the copy of each layer's key lanes out of the paged cache (or, on a CPU, the
+  cache itself seen as the block SDPA takes), and :func:`cache_as_pages` (how every adapter
+  reads a cache in pages of another size),
+* :mod:`.lean`: a decode layer whose keys are read in place, with nothing between it and SDPA
+  (what a bound forward's later layers take).
 """
 
 from __future__ import annotations

@@ -164,9 +164,15 @@ def _in_place(pl: Lanes, cache: Tensor, dtype: torch.dtype, scale: Tensor | None
     if (run is None or scale is not None or cache.dtype != dtype or cache.dim() != 4
             or not token_rows(cache) or run[2] > cache.shape[0] * cache.shape[1]):
         return None
+    return read_in_place(pl.b, pl.lmax, run, cache)
+
+
+def read_in_place(b: int, lmax: int, run: tuple[int, int, int], cache: Tensor) -> Tensor:
+    """``[b, H_kv, L, D]``: the ``run``'s rows of ``cache`` (token rows one run, the run inside
+    it: the caller checked both) as a strided view, nothing copied."""
     first, stride, _ = run
     tok = cache.stride(1)
-    return cache.as_strided((pl.b, cache.shape[2], pl.lmax, cache.shape[3]),
+    return cache.as_strided((b, cache.shape[2], lmax, cache.shape[3]),
                             (stride * tok, cache.stride(2), tok, cache.stride(3)),
                             cache.storage_offset() + first * tok)
 
