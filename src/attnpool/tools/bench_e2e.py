@@ -318,6 +318,7 @@ class Summary:
             "method": self.method, "tokens": b.tokens, "rounds": len(self.runs),
             "wall_s_best": b.wall_s, "tokens_per_s_best": b.tokens / b.wall_s,
             "tokens_per_s_median": statistics.median(r.tokens / r.wall_s for r in self.runs),
+            "tokens_per_s_each": [r.tokens / r.wall_s for r in self.runs],
             "cpu_s_best": min(r.cpu_s for r in self.runs),
             "cpu_tokens_per_s_best": b.tokens / min(r.cpu_s for r in self.runs),
             "metadata_us_per_step": 1e6 * b.metadata_s / b.steps if b.steps else None,
