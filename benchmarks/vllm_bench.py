@@ -12,7 +12,9 @@ native tokens. Each round starts one engine per variant and times ``--repeats`` 
 ``generate`` per batch on it (after a warm-up call), its median being the round's figure: one
 call of a few seconds on a shared machine is one draw of its load, and the rounds' engines
 start anew (compiled mode compiles each). The best ratio is the best rounds' ratio, the
-median ratio the ratio of the rounds' medians. Then the host time of the
+median ratio the ratio of the rounds' medians, and the paired ratio the median of each round's
+own ratio (attnpool's engine over the native one started just before it, so a load that moves
+over minutes weighs on both sides of each ratio). Then the host time of the
 metadata builder's ``build`` per step, by number of requests in the step, for vLLM's
 ``CPUAttentionMetadataBuilder.build`` and attnpool's, as microseconds and as a ratio to one
 small torch op (``torch.add`` of two 8-element tensors) timed in the same process.
@@ -164,13 +166,19 @@ def main() -> int:
                 rows.append((("eager" if eager else "compiled"), name, b, max(nat), max(ours),
                              max(ours) / max(nat), sorted(ours)[len(ours) // 2]
                              / sorted(nat)[len(nat) // 2],
+                             sorted(o / n for o, n in zip(ours, nat, strict=True))[len(ours) // 2],
                              toks[("native", b)] == toks[(name, b)]
-                             and not {("native", b), (name, b)} & unstable))
+                             and not {("native", b), (name, b)} & unstable, nat, ours))
     print("| mode | attnpool attends with | batch | native tok/s (best) | attnpool tok/s (best) "
-          "| best ratio | median ratio | same tokens |\n|---|---|---|---|---|---|---|---|")
+          "| best ratio | median ratio | paired ratio | same tokens |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.2f}x | "
-              f"{r[6]:.2f}x | {'yes' if r[7] else 'NO'} |")
+              f"{r[6]:.2f}x | {r[7]:.2f}x | {'yes' if r[8] else 'NO'} |")
+    print()
+    for r in rows:  # each round's tokens/s, the spread the ratios come from
+        print(f"rounds, {r[0]} {r[1]} {r[2]}: native " + " ".join(f"{x:.1f}" for x in r[9])
+              + ", attnpool " + " ".join(f"{x:.1f}" for x in r[10]))
     op = small_op_s()
     print(f"\none small torch op (torch.add, 8 elements): {op * 1e6:.2f} us\n")
     print("| requests in the step | variant | steps | build us (median) | in small ops |\n"

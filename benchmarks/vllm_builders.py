@@ -12,7 +12,9 @@ both, in alternating order, each timed with ``time.perf_counter``; the engine go
 attnpool's metadata. So both builders see the same steps, in the same process, with the same
 caches in between (the model's forward). Likewise every attnpool layer gets vLLM's own
 ``CPUAttentionBackendImpl`` as a twin: each layer's K/V store and attention call run both
-(the same kernel and store op writing the same bytes), alternating, timed per call.
+(the same kernel and store op writing the same bytes), alternating, timed per call, and
+each side's figure is position-balanced the same way as the builders' (the second call of a
+pair reads the K/V the first just pulled into the caches).
 
 Workloads: 1 request, 8 requests, 64 requests (prompts of 20-120 tokens, 24 new tokens each,
 ``max_num_batched_tokens=256`` so that prefill chunks share steps with decode rows). A step is
@@ -57,9 +59,10 @@ MODEL = [""]
 WORKLOAD = [0]
 #: layer name -> (vLLM's own metadata of the layer's group this step, step kind)
 TWIN_MD: dict[str, tuple[Any, str]] = {}
-#: (model, kind, "store" | "attention") -> ([native seconds], [attnpool seconds]) per layer call
-LAYER_TIMES: dict[tuple[str, str, str], tuple[list[float], list[float]]] = \
-    collections.defaultdict(lambda: ([], []))
+#: (model, kind, "store" | "attention") -> [native first, native second, attnpool first,
+#: attnpool second] seconds per layer call (first / second: which ran first in the pair)
+LAYER_TIMES: dict[tuple[str, str, str], list[list[float]]] = \
+    collections.defaultdict(lambda: [[], [], [], []])
 REQUESTS = (1, 8, 64)
 
 
@@ -133,30 +136,30 @@ def _twin_layers() -> None:
             num_heads, head_size, scale, num_heads if num_kv_heads is None else num_kv_heads,
             alibi_slopes, sliding_window, kv_cache_dtype, logits_soft_cap, attn_type,
             kv_sharing_target_layer_name, sinks)
-        self._turn = 0
+        self._turn = {"store": 0, "attention": 0}  # (one per part: a step calls both)
 
     def timed(label: str, ours: Any, theirs: Any, self: Any, layer: Any) -> Any:
         got = TWIN_MD.get(getattr(layer, "layer_name", ""))
         if got is None:
             return ours()
-        native, mine = LAYER_TIMES[(MODEL[0], got[1], label)]
-        self._turn ^= 1
-        if self._turn:
+        times = LAYER_TIMES[(MODEL[0], got[1], label)]
+        self._turn[label] ^= 1
+        if self._turn[label]:
             t = time.perf_counter()
             theirs(got[0])
             t1 = time.perf_counter()
             out = ours()
             t2 = time.perf_counter()
-            native.append(t1 - t)
-            mine.append(t2 - t1)
+            times[0].append(t1 - t)
+            times[3].append(t2 - t1)
         else:
             t = time.perf_counter()
             out = ours()
             t1 = time.perf_counter()
             theirs(got[0])
             t2 = time.perf_counter()
-            mine.append(t1 - t)
-            native.append(t2 - t1)
+            times[2].append(t1 - t)
+            times[1].append(t2 - t1)
         return out
 
     def timed_forward(self: Any, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
@@ -299,13 +302,18 @@ def main() -> int:
         print(f"| {model} | {kind} | {n} | {sum(len(t) for t in times[:2])} | "
               f"{m[0] * 1e6:.0f} / {m[1] * 1e6:.0f} | {m[2] * 1e6:.0f} / {m[3] * 1e6:.0f} | "
               f"{a * 1e6:.0f} | {b * 1e6:.0f} | {a / op:.0f} | {b / op:.0f} | {b / a:.2f}x |")
-    print("\nper layer call (medians over every layer of every step):\n\n"
-          "| model | step | part | calls | vLLM's impl us | attnpool us | attnpool / vLLM |\n"
-          "|---|---|---|---|---|---|---|")
-    for (model, kind, part), (native, ours) in sorted(LAYER_TIMES.items()):
-        a, b = _median(native), _median(ours)
-        print(f"| {model} | {kind} | {part} | {len(ours)} | {a * 1e6:.1f} | {b * 1e6:.1f} | "
-              f"{b / a:.2f}x |")
+    print("\nper layer call (position-balanced medians over every layer of every step):\n\n"
+          "| model | step | part | calls | vLLM's impl us, first / second | attnpool us, first "
+          "/ second | vLLM's impl us | attnpool us | attnpool / vLLM |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for (model, kind, part), times in sorted(LAYER_TIMES.items()):
+        if min(len(t) for t in times) == 0:
+            continue
+        m = [_median(t) for t in times]
+        a, b = (m[0] + m[1]) / 2, (m[2] + m[3]) / 2
+        print(f"| {model} | {kind} | {part} | {len(times[2]) + len(times[3])} | "
+              f"{m[0] * 1e6:.1f} / {m[1] * 1e6:.1f} | {m[2] * 1e6:.1f} / {m[3] * 1e6:.1f} | "
+              f"{a * 1e6:.1f} | {b * 1e6:.1f} | {b / a:.2f}x |")
     if PIECES:
         print("\npieces of attnpool's build (medians, every model and step; --pieces):\n\n"
               "| piece | calls | us |\n|---|---|---|")

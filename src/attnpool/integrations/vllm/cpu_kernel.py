@@ -99,6 +99,10 @@ class CPUKernel:
         #: about 1 us of a build that costs vLLM 10 warm), else the overload
         split = self._ops.get_scheduler_metadata.default
         self._split = getattr(split, "_op", split)
+        #: the attention and store ops, called once per layer: the same direct call
+        attn, store = (self._ops.cpu_attention_with_kv_cache.default,
+                       self._ops.cpu_attn_reshape_and_cache.default)
+        self._attend, self._store = getattr(attn, "_op", attn), getattr(store, "_op", store)
         #: (data_ptr, shape) of a layer's cache -> its K and V halves (see :meth:`halves`)
         self._halves: dict[tuple[int, torch.Size], tuple[Tensor, Tensor]] = {}
 
@@ -140,7 +144,7 @@ class CPUKernel:
         ``alibi_slopes``: ``[H]`` float32 ALiBi slopes, else None; ``scales``: the layer's
         K and V scales of an fp8 cache (vLLM's ``layer._k_scale_float``, ``_v_scale_float``)."""
         k_cache, v_cache = self.halves(kv_cache)
-        self._ops.cpu_attention_with_kv_cache(
+        self._attend(
             query, k_cache, v_cache, output, step.query_start_loc,
             step.seq_lens, scale, self.causal, alibi_slopes, -1 if window is None else window,
             step.block_table, softcap, step.scheduler_metadata, sinks, None, scales[0],
@@ -156,6 +160,5 @@ class CPUKernel:
         t = slot_mapping.shape[0]
         if key.shape[0] != t:  # (vLLM's padded tokens past the slots)
             key, value = key[:t], value[:t]
-        self._ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping,
-                                             self.isa, scales[0], scales[1],
-                                             self.kv_cache_dtype)
+        self._store(key, value, k_cache, v_cache, slot_mapping, self.isa, scales[0], scales[1],
+                    self.kv_cache_dtype)
