@@ -257,6 +257,16 @@ def _median(xs: list[float]) -> float:
     return ys[k] if len(ys) % 2 else (ys[k - 1] + ys[k]) / 2
 
 
+def _balanced(times: list[list[float]]) -> tuple[list[float], float, float] | None:
+    """The medians of ``[native first, native second, attnpool first, attnpool second]`` and
+    each side's position-balanced figure (the mean of its two), or None for a kind seen in one
+    position only."""
+    if min(len(t) for t in times) == 0:
+        return None
+    m = [_median(t) for t in times]
+    return m, (m[0] + m[1]) / 2, (m[2] + m[3]) / 2
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="smollm2,mistral")
@@ -295,10 +305,9 @@ def main() -> int:
           "us, first / second | vLLM's builder us | attnpool us | vLLM's in small ops | "
           "attnpool in small ops | attnpool / vLLM |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for (model, kind, n), times in sorted(TIMES.items()):
-        if min(len(t) for t in times) == 0:  # (a kind seen in one position only)
+        if (got := _balanced(times)) is None:
             continue
-        m = [_median(t) for t in times]
-        a, b = (m[0] + m[1]) / 2, (m[2] + m[3]) / 2
+        m, a, b = got
         print(f"| {model} | {kind} | {n} | {sum(len(t) for t in times[:2])} | "
               f"{m[0] * 1e6:.0f} / {m[1] * 1e6:.0f} | {m[2] * 1e6:.0f} / {m[3] * 1e6:.0f} | "
               f"{a * 1e6:.0f} | {b * 1e6:.0f} | {a / op:.0f} | {b / op:.0f} | {b / a:.2f}x |")
@@ -307,10 +316,9 @@ def main() -> int:
           "/ second | vLLM's impl us | attnpool us | attnpool / vLLM |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for (model, kind, part), times in sorted(LAYER_TIMES.items()):
-        if min(len(t) for t in times) == 0:
+        if (got := _balanced(times)) is None:
             continue
-        m = [_median(t) for t in times]
-        a, b = (m[0] + m[1]) / 2, (m[2] + m[3]) / 2
+        m, a, b = got
         print(f"| {model} | {kind} | {part} | {len(times[2]) + len(times[3])} | "
               f"{m[0] * 1e6:.1f} / {m[1] * 1e6:.1f} | {m[2] * 1e6:.1f} / {m[3] * 1e6:.1f} | "
               f"{a * 1e6:.1f} | {b * 1e6:.1f} | {b / a:.2f}x |")
