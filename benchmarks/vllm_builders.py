@@ -40,6 +40,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -257,14 +258,17 @@ def _median(xs: list[float]) -> float:
     return ys[k] if len(ys) % 2 else (ys[k - 1] + ys[k]) / 2
 
 
-def _balanced(times: list[list[float]]) -> tuple[list[float], float, float] | None:
-    """The medians of ``[native first, native second, attnpool first, attnpool second]`` and
-    each side's position-balanced figure (the mean of its two), or None for a kind seen in one
-    position only."""
-    if min(len(t) for t in times) == 0:
-        return None
-    m = [_median(t) for t in times]
-    return m, (m[0] + m[1]) / 2, (m[2] + m[3]) / 2
+def _balanced(table: dict[Any, list[list[float]]]
+              ) -> Iterator[tuple[Any, list[list[float]], list[float], float, float]]:
+    """Per key of ``table`` (sorted) whose lists ``[native first, native second, attnpool
+    first, attnpool second]`` all hold a time: the key, the lists, their medians and each
+    side's position-balanced figure (the mean of its two medians). A kind seen in one position
+    only is left out."""
+    for key, times in sorted(table.items()):
+        if min(len(t) for t in times) == 0:
+            continue
+        m = [_median(t) for t in times]
+        yield key, times, m, (m[0] + m[1]) / 2, (m[2] + m[3]) / 2
 
 
 def main() -> int:
@@ -304,10 +308,7 @@ def main() -> int:
     print("| model | step | requests | steps | vLLM's builder us, first / second | attnpool "
           "us, first / second | vLLM's builder us | attnpool us | vLLM's in small ops | "
           "attnpool in small ops | attnpool / vLLM |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    for (model, kind, n), times in sorted(TIMES.items()):
-        if (got := _balanced(times)) is None:
-            continue
-        m, a, b = got
+    for (model, kind, n), times, m, a, b in _balanced(TIMES):
         print(f"| {model} | {kind} | {n} | {sum(len(t) for t in times[:2])} | "
               f"{m[0] * 1e6:.0f} / {m[1] * 1e6:.0f} | {m[2] * 1e6:.0f} / {m[3] * 1e6:.0f} | "
               f"{a * 1e6:.0f} | {b * 1e6:.0f} | {a / op:.0f} | {b / op:.0f} | {b / a:.2f}x |")
@@ -315,10 +316,7 @@ def main() -> int:
           "| model | step | part | calls | vLLM's impl us, first / second | attnpool us, first "
           "/ second | vLLM's impl us | attnpool us | attnpool / vLLM |\n"
           "|---|---|---|---|---|---|---|---|---|")
-    for (model, kind, part), times in sorted(LAYER_TIMES.items()):
-        if (got := _balanced(times)) is None:
-            continue
-        m, a, b = got
+    for (model, kind, part), times, m, a, b in _balanced(LAYER_TIMES):
         print(f"| {model} | {kind} | {part} | {len(times[2]) + len(times[3])} | "
               f"{m[0] * 1e6:.1f} / {m[1] * 1e6:.1f} | {m[2] * 1e6:.1f} / {m[3] * 1e6:.1f} | "
               f"{a * 1e6:.1f} | {b * 1e6:.1f} | {b / a:.2f}x |")
