@@ -71,7 +71,8 @@ def test_window_pages_held_after_a_long_generation(benchmark: Any, record: Calla
     """KV pages one request holds after 2,000 generated tokens (plus a 32-token prompt), in one
     run of a model with one sliding-window layer and one full layer: the full layer keeps every
     page of the request (what a window layer would hold without freeing), the window layer's
-    cache only what a future window can still read (:mod:`attnpool.kv.window_paging`)."""
+    cache only what a future window can still read
+    (:mod:`attnpool.integrations.transformers.window_paging`)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.Cohere2Config(

@@ -190,8 +190,8 @@ PIECES: dict[str, list[float]] = collections.defaultdict(list)
 
 def _time_pieces() -> None:
     """Wrap the pieces of attnpool's build with ``perf_counter`` (``--pieces``): the pool's
-    updates, the Python path of ``host_step`` (a size's first step; later ones are one C call,
-    not wrapped), the host lane's native step (or the torch lane's check and write), the work
+    updates, the Python path of ``host_step`` (a size's first step, or a call the C step
+    declines; later ones are one C call, not wrapped), the host route's C step, the work
     split, and a probe of two ``torch.add`` calls and a small list comprehension at the start
     of each build (what the same code costs right after a forward, on cold caches). The
     wrappers cost a little themselves, so the build's own figures come from a run without
@@ -219,10 +219,8 @@ def _time_pieces() -> None:
                              (ExtendPhase, "_host_step", "pool.extend.host_step's Python path"),
                              (DecodePhase, "update_", "pool.decode.update_"),
                              (ExtendPhase, "update_", "pool.extend.update_"),
-                             (HostLane, "native", "host lane: native step (its checks, "
+                             (HostLane, "native", "host route: the C step (its checks, "
                                                  "the C call)"),
-                             (HostLane, "check", "host lane: torch lane's check"),
-                             (HostLane, "write", "host lane: torch lane's write"),
                              (CPUKernel, "step", "work split (CPUKernel.step)")):
         wrap(cls, name, label)
     build = AttnpoolMetadataBuilder.build

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 QUESTIONS = ("What is the capital of France?", "Name three primary colours.")
@@ -51,6 +52,9 @@ def main() -> int:
 
     from attnpool.tools.vllm_folder import float32_folder
 
+    # the engine's processes count their pool's refills into files here (attnpool's backend)
+    report = os.path.join(tempfile.mkdtemp(prefix="attnpool-sglang-"), "served")
+    os.environ["ATTNPOOL_SGLANG_REPORT"] = report
     folder = float32_folder("smollm2")
     tok = AutoTokenizer.from_pretrained(folder)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
@@ -63,6 +67,15 @@ def main() -> int:
     finally:
         llm.shutdown()
     print(f"attention: {a.backend}")
+    if a.backend == "attnpool":
+        from attnpool.integrations.sglang.backend import Served
+
+        decode, extend, nbytes = Served.read(report)
+        print(f"attnpool's pool ({nbytes} bytes) served {extend} extend and {decode} decode "
+              "refills of the run")
+        if decode + extend == 0:
+            print("error: attnpool's backend refilled nothing", file=sys.stderr)
+            return 1
     for q, o in zip(QUESTIONS, outs, strict=True):
         print(f"Q: {q}\nA: {o['text'].strip()}\n")
     return 0

@@ -212,7 +212,7 @@ def num_sm_parts(num_sms: int, num_q_tokens_per_head_k: int, num_heads_k: int = 
 
 class SchedLayout(enum.Enum):
     """Field order of one part's row of FlashMLA's ``tile_scheduler_metadata`` (the two APIs
-    read different ones; :mod:`attnpool.update.flashmla_sched` writes both)."""
+    read different ones; :mod:`attnpool.update.reference.flashmla` writes both)."""
 
     #: ``[begin_req (-1: no work), begin_block, end_req, end_block, begin_split, 0, 0, 0]``:
     #: the argument-style ``flash_mla_with_kvcache(..., tile_scheduler_metadata, num_splits)``

@@ -74,14 +74,20 @@ def check_tensor(
         device = cfg.torch_device
     want = device
     lo, hi = outside
-    # (a 1-D tensor is contiguous iff its stride is 1 or it has at most one element)
-    if (type(t) is Tensor and t.dim() == ndim and t.dtype in dtypes and t.device == want
-            and (rows is None or t.shape[0] == rows)
-            and (not contiguous or ndim != 1 or t.is_contiguous())
-            and not lo <= t.data_ptr() < hi):
-        return t
+    # (a 1-D tensor is contiguous iff its stride is 1 or it has at most one element; a tensor
+    # without strided storage, a sparse one, raises in data_ptr(): the checks below name it)
+    try:
+        if (type(t) is Tensor and t.dim() == ndim and t.dtype in dtypes and t.device == want
+                and (rows is None or t.shape[0] == rows)
+                and (not contiguous or ndim != 1 or t.is_contiguous())
+                and not lo <= t.data_ptr() < hi):
+            return t
+    except RuntimeError:
+        pass
     if not isinstance(t, Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided:
+        raise InputError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if t.dim() != ndim:
         raise InputError(f"{name} must have {ndim} dim(s), got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
@@ -104,9 +110,12 @@ def check_shaped(name: str, t: object, shape: tuple[int, ...], dtypes: tuple[tor
     launch key holds them: the kernel indexes the input with them). One shape compare instead of
     a read per dimension: the accepted case is one expression, as in :func:`check_tensor`."""
     lo, hi = outside
-    if (type(t) is Tensor and t.shape == shape and t.dtype in dtypes and t.device == device
-            and not lo <= t.data_ptr() < hi):
-        return t, t.stride()
+    try:  # (a sparse tensor raises in data_ptr(): check_tensor names it)
+        if (type(t) is Tensor and t.shape == shape and t.dtype in dtypes and t.device == device
+                and not lo <= t.data_ptr() < hi):
+            return t, t.stride()
+    except RuntimeError:
+        pass
     t = check_tensor(name, t, None, len(shape), dtypes, shape[0], device, False, outside)
     if t.shape != shape:
         raise InputError(f"{name} must be {list(shape)}, got {list(t.shape)}")

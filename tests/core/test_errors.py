@@ -10,7 +10,7 @@ import torch
 
 import attnpool
 from attnpool import BufferPool, CapacityError, Impl, InputError, Layout, PoolConfig, PoolError
-from attnpool.update import row_layouts
+from attnpool.update.reference import rows as row_layouts
 
 from tests.helpers.batches import make_batch
 

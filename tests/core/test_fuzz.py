@@ -82,6 +82,95 @@ def test_bad_inputs_raise_and_write_nothing(impl: Impl, examples: int) -> None:
     hypo(examples, case)
 
 
+# ---- the host route's bad inputs ---------------------------------------------------------------
+def _host_pool() -> BufferPool:
+    return BufferPool(PoolConfig(max_bs=6, max_context_len=C, page_size=4, device="cpu",
+                                 layout=Layout.FLASH_ATTN, max_extend_tokens=24, pad_page=0,
+                                 num_pages=4 * C, impl=Impl.REFERENCE), poison=True)
+
+
+def _host_mutations(pool: BufferPool, kind: str, s: dict[str, Any]
+                    ) -> list[tuple[str, dict[str, Any]]]:
+    """Bad variants of a ``host_step`` call (``s``: bs, seq_lens, block_table[, extend_lens])."""
+    lens, table, n = s["seq_lens"], s["block_table"], s["seq_lens"].shape[0]
+    out: list[tuple[str, dict[str, Any]]] = [
+        ("bs=True", {"bs": True}), ("bs float", {"bs": float(s["bs"])}), ("bs=0", {"bs": 0}),
+        ("bs > max_bs", {"bs": 7}), ("bs past int64", {"bs": 2 ** 70}),
+        ("float seq_lens", {"seq_lens": lens.float()}),
+        ("2-D seq_lens", {"seq_lens": lens.view(1, n)}),
+        ("a zero length", {"seq_lens": torch.cat([lens[:-1], lens.new_zeros(1)])}),
+        ("a length past C", {"seq_lens": torch.cat([lens[:-1], lens.new_full((1,), C + 1)])}),
+        ("seq_lens inside the arena", {"seq_lens": pool.decode.view(n).cache_seqlens}),
+        ("float table", {"block_table": table.float()}),
+        ("narrow table", {"block_table": table[:, :2]}),
+        ("table of too few rows", {"block_table": table[: n - 1]}),
+        ("sparse table", {"block_table": table.to_sparse()}),
+        ("1-D table", {"block_table": table[0]}),
+        ("list seq_lens", {"seq_lens": lens.tolist()}),
+    ]
+    if table.shape[0] >= 2:  # (one row: its column-major copy has contiguous rows too)
+        out.append(("column-major table", {"block_table": table.t().contiguous().t()}))
+    if n >= 2:
+        out += [("n > bs", {"bs": n - 1}),
+                ("strided seq_lens", {"seq_lens": torch.stack([lens, lens], 1).reshape(-1)[::2]})]
+    if kind == "extend":
+        ext = s["extend_lens"]
+        out += [("extend past seq_lens", {"extend_lens": lens + 1}),
+                ("a zero new-token count", {"extend_lens": torch.cat([ext[:-1], ext.new_zeros(1)])}),
+                ("extend_lens of n - 1", {"extend_lens": ext[:-1]}),
+                ("int64 extend_lens past T", {"extend_lens": torch.full((n,), 25),
+                                              "seq_lens": torch.full((n,), 30)})]
+    return out
+
+
+@pytest.mark.parametrize("examples", LENGTH)
+def test_the_host_routes_bad_inputs_raise_the_general_paths_error(examples: int) -> None:
+    """``host_step`` (the C step where it takes a call) and ``update_`` (the general path) on
+    one bad call each: the same error, and every byte of the pool as it was."""
+    def case(seed: int) -> None:
+        rng = random.Random(seed)
+        pools = _host_pool(), _host_pool()
+        kind = rng.choice(["decode", "extend"])
+        n = rng.randint(1, 6)
+        s: dict[str, Any] = {"bs": rng.randint(n, 6)}
+        ext = [rng.randint(1, 3) for _ in range(n)]
+        s["seq_lens"] = torch.tensor([rng.randint(e, C) for e in ext], dtype=torch.int32)
+        s["block_table"] = torch.randint(1, 4 * C, (n + rng.randint(0, 3), C // 4 + 2),
+                                         dtype=torch.int32)
+        if kind == "extend":
+            s["extend_lens"] = torch.tensor(ext, dtype=torch.int32)
+        if rng.random() < 0.5:  # the pools hold a step first
+            for pool in pools:
+                pool.decode.host_step(n, s["seq_lens"], s["block_table"])
+        what, bad = rng.choice(_host_mutations(pools[0], kind, s))
+        k = {**s, **bad}
+        if "seq_lens" in bad and bad["seq_lens"] is not s["seq_lens"] and what.endswith("arena"):
+            k2 = {**k, "seq_lens": pools[1].decode.view(n).cache_seqlens}
+        else:
+            k2 = k
+        befores = [image(p.arena.storage) for p in pools]
+        errors = []
+        for pool, kw in ((pools[0], k), (pools[1], k2)):
+            phase = pool.decode if kind == "decode" else pool.extend
+            with pytest.raises(PoolError) as info:
+                if pool is pools[0]:
+                    phase.host_step(kw["bs"], kw["seq_lens"], *(
+                        [kw["extend_lens"]] if kind == "extend" else []), kw["block_table"])
+                else:
+                    extra = ({} if kind == "decode" else
+                             {"extend_lens": kw["extend_lens"], "extend_lens_cpu": kw["extend_lens"]})
+                    phase.update_(kw["bs"], seq_lens=kw["seq_lens"], block_table=kw["block_table"],
+                                  seq_lens_cpu=kw["seq_lens"], **extra)
+            errors.append(info.value)
+        assert type(errors[0]) is type(errors[1]), what
+        if not what.endswith("arena"):  # (the message names the pool's own addresses)
+            assert str(errors[0]) == str(errors[1]), what
+        for pool, before in zip(pools, befores, strict=True):
+            assert same_bytes(before, pool.arena.storage), f"{kind}: {what} wrote to the pool"
+
+    hypo(examples, case)
+
+
 # ---- out-of-contract device values -----------------------------------------------------------------
 WILD = [-(2**31), -5, -1, 0, C + 1, 16 * C, 2**31 - 1]
 

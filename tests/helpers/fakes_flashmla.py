@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnpool.update.flashmla_sched import SchedLayout, get_mla_metadata, num_sm_parts
+from attnpool.update.reference.flashmla import SchedLayout, get_mla_metadata, num_sm_parts
 
 NAN = float("nan")
 

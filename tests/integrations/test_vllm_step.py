@@ -238,9 +238,9 @@ def test_too_many_slots_are_refused_before_any_write() -> None:
 @pytest.mark.parametrize("decode", [True, False])
 def test_rows_past_num_reqs_are_not_the_steps(decode: bool) -> None:
     """vLLM may hand tensors taller than the step (rows of its persistent buffers past
-    ``num_reqs``). The native step takes vLLM's tensors as they come: it reads a taller table's
-    first rows only and declines longer lengths, which are then sliced; either way the pool
-    holds what the exact tensors give, bounds included."""
+    ``num_reqs``). On a CPU the phases' ``host_step`` reads a taller block table's first rows
+    only, and the lengths are cut to the step's rows; the pool holds what the exact tensors
+    give, bounds included."""
     b = _batch()
     b.pop("q_lens")
     if decode:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from attnpool import InputError
-from attnpool.update.flashmla_sched import (
+from attnpool.update.reference.flashmla import (
     SchedLayout,
     get_mla_metadata,
     num_sm_parts,

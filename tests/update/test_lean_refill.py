@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnpool import BufferPool, Impl, Layout, PoolConfig
-from attnpool.update import native
+from attnpool.update import host
 
 from tests.helpers.opcount import count
 
@@ -45,36 +45,37 @@ def _step(n: int, seed: int) -> dict[str, Any]:
             "extend_lens": torch.tensor(ext, dtype=torch.int32), "block_table": table[:n]}
 
 
-@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("route", ["host", "general"])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("kind", ["decode", "extend"])
 @pytest.mark.parametrize("n", [1, 8, 16])
 def test_an_engine_step_is_within_the_op_budget(kind: str, window: int | None, n: int,
-                                                use_native: bool) -> None:
+                                                route: str) -> None:
     """Decode and mixed steps, with and without a sliding-window part, from a block table with
-    the inputs themselves as host copies (a CPU engine's builder): with the native step
-    (:mod:`attnpool.update.native`) no torch op at all, with the torch lane within the
-    budget."""
-    if use_native and native.load() is None:
-        pytest.skip(f"the native step is not built here: {native.why()}")
+    the inputs themselves as host copies (a CPU engine's builder): on the host route
+    (``host_step``, the C step of :mod:`attnpool.update.host`) no torch op at all, on the
+    general path (``update_``) within the budget."""
+    if route == "host" and host.load() is None:
+        pytest.skip(f"the C step is not built here: {host.why()}")
     pool = _pool(64, window)
-    if not use_native:
-        pool.decode._lane._step = pool.extend._lane._step = None  # type: ignore[union-attr]
-        pool.decode.host_step = pool.decode._host_step  # (the bound C step too)
-        pool.extend.host_step = pool.extend._host_step
     s = _step(n, 1)
-    seq, ext = s["seq_lens"], s["extend_lens"]
+    seq, ext, table = s["seq_lens"], s["extend_lens"], s["block_table"]
 
     def update() -> None:
-        if kind == "decode":
-            pool.decode.update_(n, seq_lens=seq, block_table=s["block_table"], seq_lens_cpu=seq)
+        if route == "host":
+            if kind == "decode":
+                pool.decode.host_step(n, seq, table)
+            else:
+                pool.extend.host_step(n, seq, ext, table)
+        elif kind == "decode":
+            pool.decode.update_(n, seq_lens=seq, block_table=table, seq_lens_cpu=seq)
         else:
-            pool.extend.update_(n, seq_lens=seq, extend_lens=ext, block_table=s["block_table"],
+            pool.extend.update_(n, seq_lens=seq, extend_lens=ext, block_table=table,
                                 seq_lens_cpu=seq, extend_lens_cpu=ext)
 
     update()
     c = count(update)
-    assert c.num_ops <= (0 if use_native else STEP_BUDGET[(kind, window is not None)]), c.ops
+    assert c.num_ops <= (0 if route == "host" else STEP_BUDGET[(kind, window is not None)]), c.ops
 
 
 class _Sizes(TorchDispatchMode):

@@ -1,4 +1,4 @@
-"""The reference path's lean part (:mod:`attnpool.update.reference_lean`) writes the general
+"""The reference path's lean part (:mod:`attnpool.update.reference.lean`) writes the general
 part's bytes: the whole arena, byte for byte, over random engine steps (decode and extend,
 padded batches, rows in table order or picked by ``req_pool_indices``, int32 and int64 inputs,
 host copies that are the inputs themselves or separate, ``out_slots``), and it is the part a
@@ -14,7 +14,7 @@ import torch
 
 from attnpool import BufferPool, Impl, Layout, PoolConfig
 from attnpool.update import reference
-from attnpool.update.reference_lean import LeanPaged
+from attnpool.update.reference.lean import LeanPaged
 
 P, C, T, MAX_BS, ROWS = 16, 512, 96, 8, 12
 

@@ -7,6 +7,8 @@
   ``ATTNPOOL_VLLM=1``).
 * :mod:`attnpool.integrations.sglang`: an SGLang attention backend named ``attnpool`` (an SGLang
   plugin; ``attention_backend="attnpool"``).
+* :mod:`attnpool.integrations.engine`: what the vLLM and SGLang integrations share (a pool's
+  sizes and config, the layers' shared facts, the per-step filler's skeleton); plain torch.
 
 Nothing here is imported by ``import attnpool``; importing this package imports no model library
 either (each integration module imports its library itself).

@@ -3,8 +3,9 @@
 ``KVCachePool`` (:mod:`.cache`) is what an engine holds; ``KVCacheConfig`` (:mod:`.config`) sizes
 it. fp8 quantisation rules live in :mod:`.quant` (the adapters read them to dequantise), the fused
 store kernel in :mod:`.store_kernels` (imported on the first fused store, never at import time),
-the per-step store in :mod:`.step`, and :class:`~attnpool.kv.paging.PageAllocator`, the page
-allocator the transformers integration uses, in :mod:`.paging`.
+and the per-step store in :mod:`.step`. The host-side page allocators live with their one user,
+the transformers integration (:mod:`attnpool.integrations.transformers.paging`,
+:mod:`attnpool.integrations.transformers.window_paging`).
 
 This package sits above the pool (it reuses the core's sentinel, checker and input checks) and
 below the adapters and integrations; it never imports a phase or the pool.

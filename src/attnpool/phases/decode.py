@@ -62,14 +62,12 @@ class DecodePhase(PhaseBase[DecodeView]):
         super().__init__(arena)
         self._b = self._paged()
         self._keep = arena.buffer(self.phase, "keep")
-        #: the host lane of a CPU pool (:mod:`.host_lane`), else None
+        #: the host route of a CPU pool (:mod:`.host_lane`), else None
         self._lane: HostLane | None = HostLane.maybe(self, self._b)
-        #: ``host_step(bs, seq_lens, block_table) -> DecodeView | None``: ``update_(bs,
-        #: seq_lens=seq_lens, block_table=block_table, seq_lens_cpu=seq_lens)`` in one native
-        #: call, for an engine's builder on a CPU pool (see :meth:`_host_step`); one C call
-        #: with no Python frame where the native step is built (:meth:`HostLane.bind
-        #: <attnpool.phases.host_lane.HostLane.bind>`)
-        self.host_step: Callable[[int, Tensor, Tensor], DecodeView | None] = \
+        #: ``host_step(bs, seq_lens, block_table) -> DecodeView``: the host route, public (see
+        #: :meth:`_host_step`); one C call with no Python frame where the C step is built
+        #: (:meth:`HostLane.bind <attnpool.phases.host_lane.HostLane.bind>`)
+        self.host_step: Callable[[int, Tensor, Tensor], DecodeView] = \
             self._host_step if self._lane is None else self._lane.bind(self._host_step)
         #: (request ids, arena epoch) right after the last decode update, for ``request_ids``.
         self._last: tuple[list[Hashable], int] | None = None
@@ -125,16 +123,6 @@ class DecodePhase(PhaseBase[DecodeView]):
         Returns:
             the refilled view (same tensors as ``view(bs)``; host ints reflect this batch).
         """
-        lane = self._lane
-        if lane is not None and request_ids is None:
-            if len(shared) == 2 and shared.get("seq_lens_cpu") is seq_lens:
-                view = self.host_step(bs, seq_lens, shared.get("block_table"))  # type: ignore[arg-type]
-                if view is not None:
-                    return view
-            view = lane.decode(bs, seq_lens, shared, self._view)  # type: ignore[arg-type]
-            if view is not None:
-                self._last = None
-                return view
         cfg = self.cfg
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len)
         n = x.n
@@ -160,25 +148,31 @@ class DecodePhase(PhaseBase[DecodeView]):
                   new_record(DecodeValues, (x, keep, self._width(x.seq_lens_host))))
         return self._done(bs, n, x.seq_lens_host, ids)
 
-    def _host_step(self, bs: int, seq_lens: Tensor, block_table: Tensor) -> DecodeView | None:
-        """``update_(bs, seq_lens=seq_lens, block_table=block_table, seq_lens_cpu=seq_lens)``
-        as one native call (:meth:`HostLane.native <attnpool.phases.host_lane.HostLane.native>`):
-        an engine's builder on a CPU pool, whose lengths live on the host, calls this first
-        and :meth:`update_` only when it returns None.
+    def _host_step(self, bs: int, seq_lens: Tensor, block_table: Tensor) -> DecodeView:
+        """The host route of a decode step: ``update_(bs, seq_lens=seq_lens,
+        block_table=block_table, seq_lens_cpu=seq_lens)``, the same bytes and the same view,
+        for an engine's builder on a CPU pool whose lengths live on the host.
 
-        None, nothing written, when the native step does not take the call: no native step
-        (:mod:`attnpool.update.native`), a pool without the host lane (not on a CPU, another
-        layout or update path), validation on, inputs that are not int32 CPU tensors with
-        contiguous rows, or a bad value. :meth:`update_` then takes the call on its other paths
-        or raises the precise :class:`attnpool.PoolError`, before any write either way.
+        Args:
+            bs: the captured batch size (``n <= bs <= max_bs``).
+            seq_lens: ``[n]`` int32 CPU tensor, each in ``[1, C]``: the lengths and their own
+                host copy (nothing is copied to read them).
+            block_table: ``[>= n, >= max_pages]`` int32 CPU tensor, rows contiguous: row ``i``
+                is request ``i``'s page ids (vLLM's and transformers' table).
 
-        The arena's record of the write (``_mark``) retires the incremental page table's last
-        state too (``_last`` holds the epoch of its own update, which no longer matches).
+        The C step (:mod:`attnpool.update.host`) checks every value and then writes, in one
+        call; a call it does not take (no C step built, a pool off the host route's shape,
+        validation on, int64 inputs, non-contiguous rows, a bad value) goes to :meth:`update_`
+        before anything is written, whose input pass raises the precise
+        :class:`attnpool.PoolError` for bad input. The arena's record of the write
+        (``_mark``) retires the incremental page table's last state too (``_last`` holds the
+        epoch of its own update, which no longer matches).
         """
         lane = self._lane
         got = None if lane is None else lane.native(bs, seq_lens, block_table, None)
         if got is None:
-            return None
+            return self.update_(bs, seq_lens=seq_lens, block_table=block_table,
+                                seq_lens_cpu=seq_lens)
         self._mark(bs)
         return lane.first(self._view(bs, got[1])) if type(got) is tuple else got  # type: ignore[union-attr,return-value]
 

@@ -68,13 +68,12 @@ class ExtendPhase(PhaseBase[ExtendView]):
         self._pos = arena.buffer(self.phase, "positions")
         #: T: packed query tokens of one batch, and the query total of a padded one.
         self.max_tokens = arena.cfg.max_extend_tokens
-        #: the host lane of a CPU pool (:mod:`.host_lane`), else None
+        #: the host route of a CPU pool (:mod:`.host_lane`), else None
         self._lane: HostLane | None = HostLane.maybe(self, self._b,
                                                      (self._cu_q, self._pos, self.max_tokens))
-        #: ``host_step(bs, seq_lens, extend_lens, block_table) -> ExtendView | None``: the
-        #: extend step's :attr:`DecodePhase.host_step
-        #: <attnpool.phases.decode.DecodePhase.host_step>` (see :meth:`_host_step`)
-        self.host_step: Callable[[int, Tensor, Tensor, Tensor], ExtendView | None] = \
+        #: ``host_step(bs, seq_lens, extend_lens, block_table) -> ExtendView``: the extend
+        #: step's host route (see :meth:`_host_step`)
+        self.host_step: Callable[[int, Tensor, Tensor, Tensor], ExtendView] = \
             self._host_step if self._lane is None else self._lane.bind(self._host_step)
 
     def _capture_view(self, bs: int) -> ExtendView:
@@ -124,25 +123,6 @@ class ExtendPhase(PhaseBase[ExtendView]):
             the refilled :class:`attnpool.ExtendView` (same tensors as ``view(bs)``).
         """
         cfg, t_max = self.cfg, self.max_tokens
-        lane = self._lane
-        if (lane is not None and extend_lens_cpu is extend_lens and out_slots is None
-                and window_out_slots is None):
-            if len(shared) == 2 and shared.get("seq_lens_cpu") is seq_lens:
-                view = self.host_step(bs, seq_lens, extend_lens, shared.get("block_table"))  # type: ignore[arg-type]
-                if view is not None:
-                    return view
-            y = lane.check(bs, seq_lens, shared)  # type: ignore[arg-type]
-            if y is not None:
-                n, lens, lane_host = y[0], y[1], y[4]
-                ext, ehost = self.input_pass.lens("extend_lens", extend_lens, extend_lens_cpu,
-                                                  n, cfg.max_context_len)
-                total = self._check_host(lane_host, ehost)
-                tokens = 0 if total is None else total
-                lane.write(bs, y, ext)
-                lane.queries(self._cu_q, self._pos, lens, ext, n, bs, tokens, t_max)
-                self._mark(bs)
-                return self._view(bs, self._max_q(ehost, n, bs),
-                                  y[6] if n == bs else max(y[6], cfg.pad_seq_len))
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len, extend_lens_cpu)
         n, host = x.n, x.seq_lens_host
         ext, ehost = self.input_pass.lens("extend_lens", extend_lens, extend_lens_cpu, n,
@@ -173,15 +153,19 @@ class ExtendPhase(PhaseBase[ExtendView]):
                           self._max_k(host, 0, n, bs, cfg.max_context_len))
 
     def _host_step(self, bs: int, seq_lens: Tensor, extend_lens: Tensor, block_table: Tensor
-                   ) -> ExtendView | None:
-        """``update_(bs, seq_lens=seq_lens, extend_lens=extend_lens, block_table=block_table,
-        seq_lens_cpu=seq_lens, extend_lens_cpu=extend_lens)`` as one native call: what
-        :attr:`attnpool.phases.decode.DecodePhase.host_step` is for decode (None, nothing
-        written, when the native step does not take the call: then call :meth:`update_`)."""
+                   ) -> ExtendView:
+        """The host route of an extend step: ``update_(bs, seq_lens=seq_lens,
+        extend_lens=extend_lens, block_table=block_table, seq_lens_cpu=seq_lens,
+        extend_lens_cpu=extend_lens)``, the same bytes and the same view. ``extend_lens``:
+        ``[n]`` int32 CPU tensor, new tokens per request (their own host copy); the rest as
+        :meth:`attnpool.phases.decode.DecodePhase._host_step`, which says what goes to
+        :meth:`update_` instead (and raises there)."""
         lane = self._lane
         got = None if lane is None else lane.native(bs, seq_lens, block_table, extend_lens)
         if got is None:
-            return None
+            return self.update_(bs, seq_lens=seq_lens, extend_lens=extend_lens,
+                                block_table=block_table, seq_lens_cpu=seq_lens,
+                                extend_lens_cpu=extend_lens)
         self._mark(bs)
         return lane.first(self._view(bs, *got)) if type(got) is tuple else got  # type: ignore[union-attr,misc,return-value]
 

@@ -1,34 +1,26 @@
-"""The host lane: an engine's step on a CPU pool, refilled in a straight line.
+"""The host route: an engine's step on a CPU pool, checked and written by one C call.
 
 An engine's metadata builder calls the pool once per step (and KV-cache group), on the host,
 between two forwards. On a CPU its whole cost is host time, spent on code the model's forward
-has just pushed out of the caches, so what a step costs is mostly how much code it walks:
-the general update (the input pass's record, the launch cache, the bound part and its record
-fields) is several times the engine's own builder there even when its torch ops are few.
+has just pushed out of the caches, so what a step costs is mostly how much code it walks: the
+general update (the input pass's record, the launch cache, the bound part and its record
+fields) is several times an engine's own builder there even when its torch ops are few.
 
-The lane is that update for the one shape engines step with, as one short path:
+A CPU step takes one of two routes, no more:
 
-- the pool lives in host memory and updates on the reference path (a CPU pool);
-- the phase's parts have page tables and no CSR (``Layout.FLASH_ATTN``) and no FlashMLA
-  schedule; a window part is served (its table is the request table);
-- the call gives a ``block_table`` (rows in batch order, or picked by ``req_pool_indices``),
-  the host copy ``seq_lens_cpu`` and, for an extend step, ``extend_lens_cpu`` as the very
-  ``extend_lens`` tensor (a CPU pool's caller passing one tensor as both, as vLLM's builder
-  does); no ``request_ids``, ``num_real``, ``out_slots`` or window table;
-- validation mode is off.
+- **the host route**, :attr:`DecodePhase.host_step <attnpool.phases.decode.DecodePhase.host_step>`
+  and :attr:`ExtendPhase.host_step <attnpool.phases.extend.ExtendPhase.host_step>`: the C step
+  of :mod:`attnpool.update.host` (built at install time) checks every value, then writes every
+  field and rebinds the phase's view, in one call;
+- **the general path**, ``update_``: the input pass checks the caller's tensors (the one
+  checker, which raises :class:`attnpool.PoolError` before any write) and the phase's update
+  path writes; it is the oracle the tests compare the host route with, byte for byte.
 
-Anything else goes the general way (:meth:`attnpool.phases.decode.DecodePhase.update_`),
-before any check. The lane checks its inputs with the input pass's own functions, in the same
-order, so a bad input gets the same :class:`attnpool.PoolError` before any write, and it
-writes with the lean part's own methods (:class:`attnpool.update.reference_lean.LeanPaged`):
-the bytes of the general path in every read region, which the tests compare.
-
-**Native.** Where the native step is built (:mod:`attnpool.update.native`), the lane's usual
-call (int32 inputs, as vLLM's builder passes them) is checked and written by one C call,
-:meth:`HostLane.native`, instead of the torch lane's ops: on the caches a forward leaves
-behind, a dozen dispatched ops and their Python cost several times one call. The C step checks
-every value before it writes; an input it does not take, or a bad one, leaves the pool as it
-was and goes the torch lane's way, which raises the same error as ever.
+The host route takes the shape engines step with: a pool in host memory on the reference path,
+page tables and no CSR (``Layout.FLASH_ATTN``), no FlashMLA schedule (a window part is served,
+its table the request table), int32 CPU tensors with contiguous rows, the host copies being the
+tensors themselves, validation off. Every other call, and every bad value, goes to ``update_``
+before anything is written, so each route raises the same error with the pool unchanged.
 """
 
 from __future__ import annotations
@@ -41,11 +33,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch import Tensor
 
-from ..config import INT_DTYPES, Impl, Layout, ceil_div
-from ..inputs import check_bs, check_tensor, host_lens
-from ..update import native as _native
+from ..config import Impl, Layout, ceil_div
+from ..update import host as _host
 from ..update.buffers import PagedBuffers
-from ..update.reference_lean import LeanPaged
 from ..views import PagedView
 from ._views import rebound
 
@@ -54,33 +44,23 @@ if TYPE_CHECKING:
 
 V = TypeVar("V")
 PV = TypeVar("PV", bound=PagedView)
-#: the shared keywords a lane call may carry (anything else: the general path)
-_KEYS = frozenset(("block_table", "seq_lens_cpu", "req_pool_indices"))
-#: a checked call: ``(n, seq_lens, rows, block_table, host lengths, exact, longest)``, rows
-#: being the caller's ``req_pool_indices`` or the pool's ``arange[:n]`` (batch order);
-#: ``exact``: the host lengths are ``seq_lens``' own values (the host copy is the tensor
-#: itself); ``longest``: the largest host length (0 without rows)
-Checked = tuple[int, Tensor, Tensor, Tensor, list[int], bool, int]
 #: a query part of an extend phase: ``(cu_seqlens_q, positions, T)``
 Queries = tuple[Tensor, Tensor, int]
 
 
 class HostLane:
-    """One phase's lane (see the module docstring): :meth:`maybe` makes it for a phase whose
-    pool fits; :meth:`check` takes a call (None when it is not the lane's), :meth:`write`
-    writes its paged part, :meth:`queries` an extend step's query part."""
+    """One phase's host route (see the module docstring): :meth:`maybe` makes it for a phase
+    whose pool fits; :meth:`bind` makes the phase's ``host_step``, :meth:`native` is its C
+    call."""
 
-    __slots__ = ("_b", "_config", "_dev", "_ip", "_lean", "_max_bs", "_max_len", "_max_pages",
-                 "_module", "_offsets", "_pad", "_phase", "_span", "_state", "_step", "_window",
-                 "cfg")
+    __slots__ = ("_b", "_config", "_max_bs", "_max_len", "_max_pages", "_module", "_offsets",
+                 "_pad", "_phase", "_span", "_state", "_step", "_window", "cfg")
 
     def __init__(self, phase: PhaseBase[Any], b: PagedBuffers,
                  queries: Queries | None = None) -> None:
         self._phase, self.cfg = phase, phase.cfg
-        self._ip = phase.input_pass
         self._b = b
-        self._lean = LeanPaged()
-        self._dev, self._span = self._ip.device, self._ip.arena_span
+        self._span = phase.input_pass.arena_span
         self._max_bs, self._max_len = self.cfg.max_bs, self.cfg.max_context_len
         self._max_pages = phase._max_pages
         self._pad = (self.cfg.pad_seq_len, self.cfg.pad_page)
@@ -88,8 +68,8 @@ class HostLane:
         w = phase._window_buffers
         self._window = None if w is None or self.cfg.sliding_window is None \
             else (w, self.cfg.sliding_window)
-        module = self._module = _native.load()
-        #: the native step (:mod:`attnpool.update.native`) and this phase's config of it
+        module = self._module = _host.load()
+        #: the C step (:mod:`attnpool.update.host`) and this phase's config of it
         self._step: Callable[..., PagedView | tuple[int, int] | None] | None = \
             None if module is None else module.step_tensors
         self._config = self._native_config(queries)
@@ -144,8 +124,8 @@ class HostLane:
         phase's sliced view of ``bs`` rows rebound with the step's host bounds by the same
         call), or the bounds ``(max_seqlen_q, max_seqlen_k)`` when the phase has no such view
         yet or the rebind does not serve its class (the phase then makes the view and hands it
-        to :meth:`first`); None, nothing written, when there is no native step or it does not
-        take the call (the torch lane then checks it, and raises where it is bad).
+        to :meth:`first`); None, nothing written, when there is no C step or it does not take
+        the call (the general path then checks it, and raises where it is bad).
 
         ``seq_lens`` is its own host copy (the caller checked that). Taken: every input an
         int32 CPU ``torch.Tensor`` with contiguous rows (``q_lens``: an extend step's query
@@ -164,13 +144,14 @@ class HostLane:
                     got[1], phase._window_k)  # type: ignore[index]
 
     def bind(self, fallback: Callable[..., V]) -> Callable[..., V]:
-        """The phase's ``host_step`` (``fallback``: its Python form, :meth:`native` and the
-        view made by the phase) as one C call where the native step is built: the same
-        checks, the step on the phase's sliced view of ``bs`` rows, and the arena's record of
-        the write (what ``Arena.mark`` records), with no Python frame on the way. A size whose
-        view the rebind does not serve yet (its first step, or a class it never serves) goes
-        to ``fallback``, so that every call is answered as ``fallback`` answers it; the
-        fallback itself where there is no native step.
+        """The phase's ``host_step`` (``fallback``: its Python form, :meth:`native`, the view
+        made by the phase, and the general path for a call the C step declines) as one C call
+        where the C step is built: the same checks, the step on the phase's sliced view of
+        ``bs`` rows, and the arena's record of the write (what ``Arena.mark`` records), with
+        no Python frame on the way. A size whose view the rebind does not serve yet (its first
+        step, or a class it never serves), a call the C step does not take (another dtype, a
+        bad value) and validation mode go to ``fallback``, so that every call is answered as
+        ``fallback`` answers it; the fallback itself where there is no C step.
 
         Why: an engine's builder calls this once per step, between two forwards, on caches
         the forward has just evicted; there each Python frame (the method, the lane's call,
@@ -198,83 +179,11 @@ class HostLane:
                 self._state[3:5] = got
         return view
 
-    def check(self, bs: int, seq_lens: object, shared: dict[str, Any]) -> Checked | None:
-        """The shared inputs of a call, checked as the input pass checks them (the same
-        errors), or None, nothing checked, when the call is not the lane's.
-
-        The usual call (rows in batch order, the host copy the tensor itself, every input as
-        it should be) is accepted by one expression of attribute reads; any other goes through
-        the input pass's functions one by one, which raise its errors."""
-        if not _KEYS.issuperset(shared) or self._phase.validate:
-            return None
-        table = shared.get("block_table")
-        cpu: Any = shared.get("seq_lens_cpu")
-        if table is None or cpu is None:
-            return None
-        picked = shared.get("req_pool_indices")
-        dev, (lo, hi) = self._dev, self._span
-        if (picked is None and cpu is seq_lens and type(seq_lens) is Tensor
-                and type(table) is Tensor and type(bs) is int
-                and seq_lens.dim() == 1 and table.dim() == 2
-                and seq_lens.dtype in INT_DTYPES and table.dtype in INT_DTYPES
-                and seq_lens.device == dev and table.device == dev and seq_lens.is_contiguous()
-                and 1 <= (n := seq_lens.shape[0]) <= bs <= self._max_bs
-                and (shape := table.shape)[0] >= n and shape[1] >= self._max_pages
-                and table.stride(1) == 1
-                and not lo <= seq_lens.data_ptr() < hi and not lo <= table.data_ptr() < hi):
-            host: list[int] | None = seq_lens.tolist()
-            if host and min(host) >= 1 and (longest := max(host)) <= self._max_len:
-                return n, seq_lens, self._ip.in_order(n), table, host, True, longest
-        cfg = self.cfg
-        lens = check_tensor("seq_lens", seq_lens, None, 1, INT_DTYPES, None, dev, True,
-                            self._span)
-        n = lens.shape[0]
-        if not (type(bs) is int and n <= bs <= self._max_bs and bs >= 1):
-            check_bs(cfg, bs, n)
-        rows, table, _, _, _ = self._ip.request_table(n, picked, None, table)
-        host = host_lens("seq_lens_cpu", cpu, n, 1, cfg.max_context_len)
-        return None if host is None else (n, lens, rows, table, host, False,
-                                          max(host, default=0))
-
-    def decode(self, bs: int, seq_lens: object, shared: dict[str, Any],
-               view: Callable[[int, int], V]) -> V | None:
-        """A decode step (:meth:`attnpool.phases.decode.DecodePhase.update_`): its refilled
-        view (``view(bs, max_seqlen_k)``, the phase's), or None (nothing checked, nothing
-        written) when the call is not the lane's."""
-        x = self.check(bs, seq_lens, shared)
-        if x is None:
-            return None
-        self.write(bs, x)
-        self._phase._mark(bs)
-        n, longest = x[0], x[6]
-        return view(bs, longest if n == bs else max(longest, self._pad[0]))
-
-    def write(self, bs: int, x: Checked, q_lens: Tensor | None = None) -> None:
-        """Write the paged part of a checked call and its window twin (``q_lens``: an extend
-        step's host-checked query lengths; None: one query per row)."""
-        n, lens, rows, table, _, exact, longest = x
-        cfg, p = self.cfg, self.cfg.page_size
-        w = min(self._max_pages, ceil_div(longest, p))
-        pad_len, pad_page = self._pad
-        real = self._lean.rows_(self._b, lens, rows, table, n, bs, w, cfg.max_context_len, p,
-                                pad_len, pad_page, exact)
-        if self._window is not None:
-            wb, size = self._window
-            self._lean.window_(self._b, wb, table, rows, real, n, bs, p, pad_len, pad_page,
-                               size, q_lens)
-
-    def queries(self, cu_q: Tensor, positions: Tensor, lens: Tensor, q_lens: Tensor, n: int,
-                bs: int, tokens: int, q_total: int) -> None:
-        """An extend step's query part and the positions of its ``tokens`` real tokens
-        (host-checked ``q_lens``: inside their bounds, summing to ``tokens <= q_total``)."""
-        self._lean.queries_(cu_q, q_lens, n, bs, q_total)
-        self._lean.positions_(lens, q_lens, cu_q, n, tokens, positions)
-
 
 def _rebind_offsets(module: Any, base: Any, window_k: int) -> tuple[type, bytes] | bool:
     """The native rebind's slot offsets for ``base``'s class (``max_seqlen_q``,
     ``max_seqlen_k``, ``window``), or False when it does not serve that class (see
-    :meth:`HostLane.view`)."""
+    :meth:`HostLane.first`)."""
     cls = type(base)
     if not isinstance(base, PagedView):
         return False

@@ -99,7 +99,7 @@ class PagedPart(RowsPart):
         exact_tokens: the host copy behind ``tokens`` is ``q_lens`` itself (a CPU pool given its
             own input as the host copy, which the phase checked value by value), so ``tokens``
             is exactly ``sum(q_lens)`` and every ``q_lens`` value is in contract: the reference
-            path may size a per-token temporary from it (:mod:`.reference_lean`). Static for a
+            path may size a per-token temporary from it (:mod:`.reference.lean`). Static for a
             launch (part of the phase's launch key).
         window: the part's sliding-window twin (docs/design.md, Sliding windows), written by
             the same launch: row ``i`` of length ``L`` with ``q`` queries (``q_lens[i]``, else

@@ -80,10 +80,18 @@ def run_pair(model: Path, settings: str, tmp: Path, *args: str
              ) -> tuple[dict[str, Any], dict[str, Any], str, str]:
     """Both backends' tokens (native, attnpool) and logs, the two processes side by side
     (``args``: more of the helper's options)."""
-    procs = {b: _start(model, b, settings, tmp / f"{b}.json", *args)
+    from attnpool.integrations.sglang.backend import REPORT, Served
+
+    procs = {b: _start(model, b, settings, tmp / f"{b}.json", *args,
+                       **{REPORT: str(tmp / f"{b}-served")})
              for b in ("torch_native", se.NAME)}
     (native, nlog), (ours, olog) = (_finish(procs[b], tmp / f"{b}.json")
                                     for b in ("torch_native", se.NAME))
+    # attnpool's pool served the run (its refills counted in the engine's own processes), and
+    # SGLang's own backend never reached attnpool's
+    decode, extend, nbytes = Served.read(str(tmp / f"{se.NAME}-served"))
+    assert decode > 0 and extend > 0 and nbytes > 0, (decode, extend, nbytes)
+    assert Served.read(str(tmp / "torch_native-served")) == (0, 0, 0)
     return native, ours, nlog, olog
 
 

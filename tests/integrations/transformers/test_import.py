@@ -7,7 +7,8 @@ import sys
 
 
 def test_import_attnpool_does_not_import_transformers() -> None:
-    code = ("import sys, attnpool, attnpool.integrations, attnpool.kv.paging, attnpool.tools.bench_e2e, "
+    code = ("import sys, attnpool, attnpool.integrations, attnpool.integrations.engine, "
+            "attnpool.kv, attnpool.tools.bench_e2e, "
             "attnpool.tools.cli, attnpool.tools.demo\n"
             "assert 'transformers' not in sys.modules, 'transformers imported'\n"
             "import attnpool.integrations.transformers\n"

@@ -1,10 +1,10 @@
 """Pages: page 0 is never handed out, a page has one owner, a request that does not fit waits.
 
-Unit tests of :class:`attnpool.kv.paging.PageAllocator`, then the generator under a KV cache too
-small for ``max_bs`` requests at once: requests wait for pages, every admission is checked
-against the live requests' pages, and the outputs still equal ``model.generate`` (with the cache
-poisoned, so a request reading pages another one overwrote, or never wrote, would show). Last,
-the per-step store the generator's layers write through (:class:`attnpool.kv.cache.StepStore`)
+Unit tests of :class:`attnpool.integrations.transformers.paging.PageAllocator`, then the generator
+under a KV cache too small for ``max_bs`` requests at once: requests wait for pages, every admission
+is checked against the live requests' pages, and the outputs still equal ``model.generate`` (with
+the cache poisoned, so a request reading pages another one overwrote, or never wrote, would show).
+Last, the per-step store the generator's layers write through (:class:`attnpool.kv.cache.StepStore`)
 writes the bytes :meth:`KVCachePool.store_kv_` writes, on both store paths and both layouts.
 """
 
@@ -15,8 +15,8 @@ import torch
 
 from attnpool import CapacityError, Impl, InputError, LayoutError
 from attnpool.integrations.transformers import PagedGenerator
+from attnpool.integrations.transformers.paging import Allocation, PageAllocator
 from attnpool.kv import KVCacheConfig, KVCachePool, KVKind, KVLayout
-from attnpool.kv.paging import Allocation, PageAllocator
 
 from tests.helpers import hf_tiny
 from tests.helpers.opcount import count

@@ -15,11 +15,14 @@ import pytest
 import torch
 
 from attnpool import CapacityError, InputError, LayoutError
-from attnpool.kv.window_paging import WindowAllocation, WindowPageAllocator
 
 transformers = pytest.importorskip("transformers")
 
 from attnpool.integrations.transformers import PagedGenerator  # noqa: E402
+from attnpool.integrations.transformers.window_paging import (  # noqa: E402
+    WindowAllocation,
+    WindowPageAllocator,
+)
 
 from tests.helpers import hf_tiny  # noqa: E402
 

@@ -45,9 +45,47 @@ from ...adapters.backends import Backend, Need
 from ...adapters.binding import Run, choose
 from ...adapters.flashinfer_step import LayerFacts
 from ...errors import CapacityError, LayoutError
+from ..engine import layer_facts
 from .step import KERNEL, NAME, BatchFiller, RunnerSizes, kv_pages
 
 logger = logging.getLogger(__name__)
+#: set to a path: each engine process writes its refill counts to ``<path>.<pid>`` (see
+#: :class:`Served`); off by default (nothing is counted)
+REPORT = "ATTNPOOL_SGLANG_REPORT"
+
+
+class Served:
+    """What one engine process's pool served, kept in a file for another process to read:
+    SGLang runs its scheduler (and so this backend) in a spawned process, where the caller
+    that started the engine cannot look. Three int64: decode refills, extend refills and the
+    pool's bytes, in a file memory-mapped once, so a refill costs one store (only when
+    :data:`REPORT` is set; ``examples/sglang_smollm2.py`` prints them as its proof that the
+    pool served the run)."""
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        import numpy as np
+
+        self.counts = np.memmap(f"{path}.{os.getpid()}", dtype=np.int64, mode="w+", shape=(3,))
+        self.counts[:] = (0, 0, nbytes)
+        self.counts.flush()
+
+    def count(self, decode: bool) -> None:
+        self.counts[0 if decode else 1] += 1
+
+    @staticmethod
+    def read(path: str) -> tuple[int, int, int]:
+        """The counts of every process that wrote ``<path>.<pid>`` files, summed: (decode
+        refills, extend refills, the pools' bytes)."""
+        import glob
+
+        import numpy as np
+
+        total = [0, 0, 0]
+        for name in glob.glob(f"{glob.escape(path)}.*"):
+            got = np.fromfile(name, dtype=np.int64, count=3)
+            for i in range(min(3, got.shape[0])):
+                total[i] += int(got[i])
+        return total[0], total[1], total[2]
 
 
 def _layers(model_runner: Any) -> list[RadixAttention]:
@@ -81,14 +119,15 @@ def pick(model_runner: Any, layers: list[RadixAttention]) -> Backend:
     need = _need(model_runner, layers)
     return choose(need, os.environ.get(KERNEL, "").strip().lower(),
                   f"attention_backend={NAME!r}", KERNEL,
-                  planned=not need.sinks and len(_shared(layers)) == 1)
+                  planned=not need.sinks and _facts(model_runner, layers) is not None)
 
 
-def _shared(layers: list[RadixAttention]) -> set[tuple[int, int, int, float, float]]:
-    """What FlashInfer's one plan per forward fixes for every layer, as the layers have it
-    (FlashInfer is offered only when this is one tuple)."""
-    return {(layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, float(layer.scaling),
-             float(layer.logit_cap or 0.0)) for layer in layers}
+def _facts(model_runner: Any, layers: list[RadixAttention]) -> LayerFacts | None:
+    """What FlashInfer's one plan per forward fixes for every layer, as the layers have it;
+    None when they differ (FlashInfer is then not offered)."""
+    return layer_facts(((layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim,
+                         layer.scaling, layer.logit_cap or 0.0) for layer in layers),
+                       model_runner.dtype)
 
 
 def refusals(model_runner: Any, layers: list[RadixAttention]) -> list[str]:
@@ -176,10 +215,7 @@ class AttnpoolAttnBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         masked = any(layer.logit_cap for layer in layers) or _has_sinks(model_runner)
         backend = pick(model_runner, layers)
-        facts = None
-        if backend is Backend.FLASHINFER:
-            heads, kv_heads, size, scale, softcap = next(iter(_shared(layers)))
-            facts = LayerFacts(heads, kv_heads, size, model_runner.dtype, scale, softcap)
+        facts = _facts(model_runner, layers) if backend is Backend.FLASHINFER else None
         self.filler = BatchFiller(_sizes(model_runner, layers), backend,
                                   first.tp_q_head_num, first.tp_k_head_num, model_runner.dtype,
                                   masked=masked, facts=facts)
@@ -187,6 +223,8 @@ class AttnpoolAttnBackend(AttentionBackend):
                     len(layers), backend.name, self.filler.pool.nbytes)
         self.page_size = self.filler.sizes.page_size
         self.run: Run | None = None
+        report = os.environ.get(REPORT)
+        self.served = None if not report else Served(report, self.filler.pool.nbytes)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Refill the pool from ``forward_batch`` (SGLang calls this before every forward) and
@@ -211,6 +249,8 @@ class AttnpoolAttnBackend(AttentionBackend):
             seq_lens=fb.seq_lens, seq_lens_cpu=fb.seq_lens_cpu, num_tokens=tokens,
             extend_seq_lens=None if decode else fb.extend_seq_lens, extend_seq_lens_cpu=lens,
             extend_prefix_lens_cpu=None if decode else fb.extend_prefix_lens_cpu)
+        if self.served is not None:
+            self.served.count(decode)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool,

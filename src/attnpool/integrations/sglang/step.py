@@ -29,12 +29,12 @@ import torch
 from torch import Tensor
 
 from ...adapters.backends import Backend
-from ...adapters.binding import Run, bind
-from ...adapters.flashinfer_step import LayerFacts, plans_for
-from ...config import Impl, Layout, PoolConfig
+from ...adapters.binding import Run
+from ...adapters.flashinfer_step import LayerFacts
+from ...config import Impl
 from ...errors import CapacityError, InputError, LayoutError
-from ...pool import BufferPool
 from ...views import DecodeView, ExtendView
+from ..engine import Filler, PoolSizes
 
 #: The backend's name in SGLang's registry and on its command line.
 NAME = "attnpool"
@@ -72,19 +72,18 @@ class RunnerSizes:
     num_pages: int
     device: torch.device
 
-
-def pool_config(s: RunnerSizes, layout: Layout = Layout.FLASH_ATTN) -> PoolConfig:
-    """The runner's :class:`attnpool.PoolConfig`: page tables in ``layout`` (the one SDPA and
-    flash-attn read; FlashInfer's CSR lists when it attends), pad page 0, decode and extend
-    phases."""
-    return PoolConfig(max_bs=s.max_requests, max_context_len=s.max_context_len,
-                      page_size=s.page_size, device=s.device, layout=layout,
-                      max_extend_tokens=s.max_extend_tokens, sliding_window=s.sliding_window,
-                      num_pages=s.num_pages, pad_page=0)
+    def pool(self) -> PoolSizes:
+        """The pool's sizes (:func:`attnpool.integrations.engine.pool_config` makes its config:
+        pad page 0, SGLang's padding slot's page)."""
+        return PoolSizes(max_bs=self.max_requests, max_context_len=self.max_context_len,
+                         max_extend_tokens=self.max_extend_tokens, page_size=self.page_size,
+                         sliding_window=self.sliding_window, num_pages=self.num_pages,
+                         device=self.device)
 
 
-class BatchFiller:
-    """The runner's pool and its per-forward refill (see the module doc).
+class BatchFiller(Filler):
+    """The runner's pool and its per-forward refill (see the module doc; what it holds besides
+    the sizes and ``masked``: :class:`attnpool.integrations.engine.Filler`).
 
     Args:
         sizes: from the model runner (:class:`RunnerSizes`).
@@ -101,13 +100,8 @@ class BatchFiller:
     def __init__(self, sizes: RunnerSizes, backend: Backend, num_heads: int, num_kv_heads: int,
                  dtype: torch.dtype, masked: bool = False,
                  facts: LayerFacts | None = None) -> None:
-        self.sizes = sizes
-        #: FlashInfer's wrappers, planned per forward (None for the other adapters)
-        self.plans, layout = plans_for(backend, facts, sizes.device)
-        self.pool = BufferPool(pool_config(sizes, layout))
-        self.backend, self.dtype, self.masked = backend, dtype, masked
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.host = sizes.device.type == "cpu"
+        super().__init__(sizes.pool(), backend, num_heads, num_kv_heads, dtype, facts)
+        self.sizes, self.masked = sizes, masked
         #: per captured size, the real-row count a recorded refill reads (:meth:`replay`)
         self._real: dict[int, Tensor] = {}
 
@@ -154,9 +148,7 @@ class BatchFiller:
                 seq_lens_cpu=host, extend_lens_cpu=extend_seq_lens_cpu if self.host else None)
             prefix_free = (not self.masked and extend_prefix_lens_cpu is not None
                            and not any(extend_prefix_lens_cpu))
-        return bind(self.backend, view, num_tokens, self.num_heads, self.num_kv_heads,
-                    self.dtype, prefix_free=prefix_free, plans=self.plans)
-
+        return self.bind(view, num_tokens, prefix_free=prefix_free)
 
     def capture(self, bs: int) -> Run:
         """The adapter call a decode CUDA graph of ``bs`` rows captures: bound to
@@ -167,8 +159,7 @@ class BatchFiller:
         the capture, and planned again by every :meth:`replay`."""
         if self.plans is not None:
             self.plans.capture_size(bs)
-        return bind(self.backend, self.pool.decode.view(bs), bs, self.num_heads,
-                    self.num_kv_heads, self.dtype, plans=self.plans)
+        return self.bind(self.pool.decode.view(bs), bs)
 
     @property
     def recordable(self) -> bool:

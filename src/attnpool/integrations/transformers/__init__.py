@@ -17,8 +17,9 @@ output is the target's greedy output, ``gen.stats.acceptance_rate`` says how muc
 The modules: :mod:`.attention` (the attention function, :class:`StepContext`), :mod:`.generator`
 (:class:`PagedGenerator`), :mod:`.model` (a model's checked layout), :mod:`.runner` (one model's
 pool, cache and graphs), :mod:`.sizing` (the pool sized from the model), :mod:`.spec` (speculative
-rounds), :mod:`.state` (requests, tables, :class:`GenerationStats`), :mod:`.tiny` (tiny random
-models for the demo and the benchmark).
+rounds), :mod:`.state` (requests, tables, :class:`GenerationStats`), :mod:`.paging` and
+:mod:`.window_paging` (the host-side page allocators of the full and the sliding-window layers'
+caches), :mod:`.tiny` (tiny random models for the demo and the benchmark).
 """
 
 from __future__ import annotations

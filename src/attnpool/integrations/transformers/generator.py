@@ -3,7 +3,7 @@
 Per call of :meth:`PagedGenerator.generate`:
 
 * **Admission** (FIFO): a waiting prompt joins when a ``req_to_token`` row and every KV page it
-  can need are free (:class:`attnpool.kv.paging.PageAllocator`), at most ``max_bs`` run at once and a
+  can need are free (:class:`.paging.PageAllocator`), at most ``max_bs`` run at once and a
   prefill batch holds at most ``max_prefill_tokens`` tokens. A prompt that does not fit waits for
   running requests to finish and return their pages.
 * **Prefill** of the joining prompts: one packed forward through ``pool.extend`` (queries causal
@@ -18,7 +18,7 @@ Per call of :meth:`PagedGenerator.generate`:
 * **Sliding-window layers** keep their KV in a cache of their own, addressed by
   ``window_req_to_token``: a request holds only the window pages its next step can read or
   write; the pages behind every future window go back to the free list between steps
-  (:mod:`attnpool.kv.window_paging`), so a long generation holds ``O(W)`` of them, not ``O(L)``.
+  (:mod:`.window_paging`), so a long generation holds ``O(W)`` of them, not ``O(L)``.
 * **Chunked attention layers** (Llama 4) read ``pool.local``, updated for each forward in the
   shape of its phase (decode, verify, or prefill for an extend or draft extend); such models
   run eagerly (no CUDA graphs: the decode graphs refill the decode view only).
@@ -48,10 +48,10 @@ from torch import Tensor
 from ...adapters.backends import Backend
 from ...config import Phase
 from ...errors import CapacityError, InputError
-from ...kv.paging import PageAllocator
 from ...pool import BufferPool
 from ...views import LocalView
 from .model import ModelSpec, attnpool_attention_on
+from .paging import PageAllocator
 from .runner import DecodeGraphs, ModelRunner
 from .sizing import check_int, check_prompts, size
 from .spec import spec_round

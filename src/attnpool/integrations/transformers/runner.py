@@ -7,8 +7,8 @@ bytes behind them differ.
 
 A model with sliding-window layers keeps their KV in a second cache, ``window_kv``, addressed by
 the window table, whose pages the generator frees once every future window has passed them
-(:mod:`attnpool.kv.window_paging`); its full-attention layers stay in ``kv``. Either cache is
-None when the model has no layer of that kind.
+(:mod:`.window_paging`); its full-attention layers stay in ``kv``. Either cache is None when the
+model has no layer of that kind.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ import torch
 
 from ...config import PoolConfig, ceil_div, is_int
 from ...errors import CapacityError, InputError, LayoutError
-from ...kv.window_paging import WindowPageAllocator
 from .model import ModelSpec, graph_blocker, model_spec
+from .window_paging import WindowPageAllocator
 
 
 def check_int(name: str, v: object, lo: int) -> int:

@@ -7,8 +7,8 @@ from typing import TypedDict
 
 from torch import Tensor
 
-from ...kv.paging import Allocation
-from ...kv.window_paging import WindowAllocation
+from .paging import Allocation
+from .window_paging import WindowAllocation
 
 
 class Tables(TypedDict):

@@ -54,6 +54,7 @@ from ...adapters.backends import Backend, KVLayout, Need
 from ...adapters.flashinfer_step import LayerFacts
 from ...errors import LayoutError
 from ...views import DecodeView
+from ..engine import layer_facts
 from . import cpu_kernel_mode
 from .cache import cpu_views, cuda_views, slot_index_, store_
 from .choice import KERNEL, pick
@@ -205,12 +206,13 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
 def _facts(impls: list[AttnpoolImpl], num_kv_heads: int, dtype: torch.dtype) -> LayerFacts:
     """What FlashInfer's plans fix for a group's layers, refused when the layers differ in it
     (one plan per step and part serves every layer)."""
-    shared = {(i.num_heads, i.head_size, i.scale, i.softcap) for i in impls}
-    if len(shared) > 1:
+    layers = [(i.num_heads, num_kv_heads, i.head_size, i.scale, i.softcap) for i in impls]
+    facts = layer_facts(layers, dtype)
+    if facts is None:
         refuse([f"FlashInfer over layers that differ in heads, head size, scale or soft cap "
-                f"({sorted(shared)}; set {KERNEL}=fa4, fa3 or sdpa)"])
-    heads, size, scale, softcap = next(iter(shared))
-    return LayerFacts(heads, num_kv_heads, size, dtype, scale, softcap)
+                f"({sorted(set(layers))}; set {KERNEL}=fa4, fa3 or sdpa)"])
+    assert facts is not None  # (refuse raised)
+    return facts
 
 
 class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):

@@ -12,13 +12,13 @@ values its first ``L`` columns, output the latent ``[T, H, L]`` that vLLM's own 
 stays vLLM's.
 
 vLLM's MLA scaffolding splits each step into decode rows (one query, placed first by its batch
-reorder), whose absorbed queries go to the backend's decode call, and prefill rows, which it
-expands through ``kv_b_proj`` and hands to its prefill path. :class:`LatentFiller` owns the
-group's :class:`attnpool.BufferPool` (sized like the other groups': :func:`.step.pool_config`)
-and refills it from vLLM's lengths and block table (``block_table=``, vLLM's block 0 the pad
-page), with the layer-independent half of the SDPA pass computed once per step
-(:func:`attnpool.adapters.mla.plan`), which every layer of the group then reads. Which rows
-attnpool attends is :class:`MLAPrefill`'s choice:
+reorder), whose absorbed queries go to the backend's decode call, and prefill rows, which it expands
+through ``kv_b_proj`` and hands to its prefill path. :class:`LatentFiller` owns the group's
+:class:`attnpool.BufferPool` (sized like the other groups': :meth:`.step.EngineSizes.pool`) and
+refills it from vLLM's lengths and block table (``block_table=``, vLLM's block 0 the pad page), with
+the layer-independent half of the SDPA pass computed once per step
+(:func:`attnpool.adapters.mla.plan`), which every layer of the group then reads. Which rows attnpool
+attends is :class:`MLAPrefill`'s choice:
 
 - ``VLLM`` (the default): the decode rows only (a decode update); prefill rows run vLLM's own
   prefill (the new latents expanded per head, a cached prefix gathered and merged by vLLM);
@@ -42,8 +42,9 @@ from ...errors import CapacityError, InputError
 from ...kv.mla_shape import MLAShape
 from ...pool import BufferPool
 from ...views import DecodeView, ExtendView
+from ..engine import pool_config
 from .cache import slot_index_
-from .step import EngineSizes, pool_config
+from .step import EngineSizes, query_lens_
 
 
 class MLAPrefill(enum.Enum):
@@ -123,30 +124,32 @@ class LatentFiller:
 
     def __init__(self, sizes: EngineSizes, shape: MLAShape, dtype: torch.dtype) -> None:
         self.sizes, self.shape, self.dtype = sizes, shape, dtype
-        self.pool = BufferPool(pool_config(sizes))
+        self.pool = BufferPool(pool_config(sizes.pool()))
         self.host = sizes.device.type == "cpu"
         self._q_lens = torch.empty(sizes.max_num_seqs, dtype=torch.int32, device=sizes.device)
 
     def refill(self, *, seq_lens: Tensor, block_table: Tensor,
                query_start_loc: Tensor | None = None) -> DecodeView | ExtendView:
         """The view refilled from ``n = len(seq_lens)`` rows (``seq_lens [n]``, ``block_table
-        [n, >= max_pages]``: vLLM's, read directly; on a CPU the lengths are host tensors,
-        passed as the view's host lengths too): the decode view when every row has one query
-        (``query_start_loc`` None), else one extend update with ``extend_lens =
-        diff(query_start_loc [n + 1])`` (a decode row is an extend row of one query)."""
+        [>= n, >= max_pages]``: vLLM's, read directly; on a CPU the lengths are host tensors,
+        passed as the view's host lengths too: the phases' ``host_step``): the decode view
+        when every row has one query (``query_start_loc`` None), else one extend update with
+        ``extend_lens = diff(query_start_loc [n + 1])`` (a decode row is an extend row of one
+        query: :func:`.step.query_lens_`)."""
         n = seq_lens.shape[0]
         if n > self.sizes.max_num_seqs:
             raise CapacityError(f"a step of {n} rows is past the pool's "
                                 f"max_num_seqs={self.sizes.max_num_seqs}")
-        host = seq_lens if self.host else None
-        if query_start_loc is None:
-            return self.pool.decode.update_(n, seq_lens=seq_lens, block_table=block_table[:n],
-                                            seq_lens_cpu=host)
-        q_lens = self._q_lens[:n]
-        torch.sub(query_start_loc[1:n + 1], query_start_loc[:n], out=q_lens)
-        return self.pool.extend.update_(n, seq_lens=seq_lens, extend_lens=q_lens,
-                                        block_table=block_table[:n], seq_lens_cpu=host,
-                                        extend_lens_cpu=q_lens if self.host else None)
+        q_lens = None if query_start_loc is None else query_lens_(query_start_loc,
+                                                                  self._q_lens[:n])
+        if self.host:  # (the pool's host route: the lengths are their own host copies)
+            return (self.pool.decode.host_step(n, seq_lens, block_table) if q_lens is None
+                    else self.pool.extend.host_step(n, seq_lens, q_lens, block_table))
+        table = block_table[:n]
+        return (self.pool.decode.update_(n, seq_lens=seq_lens, block_table=table)
+                if q_lens is None else
+                self.pool.extend.update_(n, seq_lens=seq_lens, extend_lens=q_lens,
+                                         block_table=table))
 
     def fill(self, *, seq_lens: Tensor, block_table: Tensor, num_tokens: int,
              query_start_loc: Tensor | None = None) -> LatentStep:

@@ -4,8 +4,10 @@ vLLM's model runner builds a ``CommonAttentionMetadata`` per step and KV-cache g
 one cache spec: the full layers, or the sliding-window ones) and asks that group's metadata
 builder for what its layers read. attnpool's builder (:mod:`.backend`) owns one
 :class:`StepFiller` per group: a :class:`attnpool.BufferPool` sized once from vLLM's config
-(:func:`pool_config`) and a few staging buffers, and :meth:`StepFiller.fill` refills the pool's
-views in place from vLLM's tensors, with vLLM's block table read directly (``block_table=``).
+(:meth:`EngineSizes.pool`; the pool, plans and layer facts every engine filler holds:
+:mod:`attnpool.integrations.engine`) and a few staging buffers, and :meth:`StepFiller.fill`
+refills the pool's views in place from vLLM's tensors, with vLLM's block table read directly
+(``block_table=``).
 
 **Mixed batches.** vLLM's scheduler puts prefill chunks and decode rows in one forward, in any
 order. Every such batch is one :attr:`attnpool.BufferPool.extend` update: a decode row is an
@@ -17,29 +19,27 @@ size, and the cheaper SDPA path on a CPU. The two phases overlay the same bytes;
 metadata is read by that step's forward before the next step is built (vLLM builds and runs
 steps in order on one stream), which is the overlay's contract.
 
-**Per step, nothing is allocated** once the pool's views for a shape exist: the query lengths
-are computed into a staging buffer (``out=``), the host copies vLLM already keeps on a CPU are
-passed as the pool's host lengths (tight ``max_seqlen_*``: the SDPA adapter gathers only live
-lanes), and each token's cache block and offset for the K/V store are computed once per step
-into two more staging buffers (:func:`attnpool.integrations.vllm.cache.slot_index_`). On CUDA
-no host copy is passed (no sync): views keep static bounds, which the kernels bound by tensors.
+**Per step, nothing is allocated** once the pool's views for a shape exist: the query lengths are
+computed into a staging buffer (:func:`query_lens_`), the host copies vLLM already keeps on a CPU
+are passed as the pool's host lengths (tight ``max_seqlen_*``: the SDPA adapter gathers only live
+lanes), and each token's cache block and offset for the K/V store are computed once per step into
+two more staging buffers (:func:`attnpool.integrations.vllm.cache.slot_index_`). On CUDA no host
+copy is passed (no sync): views keep static bounds, which the kernels bound by tensors.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ...adapters.backends import Backend
-from ...adapters.binding import Run, bind
-from ...adapters.flashinfer_step import LayerFacts, plans_for
-from ...config import Layout, PoolConfig
+from ...adapters.binding import Run
+from ...adapters.flashinfer_step import LayerFacts
 from ...errors import CapacityError, LayoutError
-from ...pool import BufferPool
-from ...update import native
 from ...views import DecodeView, ExtendView, PagedView
+from ..engine import Filler, PoolSizes
 from .cache import slot_index_
 from .cpu_kernel import CPUKernel, KernelStep
 from .decode_cpu import BlockPlan, plan_blocks
@@ -70,15 +70,31 @@ class EngineSizes:
     num_blocks: int | None
     device: torch.device
 
+    def pool(self, window_part: bool = True) -> PoolSizes:
+        """The pool's sizes (:func:`attnpool.integrations.engine.pool_config` makes its config:
+        pad page 0, vLLM's null block); ``window_part=False``: no window part (vLLM's CPU
+        kernel applies each layer's window over the full part itself)."""
+        return PoolSizes(max_bs=self.max_num_seqs, max_context_len=self.max_model_len,
+                         max_extend_tokens=self.max_num_batched_tokens,
+                         page_size=self.block_size,
+                         sliding_window=self.sliding_window if window_part else None,
+                         num_pages=self.num_blocks, device=self.device)
 
-def pool_config(s: EngineSizes, layout: Layout = Layout.FLASH_ATTN) -> PoolConfig:
-    """The group's :class:`attnpool.PoolConfig`: page tables in ``layout`` (flash-attn's, the
-    one SDPA and flash-attn read; FlashInfer's CSR lists when it attends), the pad page 0
-    (vLLM's null block), decode and extend phases."""
-    return PoolConfig(max_bs=s.max_num_seqs, max_context_len=s.max_model_len,
-                      page_size=s.block_size, device=s.device, layout=layout,
-                      max_extend_tokens=s.max_num_batched_tokens,
-                      sliding_window=s.sliding_window, num_pages=s.num_blocks, pad_page=0)
+
+def query_lens_(query_start_loc: Tensor, out: Tensor) -> Tensor:
+    """``out[i] = query_start_loc[i + 1] - query_start_loc[i]`` for the ``n = len(out)`` rows
+    of a step (vLLM's packed query offsets to each request's query length), one torch op into
+    ``out`` (a staging buffer: nothing allocated); ``query_start_loc`` has ``>= n + 1`` rows.
+
+    ``torch.diff`` when ``query_start_loc`` has exactly ``n + 1`` rows, else ``torch.sub`` of
+    its two shifted slices: measured with ``timeit`` on a CPU (int32, one thread, torch 2.13,
+    the best of 7 x 20,000 calls), ``diff`` of the exact tensor 2.9-3.0 us for 1, 8 and 64
+    rows, ``sub`` of the two slices 3.7 us, and ``diff`` of a taller tensor's first ``n + 1``
+    rows 4.3-4.4 us (its slice is a dispatched op of its own)."""
+    n = out.shape[0]
+    if query_start_loc.shape[0] == n + 1:
+        return torch.diff(query_start_loc, out=out)
+    return torch.sub(query_start_loc[1:n + 1], query_start_loc[:n], out=out)
 
 
 @dataclass(slots=True)
@@ -135,7 +151,7 @@ class StepMetadata:
         return plan
 
 
-class StepFiller:
+class StepFiller(Filler):
     """One KV-cache group's pool, staging buffers and per-step refill (see the module doc)."""
 
     def __init__(self, sizes: EngineSizes, backend: Backend, num_heads: int, num_kv_heads: int,
@@ -146,31 +162,22 @@ class StepFiller:
         ``facts``: what every layer shares, for FlashInfer's plans (required when ``backend``
         is FlashInfer: the pool then keeps CSR page lists, and each step's parts are planned
         in :meth:`fill`)."""
+        super().__init__(sizes.pool(window_part), backend, num_heads, num_kv_heads, dtype,
+                         facts)
         self.sizes = sizes
-        #: FlashInfer's wrappers, planned per step (None for the other adapters)
-        self.plans, layout = plans_for(backend, facts, sizes.device)
-        self.pool = BufferPool(pool_config(
-            sizes if window_part else replace(sizes, sliding_window=None), layout))
         #: the pool's two phases, looked up once (``pool.decode`` is a checked lookup), and
-        #: their ``host_step`` calls (one C call each where the native step is built)
+        #: their ``host_step`` calls (a CPU pool's refill from host tensors)
         self._decode, self._extend = self.pool.decode, self.pool.extend
         self._decode_step, self._extend_step = self._decode.host_step, self._extend.host_step
-        if sizes.device.type == "cpu":  # (the first step of each size: no slicing in a build)
+        if self.host:  # (the first step of each size: no slicing in a build)
             for phase in (self._decode, self._extend):
                 phase.prepare_views(range(1, sizes.max_num_seqs + 1))
-        self.backend, self.dtype = backend, dtype
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.host = sizes.device.type == "cpu"
         self._caps = (sizes.max_num_seqs, sizes.max_num_batched_tokens)
         dev, t = sizes.device, sizes.max_num_batched_tokens
         # staging, allocated once: query lengths, each token's block and offset
         self._q_lens = torch.empty(sizes.max_num_seqs, dtype=torch.int32, device=dev)
         #: its first n rows for every n (a slice per step is a dispatched op)
         self._q_rows = [self._q_lens[:k] for k in range(sizes.max_num_seqs + 1)]
-        #: the native step's ``diffs`` on a CPU (vLLM's query lengths from its host
-        #: ``query_start_loc`` in one C call), else None: ``torch.diff``
-        module = native.load() if self.host else None
-        self._diffs = None if module is None else module.diffs
         self._blocks = torch.empty(t, dtype=torch.int64, device=dev)
         self._offsets = torch.empty(t, dtype=torch.int64, device=dev)
         self._none = self._blocks[:0]  # (no block/offset pair: vLLM's kernel stores by slot)
@@ -190,7 +197,13 @@ class StepFiller:
 
         This is the builder's whole per-step cost, run between two forwards: inputs vLLM
         already sliced to the step's rows are not sliced again, and with vLLM's kernel
-        attending no adapter call is bound (the kernel reads the pool's buffers itself)."""
+        attending no adapter call is bound (the kernel reads the pool's buffers itself).
+
+        On a CPU, vLLM's lengths are host tensors: the phase's ``host_step`` takes them as the
+        view's host lengths too (``update_(n, seq_lens=..., block_table=...,
+        seq_lens_cpu=seq_lens)``, extend: with ``extend_lens_cpu`` the query lengths), with
+        ``seq_lens`` cut to ``n`` rows and the block table as vLLM hands it (its first ``n``
+        rows are read). On CUDA ``update_`` with no host copy (no sync)."""
         n, (max_seqs, max_tokens) = num_reqs, self._caps
         tokens = slot_mapping.shape[0]
         if n > max_seqs or num_actual_tokens > max_tokens or tokens > max_tokens:
@@ -198,32 +211,24 @@ class StepFiller:
                                 f"{tokens} slots is past the pool's max_num_seqs={max_seqs}, "
                                 f"max_num_batched_tokens={max_tokens} (nothing written)")
         q_lens = None
-        if max_query_len != 1 or self.one_phase:  # (the query lengths: staging, one C call)
-            q_lens = self._q_rows[n]
-            if self._diffs is None or self._diffs(query_start_loc, q_lens, n) is None:
-                torch.diff(query_start_loc if query_start_loc.shape[0] == n + 1
-                           else query_start_loc[:n + 1], out=q_lens)
-        # (on a CPU, the native step first, on vLLM's tensors as they come: it reads the
-        # first n rows of a taller table and declines longer lengths, which go on below)
-        view: DecodeView | ExtendView | None = None
-        if self.host:
-            view = (self._decode_step(n, seq_lens, block_table) if q_lens is None
-                    else self._extend_step(n, seq_lens, q_lens, block_table))
-        if view is None:
-            # (shape[0]: a third of len()'s cost, which is a Python method of torch.Tensor)
-            lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
+        if max_query_len != 1 or self.one_phase:  # (the query lengths, into staging)
+            q_lens = query_lens_(query_start_loc, self._q_rows[n])
+        # (shape[0]: a third of len()'s cost, which is a Python method of torch.Tensor)
+        lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
+        view: DecodeView | ExtendView
+        if self.host:  # (the pool's host route: vLLM's lengths are their own host copies)
+            view = (self._decode_step(n, lens, block_table) if q_lens is None
+                    else self._extend_step(n, lens, q_lens, block_table))
+        else:
             table = block_table if block_table.shape[0] == n else block_table[:n]
-            host = lens if self.host else None
-            view = (self._decode.update_(n, seq_lens=lens, block_table=table, seq_lens_cpu=host)
+            view = (self._decode.update_(n, seq_lens=lens, block_table=table)
                     if q_lens is None else
                     self._extend.update_(n, seq_lens=lens, extend_lens=q_lens,
-                                         block_table=table, seq_lens_cpu=host,
-                                         extend_lens_cpu=q_lens if self.host else None))
+                                         block_table=table))
         if self.kernel is not None:  # vLLM's kernel stores by slot itself: no block/offset pair
             return StepMetadata(view, None, self._none, self._none, num_actual_tokens,
                                 self.kernel.step(view, n))
-        run = bind(self.backend, view, num_actual_tokens, self.num_heads, self.num_kv_heads,
-                   self.dtype, plans=self.plans)
+        run = self.bind(view, num_actual_tokens)
         slot_index_(slot_mapping, self.sizes.block_size, self._blocks, self._offsets)
         return StepMetadata(view, run, self._blocks[:tokens], self._offsets[:tokens],
                             num_actual_tokens)

@@ -1,6 +1,6 @@
 """Fused FlashMLA scheduler part: the schedule of a part's lengths in one launch of one program.
 
-Same bytes as :func:`attnpool.update.flashmla_sched.flashmla_part_` (the reference path's torch
+Same bytes as :func:`attnpool.update.reference.flashmla.flashmla_part_` (the reference path's torch
 port) in ``tile_scheduler_metadata`` and ``num_splits[: bs + 1]``; capturable like every fused
 part (``num_real``: the real count read on the device, so a graph replays any count). One
 program, because the schedule is one sequential walk over the parts; it is tiny integer work
@@ -12,9 +12,9 @@ from __future__ import annotations
 from ...config import SchedLayout, is_int
 from ...errors import CapacityError, InputError
 from ..buffers import PagedBuffers
-from ..flashmla_sched import METADATA_SIZE
 from ..launch import Launch, pointer_or, replayable
 from ..parts import FlashMLAPart
+from ..reference.flashmla import METADATA_SIZE
 from . import checks
 from .loaders import flashmla_kernels
 from .tuning import maxnreg, pow2
@@ -33,7 +33,7 @@ def flashmla_launch(b: PagedBuffers, part: FlashMLAPart) -> Launch:
     """Check and assemble FlashMLA's schedule of the first ``n`` rows of ``b.cache_seqlens``
     (``num_real``'s count with ``num_real``: then ``n`` is ``bs``) into
     ``tile_scheduler_metadata [num_parts, 8]`` (in ``layout``) and ``num_splits[: bs + 1]``:
-    padded rows get no work (see :mod:`.flashmla_sched`). Reads the lengths the part's own
+    padded rows get no work (see :mod:`..reference.flashmla`). Reads the lengths the part's own
     launch wrote before it, in stream order."""
     bs, n, num_parts, num_real, layout = part.bs, part.n, part.num_parts, part.num_real, part.layout
     md, num_splits = part.tile_scheduler_metadata, part.num_splits

@@ -1,14 +1,14 @@
 """The fused FlashMLA scheduler kernel (imported lazily: it imports triton).
 
-FlashMLA's schedule (:mod:`.flashmla_sched` says what it is) is a walk over ``num_sm_parts``
-parts, each taking whole requests while they fit and cutting the one that does not. The torch
-port runs it as ~15 small ops per part, so hundreds of launches per update on a GPU; this kernel
-is one program doing the same walk: the rows' inclusive block-cost prefix sums sit in one
-``BLOCK``-wide vector (``tl.cumsum``), and each part finds the last request its payload reaches
-by counting the prefix sums at or below its target (they increase strictly: every request costs
-at least 6 blocks), which is the port's ``searchsorted``. The part's row and the per-request cut
-counts follow the port's formulas one for one, in int32 (the config bounds every block count
-below 2**31), so the two write the same bytes.
+FlashMLA's schedule (:mod:`attnpool.update.reference.flashmla` says what it is) is a walk over
+``num_sm_parts`` parts, each taking whole requests while they fit and cutting the one that does
+not. The torch port runs it as ~15 small ops per part, so hundreds of launches per update on a GPU;
+this kernel is one program doing the same walk: the rows' inclusive block-cost prefix sums sit in
+one ``BLOCK``-wide vector (``tl.cumsum``), and each part finds the last request its payload reaches
+by counting the prefix sums at or below its target (they increase strictly: every request costs at
+least 6 blocks), which is the port's ``searchsorted``. The part's row and the per-request cut
+counts follow the port's formulas one for one, in int32 (the config bounds every block count below
+2**31), so the two write the same bytes.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def flashmla_sched_kernel(  # type: ignore[no-untyped-def]
     """One program: the schedule of the first ``n`` rows of ``cache_ptr`` (``num_real``'s
     count, clamped to ``[0, bs]``, with ``DEVICE_N``) into ``md_ptr [num_parts, 8]`` (the
     argument layout, or ``DecodingSchedMeta``'s with ``SCHED_META``) and ``ns_ptr[: bs + 1]``;
-    padded rows get no work (see :mod:`.flashmla_sched`)."""
+    padded rows get no work (see :mod:`attnpool.update.reference.flashmla`)."""
     zero = tl.full([], 0, tl.int32)
     nr = zero + n
     if DEVICE_N:

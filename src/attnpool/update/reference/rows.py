@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .buffers import table_width
+from ..buffers import table_width
 
 
 def table_slots(table: Tensor, rows: Tensor, cols: Tensor, block_size: int | None = None

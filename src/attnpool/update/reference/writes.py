@@ -1,6 +1,6 @@
 """The reference path's writers: each writes the *whole read region* of its buffers for ``bs``
 rows (padded rows included) in place into arena slices (``out=``, ``copy_``, ``fill_``), from
-values the caller has computed and checked (the row layouts of :mod:`.row_layouts`).
+values the caller has computed and checked (the row layouts of :mod:`.rows`).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .buffers import PagedBuffers
+from ..buffers import PagedBuffers
 
 
 def lengths_(dst: Tensor, src: Tensor, add: int, bs: int, pad: int, max_len: int = 2**31 - 1

@@ -1,15 +1,15 @@
-/* The host lane's writes in one call: an engine's step on a CPU pool (attnpool.update.native).
+/* The host route's writes in one call: an engine's step on a CPU pool (attnpool.update.host).
  *
  * On a CPU an engine's metadata build runs between two forwards, on caches the forward has
  * just evicted: what the build costs follows how much code it walks, far more than how many
- * bytes it writes. The torch lane (attnpool.update.reference_lean) walks one dispatched op per
- * field; this walks one C function per step, which checks every value first and writes only
+ * bytes it writes. The general path walks dispatched torch ops per field; this walks one C
+ * function per step, which checks every value first and writes only
  * when all are good, so a rejected step leaves the pool as it was (the caller then takes the
- * torch lane, which raises the precise error).
+ * general path, whose input pass raises the precise error).
  *
  * Every pointer is an int32 buffer of the pool (whose layout the config names) or an int32
- * input of the caller, rows contiguous; the bytes written are the torch lane's, field by field
- * (tests/update/test_host_lane.py compares the whole arena).
+ * input of the caller, rows contiguous; the bytes written are the general path's, field by
+ * field (tests/update/test_host_route.py compares the whole arena).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -244,25 +244,19 @@ static PyObject *run_step(const int64_t *c, int64_t lp, int64_t n, int64_t bs, i
     return view;
 }
 
-/* What a tensor is: read by tensor_facts.cpp's function when attnpool.update.native could
- * build it (the C++ tensor's own fields), else through the tensor's Python attributes (this
- * file needs no torch headers: it builds with the interpreter's own compiler settings alone).
- * Set once by setup(). */
-typedef int (*facts_fn)(PyObject *obj, int rank, int64_t *out);
-static facts_fn tensor_facts;
+/* What a tensor is, read through its Python attributes (this file needs no torch headers: it
+ * builds with the interpreter's own compiler settings alone, at install time). Set once by
+ * setup(). */
 static PyObject *tensor_type, *int32_dtype;
 static PyObject *s_dtype, *s_is_cpu, *s_stride, *s_shape, *s_data_ptr;
 
-/* setup(torch.Tensor, torch.int32, facts): facts the capsule of tensor_facts.cpp, or None */
+/* setup(torch.Tensor, torch.int32) */
 static PyObject *setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 3 || !PyType_Check(args[0])
-        || (args[2] != Py_None && !PyCapsule_IsValid(args[2], "attnpool.tensor_facts"))) {
-        PyErr_SetString(PyExc_TypeError, "setup(torch.Tensor, torch.int32, facts or None)");
+    if (nargs != 2 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "setup(torch.Tensor, torch.int32)");
         return NULL;
     }
-    tensor_facts = args[2] == Py_None
-        ? NULL : (facts_fn)PyCapsule_GetPointer(args[2], "attnpool.tensor_facts");
     if (s_dtype == NULL) {
         s_dtype = PyUnicode_InternFromString("dtype");
         s_is_cpu = PyUnicode_InternFromString("is_cpu");
@@ -276,39 +270,37 @@ static PyObject *setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     Py_RETURN_NONE;
 }
 
+/* An attribute read that raised: cleared, and the tensor declined. */
+static int declined(void) {
+    PyErr_Clear();
+    return 0;
+}
+
 /* An int32 CPU tensor of `rank` dimensions (1 or 2), its last dimension contiguous: its
- * address, rows, columns and row stride. 1 taken, 0 not the lane's (another type, dtype,
- * device or layout), -1 with an error set. */
+ * address, rows, columns and row stride. 1 taken, 0 not the route's (another type, dtype,
+ * device or layout, or an attribute that raised: a sparse tensor's strides, say; the general
+ * path then takes the call and its input pass names what is wrong). */
 static int host_tensor(PyObject *t, int rank, int64_t *ptr, int64_t *rows, int64_t *cols,
                        int64_t *row_stride) {
     if (tensor_type == NULL || (PyObject *)Py_TYPE(t) != tensor_type) return 0;
-    if (tensor_facts != NULL) {
-        int64_t out[4];
-        if (!tensor_facts(t, rank, out)) return 0;
-        *ptr = out[0];
-        *rows = out[1];
-        *cols = out[2];
-        *row_stride = out[3];
-        return 1;
-    }
     PyObject *a = PyObject_GetAttr(t, s_dtype);
-    if (a == NULL) return -1;
+    if (a == NULL) return declined();
     int ok = a == int32_dtype;
     Py_DECREF(a);
     if (!ok) return 0;
     a = PyObject_GetAttr(t, s_is_cpu);
-    if (a == NULL) return -1;
+    if (a == NULL) return declined();
     ok = a == Py_True;
     Py_DECREF(a);
     if (!ok) return 0;
     int64_t st[2] = {0, 0}, sh[2] = {0, 1};
     for (int which = 0; which < 2; which++) {
         a = which ? PyObject_GetAttr(t, s_shape) : PyObject_CallMethodNoArgs(t, s_stride);
-        if (a == NULL) return -1;
+        if (a == NULL) return declined();
         ok = PyTuple_Check(a) && PyTuple_GET_SIZE(a) == rank;
         for (int d = 0; ok && d < rank; d++) {
             int64_t x = PyLong_AsLongLong(PyTuple_GET_ITEM(a, d));
-            if (x == -1 && PyErr_Occurred()) { Py_DECREF(a); return -1; }
+            if (x == -1 && PyErr_Occurred()) { Py_DECREF(a); return declined(); }
             (which ? sh : st)[d] = x;
         }
         Py_DECREF(a);
@@ -316,10 +308,10 @@ static int host_tensor(PyObject *t, int rank, int64_t *ptr, int64_t *rows, int64
     }
     if (st[rank - 1] != 1 && sh[rank - 1] > 1) return 0;
     a = PyObject_CallMethodNoArgs(t, s_data_ptr);
-    if (a == NULL) return -1;
+    if (a == NULL) return declined();
     *ptr = PyLong_AsLongLong(a);
     Py_DECREF(a);
-    if (*ptr == -1 && PyErr_Occurred()) return -1;
+    if (*ptr == -1 && PyErr_Occurred()) return declined();
     *rows = sh[0];
     *cols = rank == 2 ? sh[1] : 1;
     *row_stride = rank == 2 ? st[0] : 1;
@@ -400,9 +392,10 @@ static int mark(PyObject *own, PyObject *gens, PyObject *regions, PyObject *tag,
 }
 
 /* phase_step(state, bs, seq_lens, [q_lens,] block_table): a phase's host_step in one call.
- * None, nothing written, in validation mode or for a call the step does not take; the
- * state's fallback (the phase's own host_step) for a size whose sliced view the rebind does
- * not serve yet; else the step on that view, recorded in the arena as the phase's write. */
+ * The state's fallback (the phase's own host_step, which ends on the general path) in
+ * validation mode, for a call the step does not take (nothing written) and for a size whose
+ * sliced view the rebind does not serve yet; else the step on that view, recorded in the
+ * arena as the phase's write. */
 static PyObject *phase_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if ((nargs != 4 && nargs != 5) || !PyList_CheckExact(args[0])
@@ -415,56 +408,31 @@ static PyObject *phase_step(PyObject *self, PyObject *const *args, Py_ssize_t na
      * the list, which only HostLane.first and HostLane.validating set; the fallback's call
      * is the last use of them) */
     PyObject *const *item = ((PyListObject *)args[0])->ob_item, *base = NULL, *got = NULL;
-    if (item[S_VALIDATE] != Py_False) Py_RETURN_NONE;
+    if (item[S_VALIDATE] != Py_False) goto fallback;
     if (item[S_CLASS] != Py_None && PyLong_CheckExact(args[1])) {
         base = PyDict_GetItemWithError(item[S_SLICED], args[1]);
         if (base == NULL && PyErr_Occurred()) goto done;
         Py_XINCREF(base);
     }
-    if (base == NULL || (PyObject *)Py_TYPE(base) != item[S_CLASS]) {
-        got = PyObject_Vectorcall(item[S_FALLBACK], args + 1, (size_t)(nargs - 1), NULL);
-        goto done;
-    }
+    if (base == NULL || (PyObject *)Py_TYPE(base) != item[S_CLASS]) goto fallback;
     Py_ssize_t off[3];
     long long window_k;
     if (view_offsets(base, item[S_OFFSETS], item[S_WINDOW_K], off, &window_k) < 0) goto done;
     got = tensors_step((const int64_t *)PyBytes_AS_STRING(item[S_CONFIG]), args[2],
                        args[nargs - 1], nargs == 5 ? args[3] : Py_None, args[1], base, off,
                        window_k);
-    if (got != NULL && got != Py_None
-        && mark(item[S_OWN], item[S_GENS], item[S_REGIONS], item[S_TAG], args[1]) < 0)
+    if (got == Py_None) {
         Py_CLEAR(got);
+        goto fallback;
+    }
+    if (got != NULL && mark(item[S_OWN], item[S_GENS], item[S_REGIONS], item[S_TAG], args[1]) < 0)
+        Py_CLEAR(got);
+    goto done;
+fallback:
+    got = PyObject_Vectorcall(item[S_FALLBACK], args + 1, (size_t)(nargs - 1), NULL);
 done:
     Py_XDECREF(base);
     return got;
-}
-
-/* diffs(query_start_loc, out, n) -> True once out[i] = query_start_loc[i + 1] -
- * query_start_loc[i] for i < n (vLLM's query lengths), or None, nothing written, when an input
- * is not an int32 CPU tensor with contiguous rows, n is not an int in [0, len(out)] or
- * query_start_loc has fewer than n + 1 values. */
-static PyObject *diffs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "diffs(query_start_loc, out, n)");
-        return NULL;
-    }
-    if (!PyLong_CheckExact(args[2])) Py_RETURN_NONE;
-    int overflow = 0;
-    long long n = PyLong_AsLongLongAndOverflow(args[2], &overflow);
-    if (overflow || (n == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        Py_RETURN_NONE;
-    }
-    int64_t a, an, b, bn, one, unit, r;
-    if ((r = host_tensor(args[0], 1, &a, &an, &one, &unit)) <= 0
-        || (r = host_tensor(args[1], 1, &b, &bn, &one, &unit)) <= 0)
-        return r < 0 ? NULL : Py_NewRef(Py_None);
-    if (n < 0 || n > bn || an < n + 1) Py_RETURN_NONE;
-    const int32_t *q = (const int32_t *)(intptr_t)a;
-    int32_t *out = (int32_t *)(intptr_t)b;
-    for (long long i = 0; i < n; i++) out[i] = q[i + 1] - q[i];
-    Py_RETURN_TRUE;
 }
 
 static PyMethodDef methods[] = {
@@ -473,16 +441,14 @@ static PyMethodDef methods[] = {
     {"phase_step", (PyCFunction)(void (*)(void))phase_step, METH_FASTCALL,
      "A phase's host_step in one call: the step on its sliced view, recorded in the arena."},
     {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL,
-     "Name torch.Tensor, torch.int32 and the C++ tensor reader (or None) to the step."},
-    {"diffs", (PyCFunction)(void (*)(void))diffs, METH_FASTCALL,
-     "Consecutive differences of an int32 CPU tensor into another."},
+     "Name torch.Tensor and torch.int32 to the step."},
     {"slot_offset", slot_offset, METH_O, "The byte offset of a __slots__ field."},
     {"rebind", (PyCFunction)(void (*)(void))rebind, METH_FASTCALL,
      "A view with new host bounds (attnpool.phases._views.rebound's fields)."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_attnpool_lane", NULL, -1, methods,
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_lane", NULL, -1, methods,
                                     NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__attnpool_lane(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__lane(void) { return PyModule_Create(&module); }

@@ -51,11 +51,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import FLASHMLA_PAGE_SIZE, SchedLayout, is_int
-from ..config import num_sm_parts as num_sm_parts
-from ..errors import InputError
-from .buffers import PagedBuffers
-from .parts import FlashMLAPart
+from ...config import FLASHMLA_PAGE_SIZE, SchedLayout, is_int
+from ...config import num_sm_parts as num_sm_parts
+from ...errors import InputError
+from ..buffers import PagedBuffers
+from ..parts import FlashMLAPart
 
 __all__ = ["BLOCK_N", "FIXED_OVERHEAD_BLOCKS", "METADATA_SIZE", "SchedLayout", "flashmla_part_",
            "get_mla_metadata", "idle_row_", "num_sm_parts"]

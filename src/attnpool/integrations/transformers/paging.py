@@ -14,7 +14,8 @@ An engine keeps this bookkeeping on the host; the pool only ever sees the result
   and overwriting someone else's. The cost is reserving for the worst case; the gain is that a
   running request never stalls or needs preemption.
 
-Pure Python, no tensors: this module imports nothing of the library but its errors.
+Pure Python, no tensors: this module imports nothing of the library but its errors and page
+arithmetic.
 """
 
 from __future__ import annotations
@@ -22,8 +23,23 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from ..config import ceil_div
-from ..errors import CapacityError, InputError
+from ...config import ceil_div
+from ...errors import CapacityError, InputError
+
+
+def check_sizes(owner: str, num_pages: int, pad_page: int,
+                *sizes: tuple[str, object, int]) -> None:
+    """An allocator's arguments: ``num_pages`` an int >= 2, each of ``sizes`` (``(name, value,
+    lowest)``) an int >= its lowest, ``pad_page`` an int in ``[0, num_pages)``.
+
+    Raises:
+        InputError: the first argument that is not, named with ``owner``.
+    """
+    for name, v, lo in (("num_pages", num_pages, 2), *sizes, ("pad_page", pad_page, 0)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise InputError(f"{owner}: {name} must be an int >= {lo}, got {v!r}")
+    if pad_page >= num_pages:
+        raise InputError(f"{owner}: pad_page must be < num_pages={num_pages}, got {pad_page}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +66,8 @@ class PageAllocator:
     """
 
     def __init__(self, num_pages: int, page_size: int, num_rows: int, pad_page: int = 0) -> None:
-        for name, v, lo in (("num_pages", num_pages, 2), ("page_size", page_size, 1),
-                            ("num_rows", num_rows, 1), ("pad_page", pad_page, 0)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise InputError(f"PageAllocator: {name} must be an int >= {lo}, got {v!r}")
-        if pad_page >= num_pages:
-            raise InputError(f"PageAllocator: pad_page must be < num_pages={num_pages}, "
-                             f"got {pad_page}")
+        check_sizes("PageAllocator", num_pages, pad_page, ("page_size", page_size, 1),
+                    ("num_rows", num_rows, 1))
         self.num_pages, self.page_size, self.num_rows = num_pages, page_size, num_rows
         self.pad_page = pad_page
         # Min-heaps: the lowest free ids are handed out first, however pages came back, so the

@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..config import ceil_div
-from ..errors import InputError, LayoutError
-from .buffers import PagedBuffers, table_width, window_width
-from .parts import DraftExpandPart, LocalExtendPart, LocalPart, PagedPart, TreeExpandPart
-from .row_layouts import (
+from ...config import ceil_div
+from ...errors import InputError, LayoutError
+from ..buffers import PagedBuffers, table_width, window_width
+from ..parts import DraftExpandPart, LocalExtendPart, LocalPart, PagedPart, TreeExpandPart
+from .rows import (
     draft_expand,
     extend_tokens,
     floor_div,

@@ -23,15 +23,17 @@ The rules (the :mod:`.paging` rules, adapted to pages that come and go):
   next verify; a draft never queries below it). Entries of the window table for freed pages keep
   their stale ids: nothing reads them (a window row starts at the page of its first visible key).
 
-Pure Python, no tensors: this module imports nothing of the library but its errors.
+Pure Python, no tensors: this module imports nothing of the library but its errors, page
+arithmetic and :mod:`.paging`'s argument check.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import ceil_div, window_span_pages
-from ..errors import CapacityError, InputError
+from ...config import ceil_div, window_span_pages
+from ...errors import CapacityError, InputError
+from .paging import check_sizes
 
 
 @dataclass(slots=True)
@@ -73,14 +75,8 @@ class WindowPageAllocator:
 
     def __init__(self, num_pages: int, page_size: int, window: int, lookahead: int = 1,
                  pad_page: int = 0) -> None:
-        for name, v, lo in (("num_pages", num_pages, 2), ("page_size", page_size, 1),
-                            ("window", window, 1), ("lookahead", lookahead, 1),
-                            ("pad_page", pad_page, 0)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise InputError(f"WindowPageAllocator: {name} must be an int >= {lo}, got {v!r}")
-        if pad_page >= num_pages:
-            raise InputError(f"WindowPageAllocator: pad_page must be < num_pages={num_pages}, "
-                             f"got {pad_page}")
+        check_sizes("WindowPageAllocator", num_pages, pad_page, ("page_size", page_size, 1),
+                    ("window", window, 1), ("lookahead", lookahead, 1))
         self.num_pages, self.page_size, self.window = num_pages, page_size, window
         self.lookahead, self.pad_page = lookahead, pad_page
         self._free = [p for p in reversed(range(num_pages)) if p != pad_page]

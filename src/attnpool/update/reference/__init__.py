@@ -5,7 +5,7 @@ of part, each taking the part's buffers and its record (:mod:`.parts`): ``paged_
 (decode, verify chain, draft chain steps, a draft tree's prefix pass, draft extend and extend
 with their query parts, encoder cross and decoder rows), ``tree_expand_launch`` (verify tree),
 ``draft_tree_expand_launch`` (every step of a draft tree round), ``local_launch`` (chunked local
-attention) and ``flashmla_launch`` (FlashMLA's scheduler metadata, :mod:`.flashmla_sched`). Each
+attention) and ``flashmla_launch`` (FlashMLA's scheduler metadata, :mod:`.flashmla`). Each
 binds its record once and is replayed per update with new inputs (see :class:`Call`); the
 ``*_update_(b, **fields)`` forms build the record and run it once. A phase picks the module once
 (``pool.impl``) and has no other branch: both write
@@ -21,8 +21,8 @@ count). Two arguments are hints one path uses and the other does not need:
 * ``keep`` (:func:`paged_update_`): the incremental page table. The reference path writes every
   live page anyway (the same bytes: kept pages hold the same ids).
 
-The parts themselves are in :mod:`.reference_parts`, over the row layouts of
-:mod:`.row_layouts` and the writers of :mod:`.writes` (re-exported here).
+The parts themselves are in :mod:`.parts`, over the row layouts of
+:mod:`.rows` and the writers of :mod:`.writes` (re-exported here).
 """
 
 from __future__ import annotations
@@ -31,20 +31,20 @@ from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from ..errors import CapacityError
-from .buffers import PagedBuffers, table_width
-from .flashmla_sched import flashmla_part_
-from .launch import RecordPaths, record_paths
-from .parts import DraftExpandPart, LocalPart, PagedPart, TreeExpandPart
-from .reference_lean import LeanPaged, lean_fits
-from .reference_parts import (
+from ...errors import CapacityError
+from ..buffers import PagedBuffers, table_width
+from ..launch import RecordPaths, record_paths
+from ..parts import DraftExpandPart, LocalPart, PagedPart, TreeExpandPart
+from .flashmla import flashmla_part_
+from .lean import LeanPaged, lean_fits
+from .parts import (
     draft_tree_expand_part_,
     local_extend_part_,
     local_part_,
     paged_part_,
     tree_expand_part_,
 )
-from .row_layouts import (
+from .rows import (
     draft_expand,
     extend_tokens,
     gather_pages,
@@ -158,7 +158,7 @@ _paged_general = _launcher("paged_launch", paged_part_, _PAGED_INPUTS)
 def paged_launch(b: PagedBuffers, part: PagedPart) -> Call:
     """Bind one paged part update (:func:`paged_part_` says what it writes); the same
     arguments as :func:`attnpool.update.triton.paged_launch`. A part of the shape engines step
-    with (:func:`.reference_lean.lean_fits`) binds the lean part, the same bytes in fewer
+    with (:func:`.lean.lean_fits`) binds the lean part, the same bytes in fewer
     ops."""
     if lean_fits(b, part):
         return Call(LeanPaged(), b, part, _PAGED_INPUTS)

@@ -3,7 +3,7 @@ fewest torch ops and Python lines.
 
 An engine's builder calls the pool once per step (and KV-cache group) on the host, between two
 forwards: on a CPU its whole cost is host time, spent on code the model's forward has just
-pushed out of the caches. The general part update (:func:`.reference_parts.paged_part_`)
+pushed out of the caches. The general part update (:func:`.parts.paged_part_`)
 serves every shape of part (chain draft steps, window twins, encoder offsets, CSR, token-level
 tables); this one serves the shape engines step with and nothing else:
 
@@ -36,11 +36,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import ceil_div
-from .buffers import PagedBuffers
-from .parts import PagedPart
-from .reference_parts import INT32_MAX, _queries_, _tokens_, paged_part_
-from .row_layouts import floor_div
+from ...config import ceil_div
+from ..buffers import PagedBuffers
+from ..parts import PagedPart
+from .parts import INT32_MAX, _queries_, _tokens_, paged_part_
+from .rows import floor_div
 
 
 def lean_fits(b: PagedBuffers, part: PagedPart) -> bool:
@@ -70,7 +70,7 @@ def _memo(cache: dict[tuple[int, ...], Any], key: tuple[int, ...],
 
 
 class LeanPaged:
-    """The lean part update of one part's buffers: :func:`.reference_parts.paged_part_`'s
+    """The lean part update of one part's buffers: :func:`.parts.paged_part_`'s
     bytes for a part of the lean shape, as a callable ``(b, part)``.
 
     The arena never moves, so every slice of the part's own buffers that a step needs (a
@@ -181,7 +181,7 @@ class LeanPaged:
     def window_(self, b: PagedBuffers, w: PagedBuffers, table: Tensor, rows: Tensor,
                 total: Tensor, n: int, bs: int, p: int, pad_seq_len: int, pad_page: int,
                 window: int, q_lens: Tensor | None) -> None:
-        """The window twin ``w`` of part ``b`` (:func:`.reference_parts._window_`'s bytes),
+        """The window twin ``w`` of part ``b`` (:func:`.parts._window_`'s bytes),
         read from ``table``: row ``i`` of length ``L`` (``total``: the full part's clamped
         lengths, just written) with ``q`` queries (``q_lens``, already inside their bound;
         None: one) starts ``shift = floor(max(0, L - q - W + 1) / P) * P`` tokens in, that is
