@@ -14,6 +14,18 @@ imported or changed.
   exited, so nothing is left for an exit hook; a reader diffs two readings). The classes are
   wrapped when their modules are first imported (an import hook), so SGLang is not imported
   any earlier than it would be.
+- ``ATTNPOOL_SGLANG_AMX=1`` (the speculative-decoding reference): the platform override
+  ``override_platform(has_amx=True)``, installed as soon as ``sglang.srt.runtime_context`` is
+  imported, in every process. Without it SGLang replaces ``attention_backend="intel_amx"``
+  (its own CPU path, the one that serves speculative decoding) by ``torch_native`` on a CPU
+  without AMX (``arg_groups/overrides.py``). Weight packing and SGLang's fused CPU layers ask
+  the CPU itself (``cpu_has_amx_support``) and stay off.
+- ``ATTNPOOL_SGLANG_SPEC_PROBE=<file>`` (facts for attnpool's speculative views): what reaches
+  SGLang's ``intel_amx`` backends, one JSON line per call of ``init_forward_metadata`` (the
+  target's and the draft's backends, and the draft's multi-step decode backend): the model
+  (target or draft), forward mode, batch size, the shapes (and, for small ones, values) of the
+  batch's index fields and of ``spec_info``'s fields. At most 4 lines per (backend, model,
+  mode, batch size).
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -77,15 +90,98 @@ def _time_backend(cls: Any, path: str) -> None:
         setattr(cls, name, timing(getattr(cls, name)))
 
 
-class _Wrap(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds nothing itself: for a module of :data:`_TIMED` it lets the real finder load it,
-    then wraps the class."""
+def _describe(value: Any) -> Any:
+    """A JSON-able summary: a tensor's shape and dtype, with its values when it is small."""
+    import torch
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    if isinstance(value, torch.Tensor):
+        out: dict[str, Any] = {"shape": list(value.shape), "dtype": str(value.dtype)[6:]}
+        if value.numel() <= 64:
+            out["values"] = value.tolist()
+        return out
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)) and len(value) <= 16:
+        return [_describe(v) for v in value]
+    return type(value).__name__
+
+
+#: the ForwardBatch fields an attention backend reads
+_BATCH_FIELDS = ("input_ids", "positions", "req_pool_indices", "seq_lens", "seq_lens_sum",
+                 "out_cache_loc", "extend_seq_lens", "extend_prefix_lens", "extend_start_loc",
+                 "extend_num_tokens", "encoder_lens")
+
+
+def _probe(module: ModuleType, path: str) -> None:
+    seen: dict[tuple[Any, ...], int] = {}
+
+    def record(backend: Any, fb: Any) -> None:
+        draft = getattr(backend, "_attnpool_probe_draft", None)
+        key = (type(backend).__name__, draft, fb.forward_mode.name, fb.batch_size)
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > 4:
+            return
+        row: dict[str, Any] = {"backend": key[0], "model": {True: "draft", False: "target"}.get(
+            draft, "?"), "mode": key[2], "bs": key[3]}
+        row.update({f: _describe(getattr(fb, f, None)) for f in _BATCH_FIELDS})
+        spec = fb.spec_info
+        if spec is not None:
+            row["spec_info"] = {"type": type(spec).__name__, **{
+                k: _describe(v) for k, v in sorted(vars(spec).items())
+                if not k.startswith("_")}}
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    for name in ("IntelAMXAttnBackend", "IntelAMXMultiStepDraftBackend"):
+        cls = getattr(module, name)
+        init, meta = cls.__init__, cls.init_forward_metadata
+
+        def probed_init(self: Any, model_runner: Any, *a: Any, _init: Any = init,
+                        **kw: Any) -> None:
+            _init(self, model_runner, *a, **kw)
+            self._attnpool_probe_draft = bool(getattr(model_runner, "is_draft_worker", False))
+
+        def probed_meta(self: Any, fb: Any, _meta: Any = meta) -> Any:
+            record(self, fb)
+            return _meta(self, fb)
+
+        cls.__init__ = probed_init
+        cls.init_forward_metadata = probed_meta
+
+    # per layer-0 attention call: the query rows and the metadata the kernels get
+    def probed(method: str) -> Any:
+        orig = getattr(module.IntelAMXAttnBackend, method)
+
+        def probed_forward(self: Any, q: Any, k: Any, v: Any, layer: Any, fb: Any, *a: Any,
+                           **kw: Any) -> Any:
+            draft = getattr(self, "_attnpool_probe_draft", None)
+            key = (method, draft, fb.forward_mode.name, fb.batch_size)
+            if layer.layer_id == 0 and seen.setdefault(key, 0) < 4:
+                seen[key] += 1
+                row = {"call": method, "model": {True: "draft", False: "target"}.get(
+                    draft, "?"), "mode": key[2], "bs": key[3], "q": list(q.shape),
+                    "positions": _describe(fb.positions),
+                    "out_cache_loc": _describe(fb.out_cache_loc),
+                    "extend_metadata": _describe(self.extend_metadata),
+                    "draft_decode_metadata": _describe(
+                        None if self.draft_decode_metadata is None else
+                        self.draft_decode_metadata[1:])}
+                with open(path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+            return orig(self, q, k, v, layer, fb, *a, **kw)
+
+        return probed_forward
+
+    for method in ("forward_extend", "forward_decode"):
+        setattr(module.IntelAMXAttnBackend, method, probed(method))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a module of :data:`_AFTER` it lets the real finder load it,
+    then runs that module's hooks on it."""
 
     def find_spec(self, name: str, target: Any = None, target2: Any = None) -> Any:
-        if name not in _TIMED:
+        if name not in _AFTER:
             return None
         sys.meta_path.remove(self)
         try:
@@ -95,21 +191,38 @@ class _Wrap(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if spec is None or spec.loader is None:
             return None
         loader = spec.loader
-        path = self.path
+        hooks = _AFTER[name]
 
-        class Timed(importlib.abc.Loader):
+        class Hooked(importlib.abc.Loader):
             def create_module(self, s: Any) -> ModuleType | None:
                 return loader.create_module(s)
 
             def exec_module(self, module: ModuleType) -> None:
                 loader.exec_module(module)
-                _time_backend(getattr(module, _TIMED[name]), path)
+                for hook in hooks:
+                    hook(module)
 
-        spec.loader = Timed()
+        spec.loader = Hooked()
         return spec
 
 
+#: module name -> what runs on the module once it is imported
+_AFTER: dict[str, list[Callable[[ModuleType], None]]] = {}
+
 if os.environ.get("ATTNPOOL_SGLANG_TIMES"):
+    for _name, _cls in _TIMED.items():
+        _AFTER.setdefault(_name, []).append(
+            lambda m, c=_cls: _time_backend(getattr(m, c), os.environ["ATTNPOOL_SGLANG_TIMES"]))
+
+if os.environ.get("ATTNPOOL_SGLANG_AMX") == "1":
+    _AFTER.setdefault("sglang.srt.runtime_context", []).append(
+        lambda m: m.override_platform(has_amx=True).install())
+
+if os.environ.get("ATTNPOOL_SGLANG_SPEC_PROBE"):
+    _AFTER.setdefault("sglang.srt.layers.attention.intel_amx_backend", []).append(
+        lambda m: _probe(m, os.environ["ATTNPOOL_SGLANG_SPEC_PROBE"]))
+
+if _AFTER:
     import importlib.util
 
-    sys.meta_path.insert(0, _Wrap(os.environ["ATTNPOOL_SGLANG_TIMES"]))
+    sys.meta_path.insert(0, _AfterImport())
