@@ -198,8 +198,10 @@ def _time_pieces() -> None:
     them."""
     import torch
 
+    from attnpool.integrations.vllm import step as step_module
     from attnpool.integrations.vllm.backend import AttnpoolMetadataBuilder
     from attnpool.integrations.vllm.cpu_kernel import CPUKernel
+    from attnpool.integrations.vllm.step import StepFiller
     from attnpool.phases.decode import DecodePhase
     from attnpool.phases.extend import ExtendPhase
     from attnpool.phases.host_lane import HostLane
@@ -221,7 +223,9 @@ def _time_pieces() -> None:
                              (ExtendPhase, "update_", "pool.extend.update_"),
                              (HostLane, "native", "host route: the C step (its checks, "
                                                  "the C call)"),
-                             (CPUKernel, "step", "work split (CPUKernel.step)")):
+                             (CPUKernel, "step", "work split (CPUKernel.step)"),
+                             (step_module, "query_lens_", "query lengths (query_lens_)"),
+                             (StepFiller, "fill", "the whole refill (StepFiller.fill)")):
         wrap(cls, name, label)
     build = AttnpoolMetadataBuilder.build
     a, b = torch.ones(8), torch.ones(8)

@@ -83,7 +83,8 @@ def _filler(impl: Impl = Impl.REFERENCE, window: int | None = None, poison: bool
         from attnpool import BufferPool
         f.pool = BufferPool(dataclasses.replace(f.pool.cfg, impl=impl), poison=poison)
         f._decode, f._extend = f.pool.decode, f.pool.extend
-        f._decode_step, f._extend_step = f._decode.host_step, f._extend.host_step
+        f._decode_step = f._decode.host_step
+        f._extend_offsets = f._extend.host_step_offsets if f._extend.host_route else None
     return f
 
 

@@ -75,9 +75,21 @@ def _step(rng: random.Random, kind: str, n: int, dtype: torch.dtype, strided: bo
     return s
 
 
+def _offsets(ext: torch.Tensor, base: int = 0, extra: int = 0) -> torch.Tensor:
+    """Packed query offsets of ``ext`` (``cu_seqlens_q``), from ``base``, with ``extra`` rows
+    past ``n + 1`` (vLLM's persistent buffer is taller than a step)."""
+    cu = torch.zeros(ext.shape[0] + 1 + extra, dtype=ext.dtype)
+    cu[1:ext.shape[0] + 1] = torch.cumsum(ext, 0)
+    cu[ext.shape[0] + 1:] = cu[ext.shape[0]]
+    return cu + base
+
+
 def _host_step(pool: BufferPool, kind: str, bs: int, s: dict[str, Any]) -> Any:
     if kind == "decode":
         return pool.decode.host_step(bs, s["seq_lens"], s["block_table"])
+    if "cu_seqlens_q" in s:
+        return pool.extend.host_step_offsets(bs, s["seq_lens"], s["cu_seqlens_q"],
+                                             s["block_table"])
     return pool.extend.host_step(bs, s["seq_lens"], s["extend_lens"], s["block_table"])
 
 
@@ -87,6 +99,15 @@ def _update(pool: BufferPool, kind: str, bs: int, s: dict[str, Any]) -> Any:
     if kind == "decode":
         return pool.decode.update_(bs, seq_lens=s["seq_lens"], block_table=s["block_table"],
                                    seq_lens_cpu=s["seq_lens"])
+    if "cu_seqlens_q" in s:  # (host_step_offsets' meaning: the lengths off the offsets)
+        cu, n = s["cu_seqlens_q"], s["seq_lens"].shape[0]
+        if not (isinstance(cu, torch.Tensor) and cu.dtype in (torch.int32, torch.int64)
+                and cu.shape[0] >= n + 1):
+            return pool.extend.host_step_offsets(bs, s["seq_lens"], cu, s["block_table"])
+        ext = cu[1:n + 1] - cu[:n]
+        return pool.extend.update_(bs, seq_lens=s["seq_lens"], extend_lens=ext,
+                                   block_table=s["block_table"], seq_lens_cpu=s["seq_lens"],
+                                   extend_lens_cpu=ext)
     return pool.extend.update_(bs, seq_lens=s["seq_lens"], extend_lens=s["extend_lens"],
                                block_table=s["block_table"], seq_lens_cpu=s["seq_lens"],
                                extend_lens_cpu=s["extend_lens"])
@@ -112,6 +133,8 @@ def test_the_host_route_writes_the_general_paths_bytes(window: int | None,
         bs = n if rng.random() < 0.6 else rng.randint(n, BS)
         dtype, strided = rng.choice([torch.int32, torch.int64]), rng.random() < 0.2
         s = _step(rng, kind, n, dtype, strided)
+        if kind == "extend" and rng.random() < 0.5:  # (the queries as packed offsets)
+            s["cu_seqlens_q"] = _offsets(s["extend_lens"], rng.choice([0, 5]), rng.randint(0, 3))
         got, want = _host_step(route, kind, bs, s), _update(general, kind, bs, s)
         int64_steps += dtype is torch.int64
         assert torch.equal(_bytes(route), _bytes(general)), (kind, n, bs, dtype, strided)
@@ -164,6 +187,18 @@ def _bad_calls(pool: BufferPool) -> list[tuple[str, str, int, dict[str, Any]]]:
     s = _step(rng, "extend", 4, torch.int32)
     s["extend_lens"] = s["extend_lens"][:3]
     out.append(("extend_lens of the wrong length", "extend", 4, s))
+    s = _step(rng, "extend", 4, torch.int32)
+    s["cu_seqlens_q"] = _offsets(s["extend_lens"])[:4]
+    out.append(("cu_seqlens_q of n rows", "extend", 4, s))
+    s = _step(rng, "extend", 4, torch.int32)
+    s["cu_seqlens_q"] = _offsets(s["extend_lens"]).flip(0)
+    out.append(("decreasing cu_seqlens_q", "extend", 4, s))
+    s = _step(rng, "extend", 4, torch.int32)
+    s["cu_seqlens_q"] = _offsets(s["extend_lens"]).float()
+    out.append(("float cu_seqlens_q", "extend", 4, s))
+    s = _step(rng, "extend", 4, torch.int32)
+    s["cu_seqlens_q"] = _offsets(s["seq_lens"] + 1)
+    out.append(("offsets of more new tokens than the sequence", "extend", 4, s))
     return out
 
 
@@ -188,7 +223,9 @@ def test_bad_input_gets_the_general_paths_error_before_any_write(
             str(general.decode.view(4).cache_seqlens.data_ptr()),
             str(route.decode.view(4).cache_seqlens.data_ptr())), label
         assert torch.equal(_bytes(route), before), label
-    assert general_calls[0] == 1 + len(_bad_calls(general))  # (every bad call: update_)
+    # (every bad call goes to update_, but for a cu_seqlens_q that is no int tensor of n + 1
+    # rows: the offsets' own check refuses it first)
+    assert general_calls[0] == 1 + len(_bad_calls(general)) - 2
 
 
 def test_validation_and_a_missing_c_step_take_the_general_path(

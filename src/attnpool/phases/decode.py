@@ -64,6 +64,9 @@ class DecodePhase(PhaseBase[DecodeView]):
         self._keep = arena.buffer(self.phase, "keep")
         #: the host route of a CPU pool (:mod:`.host_lane`), else None
         self._lane: HostLane | None = HostLane.maybe(self, self._b)
+        #: whether ``host_step`` is one C call here (a CPU pool on the reference path with
+        #: page tables, and the C step built at install); else it is ``update_``
+        self.host_route = self._lane is not None and self._lane._module is not None
         #: ``host_step(bs, seq_lens, block_table) -> DecodeView``: the host route, public (see
         #: :meth:`_host_step`); one C call with no Python frame where the C step is built
         #: (:meth:`HostLane.bind <attnpool.phases.host_lane.HostLane.bind>`)

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, NamedTuple
 from torch import Tensor
 
 from ..arena import Arena
-from ..config import Phase
+from ..config import INT_DTYPES, Phase
 from ..errors import CapacityError, InputError, LayoutError
+from ..inputs import check_tensor
 from ..views import ExtendView
 from ._views import part_view
 from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
@@ -75,6 +76,15 @@ class ExtendPhase(PhaseBase[ExtendView]):
         #: step's host route (see :meth:`_host_step`)
         self.host_step: Callable[[int, Tensor, Tensor, Tensor], ExtendView] = \
             self._host_step if self._lane is None else self._lane.bind(self._host_step)
+        #: whether ``host_step`` and ``host_step_offsets`` are one C call here (a CPU pool on
+        #: the reference path with page tables, and the C step built at install); else they
+        #: are ``update_``
+        self.host_route = self._lane is not None and self._lane._module is not None
+        #: ``host_step_offsets(bs, seq_lens, cu_seqlens_q, block_table) -> ExtendView``: the
+        #: host route with the queries as packed offsets (see :meth:`_host_step_offsets`)
+        self.host_step_offsets: Callable[[int, Tensor, Tensor, Tensor], ExtendView] = (
+            self._host_step_offsets if self._lane is None
+            else self._lane.bind(self._host_step_offsets, offsets=True))
 
     def _capture_view(self, bs: int) -> ExtendView:
         """The ``bs``-row view for capture: every row padded, static host bounds
@@ -166,6 +176,37 @@ class ExtendPhase(PhaseBase[ExtendView]):
             return self.update_(bs, seq_lens=seq_lens, extend_lens=extend_lens,
                                 block_table=block_table, seq_lens_cpu=seq_lens,
                                 extend_lens_cpu=extend_lens)
+        self._mark(bs)
+        return lane.first(self._view(bs, *got)) if type(got) is tuple else got  # type: ignore[union-attr,misc,return-value]
+
+    def _host_step_offsets(self, bs: int, seq_lens: Tensor, cu_seqlens_q: Tensor,
+                           block_table: Tensor) -> ExtendView:
+        """:meth:`_host_step` with the queries given as packed offsets, flash-attn's
+        ``cu_seqlens_q``: ``[>= n + 1]`` int32 CPU, request ``i``'s new tokens being
+        ``cu_seqlens_q[i] .. cu_seqlens_q[i + 1] - 1`` (so ``extend_lens = cu_seqlens_q[1:n +
+        1] - cu_seqlens_q[:n]``; rows past ``n + 1`` are not read). The form an engine's
+        builder holds (vLLM's ``query_start_loc``): the C step reads the lengths off the
+        offsets itself, where a separate op to make them would be the step's one dispatched
+        torch op (the first op after a forward costs several small ops' time).
+
+        A call the C step does not take goes to :meth:`update_` with the lengths computed
+        from the offsets (checked first: a bad ``cu_seqlens_q`` gets the input pass's
+        :class:`attnpool.PoolError`); that fallback allocates the lengths, the host route
+        does not."""
+        lane = self._lane
+        got = None if lane is None else lane.native(bs, seq_lens, block_table, cu_seqlens_q,
+                                                    True)
+        if got is None:
+            # (a bad seq_lens: update_ names it, before the lengths it is given)
+            n = seq_lens.shape[0] if isinstance(seq_lens, Tensor) and seq_lens.dim() == 1 else 0
+            cu = check_tensor("cu_seqlens_q", cu_seqlens_q, None, 1, INT_DTYPES, None,
+                              self.cfg.torch_device, True, self.input_pass.arena_span)
+            if cu.shape[0] < n + 1:
+                raise InputError(f"cu_seqlens_q must have >= n + 1 = {n + 1} rows, got "
+                                 f"{cu.shape[0]}")
+            ext = cu[1:n + 1] - cu[:n]
+            return self.update_(bs, seq_lens=seq_lens, extend_lens=ext, block_table=block_table,
+                                seq_lens_cpu=seq_lens, extend_lens_cpu=ext)
         self._mark(bs)
         return lane.first(self._view(bs, *got)) if type(got) is tuple else got  # type: ignore[union-attr,misc,return-value]
 

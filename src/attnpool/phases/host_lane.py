@@ -80,10 +80,12 @@ class HostLane:
         #: config, the phase's validation flag (:meth:`validating`), its sliced views, the
         #: view class and its rebind offsets (None until :meth:`first` has checked them), the
         #: window part's key bound, the arena's owners and generations, the phase's regions
-        #: and tag (what ``Arena.mark`` records), and the fallback
+        #: and tag (what ``Arena.mark`` records), and the fallbacks (queries as lengths, as
+        #: packed offsets)
         own, gens = phase.arena.mark_state()
         self._state: list[Any] = [self._config, phase.validate, phase._sliced, None, None,
-                                  phase._window_k, own, gens, phase._regions, phase.phase, None]
+                                  phase._window_k, own, gens, phase._regions, phase.phase, None,
+                                  None]
 
     def _native_config(self, queries: Queries | None) -> bytes:
         """The native step's static config: the bounds, the pad values and the addresses of
@@ -118,8 +120,8 @@ class HostLane:
             return None
         return cls(phase, b, queries)
 
-    def native(self, bs: int, seq_lens: object, block_table: object, q_lens: object
-               ) -> PagedView | tuple[int, int] | None:
+    def native(self, bs: int, seq_lens: object, block_table: object, q_lens: object,
+               offsets: bool = False) -> PagedView | tuple[int, int] | None:
         """A step checked and written by the native step, in one call: the step's view (the
         phase's sliced view of ``bs`` rows rebound with the step's host bounds by the same
         call), or the bounds ``(max_seqlen_q, max_seqlen_k)`` when the phase has no such view
@@ -129,7 +131,9 @@ class HostLane:
 
         ``seq_lens`` is its own host copy (the caller checked that). Taken: every input an
         int32 CPU ``torch.Tensor`` with contiguous rows (``q_lens``: an extend step's query
-        lengths, their own host copy too; None for decode). The tensors are read in C (type,
+        lengths, their own host copy too, or with ``offsets`` the packed query offsets
+        ``cu_seqlens_q`` of ``>= n + 1`` rows, row ``i``'s queries being ``q_lens[i] ..
+        q_lens[i + 1] - 1``; None for decode). The tensors are read in C (type,
         dtype, device, strides, shape, address: a dozen attribute reads that cost several
         times more as Python bytecode on a cold cache), then the shapes, the arena overlap and
         every value, before any write."""
@@ -139,11 +143,12 @@ class HostLane:
         got, phase = self._offsets, self._phase
         base = phase._sliced.get(bs) if type(got) is tuple else None  # (bs: C checks an int)
         if base is None or type(base) is not got[0]:  # type: ignore[index]
-            return step(self._config, seq_lens, block_table, q_lens, bs, None, None, 0)
+            return step(self._config, seq_lens, block_table, q_lens, bs, None, None, 0,
+                        offsets)
         return step(self._config, seq_lens, block_table, q_lens, bs, base,
-                    got[1], phase._window_k)  # type: ignore[index]
+                    got[1], phase._window_k, offsets)  # type: ignore[index]
 
-    def bind(self, fallback: Callable[..., V]) -> Callable[..., V]:
+    def bind(self, fallback: Callable[..., V], offsets: bool = False) -> Callable[..., V]:
         """The phase's ``host_step`` (``fallback``: its Python form, :meth:`native`, the view
         made by the phase, and the general path for a call the C step declines) as one C call
         where the C step is built: the same checks, the step on the phase's sliced view of
@@ -151,7 +156,8 @@ class HostLane:
         no Python frame on the way. A size whose view the rebind does not serve yet (its first
         step, or a class it never serves), a call the C step does not take (another dtype, a
         bad value) and validation mode go to ``fallback``, so that every call is answered as
-        ``fallback`` answers it; the fallback itself where there is no C step.
+        ``fallback`` answers it; the fallback itself where there is no C step. ``offsets``:
+        the step whose queries are packed offsets (``cu_seqlens_q``), with its own fallback.
 
         Why: an engine's builder calls this once per step, between two forwards, on caches
         the forward has just evicted; there each Python frame (the method, the lane's call,
@@ -159,8 +165,9 @@ class HostLane:
         module = self._module
         if module is None:
             return fallback
-        self._state[-1] = fallback
-        return partial(module.phase_step, self._state)
+        self._state[-1 if offsets else -2] = fallback
+        return partial(module.phase_step_offsets if offsets else module.phase_step,
+                       self._state)
 
     def validating(self, on: bool) -> None:
         """The phase's validation flag, as its setter changes it (the bound step declines every

@@ -168,7 +168,11 @@ class StepFiller(Filler):
         #: the pool's two phases, looked up once (``pool.decode`` is a checked lookup), and
         #: their ``host_step`` calls (a CPU pool's refill from host tensors)
         self._decode, self._extend = self.pool.decode, self.pool.extend
-        self._decode_step, self._extend_step = self._decode.host_step, self._extend.host_step
+        self._decode_step = self._decode.host_step
+        #: the extend step reading vLLM's query offsets itself (the C step), else None: the
+        #: query lengths are made into staging first (:func:`query_lens_`)
+        self._extend_offsets = (self._extend.host_step_offsets
+                                if self.host and self._extend.host_route else None)
         if self.host:  # (the first step of each size: no slicing in a build)
             for phase in (self._decode, self._extend):
                 phase.prepare_views(range(1, sizes.max_num_seqs + 1))
@@ -210,16 +214,19 @@ class StepFiller(Filler):
             raise CapacityError(f"a step of {n} requests, {num_actual_tokens} tokens and "
                                 f"{tokens} slots is past the pool's max_num_seqs={max_seqs}, "
                                 f"max_num_batched_tokens={max_tokens} (nothing written)")
-        q_lens = None
-        if max_query_len != 1 or self.one_phase:  # (the query lengths, into staging)
-            q_lens = query_lens_(query_start_loc, self._q_rows[n])
+        extend = max_query_len != 1 or self.one_phase
         # (shape[0]: a third of len()'s cost, which is a Python method of torch.Tensor)
         lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
         view: DecodeView | ExtendView
-        if self.host:  # (the pool's host route: vLLM's lengths are their own host copies)
-            view = (self._decode_step(n, lens, block_table) if q_lens is None
-                    else self._extend_step(n, lens, q_lens, block_table))
+        if extend and self._extend_offsets is not None:  # (the C step reads vLLM's query
+            # offsets itself: no op makes the lengths, which would be the step's first op)
+            view = self._extend_offsets(n, lens, query_start_loc, block_table)
+        elif self.host:  # (vLLM's lengths are their own host copies)
+            view = (self._extend.host_step(n, lens, query_lens_(query_start_loc,
+                                                                self._q_rows[n]), block_table)
+                    if extend else self._decode_step(n, lens, block_table))
         else:
+            q_lens = query_lens_(query_start_loc, self._q_rows[n]) if extend else None
             table = block_table if block_table.shape[0] == n else block_table[:n]
             view = (self._decode.update_(n, seq_lens=lens, block_table=table)
                     if q_lens is None else

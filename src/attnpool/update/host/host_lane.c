@@ -27,6 +27,12 @@ enum {
     C_COUNT
 };
 
+/* Query row i's length: q holds lengths (offsets == 0) or packed query offsets, flash-attn's
+ * cu_seqlens_q (offsets == 1: row i's queries are q[i] .. q[i + 1] - 1). */
+static inline int64_t qlen(const int32_t *q, int offsets, int64_t i) {
+    return offsets ? (int64_t)q[i + 1] - (int64_t)q[i] : (int64_t)q[i];
+}
+
 static int outside(int64_t p, const int64_t *c) {
     return p < c[C_SPAN_LO] || p >= c[C_SPAN_HI];
 }
@@ -54,7 +60,7 @@ static void rows(const int32_t *lens, int64_t n, int64_t bs, const int32_t *tabl
 /* The window part: row i of length L with q queries starts at column
  * floor(max(0, L - q - W + 1) / P) of its table row and reads min(L - shift, cap * P) tokens
  * from the cap columns from there (column numbers clamped into the table). */
-static void window(const int64_t *c, const int32_t *lens, const int32_t *q, int64_t n,
+static void window(const int64_t *c, const int32_t *lens, const int32_t *q, int offsets, int64_t n,
                    int64_t bs, const int32_t *table, int64_t ts, int64_t cols) {
     int32_t *cs = (int32_t *)(intptr_t)c[C_W_CS], *cu = (int32_t *)(intptr_t)c[C_W_CU];
     int32_t *pt = (int32_t *)(intptr_t)c[C_W_PT];
@@ -62,7 +68,7 @@ static void window(const int64_t *c, const int32_t *lens, const int32_t *q, int6
     int64_t acc = 0;
     cu[0] = 0;
     for (int64_t i = 0; i < n; i++) {
-        int64_t len = lens[i], first = len - (q ? q[i] : 1) - (size - 1);
+        int64_t len = lens[i], first = len - (q ? qlen(q, offsets, i) : 1) - (size - 1);
         int64_t start = first > 0 ? first / p : 0, real = len - start * p;
         if (real > cap * p) real = cap * p;
         if (real < 0) real = 0;
@@ -186,6 +192,7 @@ static PyObject *rebind(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
  * an extend step's padded batch: its first padded row takes the query slack up to T). base:
  * the phase's sliced view of bs rows, rebound with the bounds (off: see rebind). */
 static PyObject *run_step(const int64_t *c, int64_t lp, int64_t n, int64_t bs, int64_t qp,
+                          int offsets,
                           int64_t tp, int64_t ts, int64_t trows, int64_t tcols, PyObject *base,
                           const Py_ssize_t *off, long long window_k) {
     if (n < 1 || n > bs || bs > c[C_MAX_BS] || trows < n || tcols < c[C_MAX_PAGES]
@@ -203,7 +210,7 @@ static PyObject *run_step(const int64_t *c, int64_t lp, int64_t n, int64_t bs, i
         total = 0;
         max_q = 0;
         for (int64_t i = 0; i < n; i++) {
-            int64_t e = q[i];
+            int64_t e = qlen(q, offsets, i);
             if (e < 1 || e > max_len || e > lens[i]) Py_RETURN_NONE;
             total += e;
             if (e > max_q) max_q = e;
@@ -216,15 +223,15 @@ static PyObject *run_step(const int64_t *c, int64_t lp, int64_t n, int64_t bs, i
     rows(lens, n, bs, table, ts, w, (int32_t *)(intptr_t)c[C_CS], (int32_t *)(intptr_t)c[C_CU],
          (int32_t *)(intptr_t)c[C_PT], c[C_PT_STRIDE], (int32_t)c[C_PAD_LEN],
          (int32_t)c[C_PAD_PAGE], c[C_PAD_COLS]);
-    if (c[C_WINDOW] > 0) window(c, lens, q, n, bs, table, ts, tcols);
+    if (c[C_WINDOW] > 0) window(c, lens, q, offsets, n, bs, table, ts, tcols);
     if (q) {
         int32_t *cu_q = (int32_t *)(intptr_t)c[C_CU_Q], *pos = (int32_t *)(intptr_t)c[C_POS];
         int64_t acc = 0, t = 0;
         cu_q[0] = 0;
         for (int64_t i = 0; i < n; i++) {
-            int64_t start = lens[i] - q[i];
-            for (int64_t j = 0; j < q[i]; j++) pos[t++] = (int32_t)(start + j);
-            acc += q[i];
+            int64_t e = qlen(q, offsets, i), start = lens[i] - e;
+            for (int64_t j = 0; j < e; j++) pos[t++] = (int32_t)(start + j);
+            acc += e;
             cu_q[i + 1] = (int32_t)acc;
         }
         int64_t pad = acc > c[C_Q_TOTAL] ? acc : c[C_Q_TOTAL];
@@ -323,8 +330,8 @@ static int host_tensor(PyObject *t, int rank, int64_t *ptr, int64_t *rows, int64
  * many rows as seq_lens) and bs an int; else None, nothing written (as for every value
  * run_step does not take). */
 static PyObject *tensors_step(const int64_t *c, PyObject *lens, PyObject *table, PyObject *q,
-                              PyObject *bs_obj, PyObject *base, const Py_ssize_t *off,
-                              long long window_k) {
+                              int offsets, PyObject *bs_obj, PyObject *base,
+                              const Py_ssize_t *off, long long window_k) {
     if (!PyLong_CheckExact(bs_obj)) Py_RETURN_NONE;
     int overflow = 0;
     long long bs = PyLong_AsLongLongAndOverflow(bs_obj, &overflow);
@@ -339,9 +346,9 @@ static PyObject *tensors_step(const int64_t *c, PyObject *lens, PyObject *table,
     if (q != Py_None) {
         if ((r = host_tensor(q, 1, &qp, &qn, &one, &unit)) <= 0)
             return r < 0 ? NULL : Py_NewRef(Py_None);
-        if (qn != n) Py_RETURN_NONE;
+        if (offsets ? qn < n + 1 : qn != n) Py_RETURN_NONE;
     }
-    return run_step(c, lp, n, bs, qp, tp, ts, trows, tcols, base, off, window_k);
+    return run_step(c, lp, n, bs, qp, offsets, tp, ts, trows, tcols, base, off, window_k);
 }
 
 static int is_config(PyObject *config) {
@@ -349,26 +356,27 @@ static int is_config(PyObject *config) {
         && PyBytes_GET_SIZE(config) == (Py_ssize_t)(C_COUNT * sizeof(int64_t));
 }
 
-/* step_tensors(config, seq_lens, block_table, q_lens, bs, base, offsets, window_k): one step
- * (tensors_step) on the phase's sliced view base (None: the bounds instead of a view). */
+/* step_tensors(config, seq_lens, block_table, q, bs, base, offsets, window_k, q_offsets): one
+ * step (tensors_step) on the phase's sliced view base (None: the bounds instead of a view); q
+ * holds query lengths, or packed query offsets when q_offsets is True. */
 static PyObject *step_tensors(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8 || !is_config(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "step_tensors(config, seq_lens, block_table, q_lens, "
-                                         "bs, base, offsets, window_k)");
+    if (nargs != 9 || !is_config(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "step_tensors(config, seq_lens, block_table, q, "
+                                         "bs, base, offsets, window_k, q_offsets)");
         return NULL;
     }
     Py_ssize_t off[3];
     long long window_k;
     if (view_offsets(args[5], args[6], args[7], off, &window_k) < 0) return NULL;
     return tensors_step((const int64_t *)PyBytes_AS_STRING(args[0]), args[1], args[2], args[3],
-                        args[4], args[5], off, window_k);
+                        args[8] == Py_True, args[4], args[5], off, window_k);
 }
 
 /* A phase's bound step (attnpool.phases.host_lane.HostLane.bind): the state list's items. */
 enum {
     S_CONFIG, S_VALIDATE, S_SLICED, S_CLASS, S_OFFSETS, S_WINDOW_K, S_OWN, S_GENS, S_REGIONS,
-    S_TAG, S_FALLBACK, S_COUNT
+    S_TAG, S_FALLBACK, S_FALLBACK_OFFSETS, S_COUNT
 };
 
 /* attnpool.arena.Arena.mark(regions, tag, rows), here: the arena's next generation (its
@@ -395,13 +403,13 @@ static int mark(PyObject *own, PyObject *gens, PyObject *regions, PyObject *tag,
  * The state's fallback (the phase's own host_step, which ends on the general path) in
  * validation mode, for a call the step does not take (nothing written) and for a size whose
  * sliced view the rebind does not serve yet; else the step on that view, recorded in the
- * arena as the phase's write. */
-static PyObject *phase_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if ((nargs != 4 && nargs != 5) || !PyList_CheckExact(args[0])
+ * arena as the phase's write. offsets: the queries are packed offsets (phase_step_offsets). */
+static PyObject *step_of_phase(PyObject *const *args, Py_ssize_t nargs, int offsets) {
+    if ((offsets ? nargs != 5 : (nargs != 4 && nargs != 5)) || !PyList_CheckExact(args[0])
         || PyList_GET_SIZE(args[0]) != S_COUNT || !is_config(PyList_GET_ITEM(args[0], S_CONFIG))) {
-        PyErr_SetString(PyExc_TypeError,
-                        "phase_step(state, bs, seq_lens, [q_lens,] block_table)");
+        PyErr_SetString(PyExc_TypeError, offsets
+                        ? "phase_step_offsets(state, bs, seq_lens, cu_seqlens_q, block_table)"
+                        : "phase_step(state, bs, seq_lens, [q_lens,] block_table)");
         return NULL;
     }
     /* (the state's items, borrowed: nothing on the way runs Python code that could change
@@ -419,8 +427,8 @@ static PyObject *phase_step(PyObject *self, PyObject *const *args, Py_ssize_t na
     long long window_k;
     if (view_offsets(base, item[S_OFFSETS], item[S_WINDOW_K], off, &window_k) < 0) goto done;
     got = tensors_step((const int64_t *)PyBytes_AS_STRING(item[S_CONFIG]), args[2],
-                       args[nargs - 1], nargs == 5 ? args[3] : Py_None, args[1], base, off,
-                       window_k);
+                       args[nargs - 1], nargs == 5 ? args[3] : Py_None, offsets, args[1], base,
+                       off, window_k);
     if (got == Py_None) {
         Py_CLEAR(got);
         goto fallback;
@@ -429,10 +437,23 @@ static PyObject *phase_step(PyObject *self, PyObject *const *args, Py_ssize_t na
         Py_CLEAR(got);
     goto done;
 fallback:
-    got = PyObject_Vectorcall(item[S_FALLBACK], args + 1, (size_t)(nargs - 1), NULL);
+    got = PyObject_Vectorcall(item[offsets ? S_FALLBACK_OFFSETS : S_FALLBACK], args + 1,
+                              (size_t)(nargs - 1), NULL);
 done:
     Py_XDECREF(base);
     return got;
+}
+
+static PyObject *phase_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return step_of_phase(args, nargs, 0);
+}
+
+/* phase_step_offsets(state, bs, seq_lens, cu_seqlens_q, block_table): phase_step with the
+ * queries as packed offsets ([>= n + 1] rows), the state's offsets fallback. */
+static PyObject *phase_step_offsets(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return step_of_phase(args, nargs, 1);
 }
 
 static PyMethodDef methods[] = {
@@ -440,6 +461,8 @@ static PyMethodDef methods[] = {
      "One checked step of a CPU pool's host lane, on the engine's int32 CPU tensors."},
     {"phase_step", (PyCFunction)(void (*)(void))phase_step, METH_FASTCALL,
      "A phase's host_step in one call: the step on its sliced view, recorded in the arena."},
+    {"phase_step_offsets", (PyCFunction)(void (*)(void))phase_step_offsets, METH_FASTCALL,
+     "phase_step with the queries as packed offsets (cu_seqlens_q)."},
     {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL,
      "Name torch.Tensor and torch.int32 to the step."},
     {"slot_offset", slot_offset, METH_O, "The byte offset of a __slots__ field."},
