@@ -26,6 +26,12 @@ was loaded stays correct replayed with many: kernels bound their work by ``seg_i
 ``lora_ranks`` (tensors), and the host ints a graph freezes are static bounds (``max_len``,
 ``max_rank``). Staging is double-buffered with an event per image, so the host never overwrites
 bytes a pending copy still reads and never waits for the device otherwise.
+
+An engine whose kernels read metadata of its own layout (vLLM's punica wrapper:
+:mod:`attnpool.integrations.vllm.lora`) names it in ``LoRAConfig.extra_buffers``: those buffers
+are carved from the same ``torch.empty``, after everything above, and the pool never writes them
+(the engine's adapter refills them in place; :meth:`LoRABatchPool.typed_extras` types a host image
+of the same layout). Without extras the layout is unchanged.
 """
 
 from __future__ import annotations
@@ -63,6 +69,9 @@ class LoRAConfig:
         output_dims: optional reusable LoRA output buffers ``[max_tokens, d]``, one per ``d``.
         output_dtype: dtype of the output buffers.
         device: ``"cpu"``, ``"cuda"``, a ``torch.device`` or ``"auto"``.
+        extra_buffers: optional ``(name, dtype, length)`` buffers of an engine's own layout, in
+            the same allocation after the outputs (``LoRABatchPool.extras[name]``); the pool
+            never writes them except :meth:`LoRABatchPool.poison_`.
     """
 
     max_bs: int
@@ -72,6 +81,7 @@ class LoRAConfig:
     output_dims: tuple[int, ...] = ()
     output_dtype: torch.dtype = torch.float16
     device: str | torch.device = "auto"
+    extra_buffers: tuple[tuple[str, torch.dtype, int], ...] = ()
     _device: torch.device = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +96,16 @@ class LoRAConfig:
                             f"{dims!r}")
         if not isinstance(self.output_dtype, torch.dtype):
             raise PoolError(f"LoRAConfig: output_dtype must be a torch.dtype, got {self.output_dtype!r}")
+        ex = self.extra_buffers
+        if not isinstance(ex, tuple) or any(
+                not isinstance(e, tuple) or len(e) != 3 or not isinstance(e[0], str)
+                or not isinstance(e[1], torch.dtype) or not is_int(e[2]) or e[2] < 1 for e in ex):
+            raise PoolError(f"LoRAConfig: extra_buffers must be a tuple of (name, torch.dtype, "
+                            f"length >= 1) tuples, got {ex!r}")
+        names = [e[0] for e in ex]
+        if len(set(names)) != len(names) or set(names) & {f[0] for f in _FIELDS}:
+            raise PoolError(f"LoRAConfig: extra_buffers names must be distinct and not a "
+                            f"metadata field's, got {names}")
         object.__setattr__(self, "_device", resolve_device(self.device))
 
     @property
@@ -178,6 +198,13 @@ class LoRABatchPool:
         for d in cfg.output_dims:
             out_at[d] = at
             at += align(cfg.max_tokens * d * cfg.output_dtype.itemsize)
+        extras_at = at
+        self._extra_offsets: dict[str, int] = {}
+        for name, dt, n in cfg.extra_buffers:
+            self._extra_offsets[name] = at - extras_at
+            at += align(n * dt.itemsize)
+        #: Bytes of the extra buffers (0 without them), the tail of :attr:`storage`.
+        self.extras_nbytes = at - extras_at
         self.nbytes = at
         # The one device allocation: metadata first (the region each update copies), then outputs.
         self.storage = torch.empty(at, dtype=torch.uint8, device=dev)
@@ -185,6 +212,9 @@ class LoRABatchPool:
         self.buffers: dict[str, Tensor] = self._typed(self._meta, offsets)
         self._outputs = {d: self.storage[o : o + cfg.max_tokens * d * cfg.output_dtype.itemsize]
                          .view(cfg.output_dtype).view(cfg.max_tokens, d) for d, o in out_at.items()}
+        #: The extra buffers' bytes (one region) and the buffers, views of it by name.
+        self.extras_region = self.storage[extras_at:]
+        self.extras: dict[str, Tensor] = self.typed_extras(self.extras_region)
         self.staging = dev.type != "cpu" if staging is None else bool(staging)
         if self.staging:
             pin = dev.type == "cuda"
@@ -209,6 +239,16 @@ class LoRABatchPool:
         lens = self.cfg.lengths()
         return {name: region[o : o + lens[k] * dt.itemsize].view(dt)
                 for (name, dt, k), o in zip(_FIELDS, offsets, strict=True)}
+
+    def typed_extras(self, region: Tensor) -> dict[str, Tensor]:
+        """The extra buffers' layout over ``region`` (``uint8 [extras_nbytes]``, any device: the
+        pool's own :attr:`extras_region` or a host image an engine fills and copies in one go)."""
+        if region.dtype != torch.uint8 or region.dim() != 1 or region.numel() != self.extras_nbytes:
+            raise InputError(f"typed_extras expects uint8 [{self.extras_nbytes}], got "
+                             f"{region.dtype} {list(region.shape)}")
+        return {name: region[self._extra_offsets[name] : self._extra_offsets[name]
+                             + n * dt.itemsize].view(dt)
+                for name, dt, n in self.cfg.extra_buffers}
 
     # ---- views ---------------------------------------------------------------------------------
     def _check_bs(self, bs: object) -> int:
@@ -332,7 +372,7 @@ class LoRABatchPool:
     # ---- poison / check ------------------------------------------------------------------------
     def poison_(self) -> None:
         """Fill every buffer with its sentinel; the next view or update rewrites the metadata."""
-        for t in (*self.buffers.values(), *self._outputs.values()):
+        for t in (*self.buffers.values(), *self._outputs.values(), *self.extras.values()):
             t.fill_(sentinel(t.dtype))
         self._valid = False
 

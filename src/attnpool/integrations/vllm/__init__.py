@@ -8,7 +8,10 @@ with the switch off, vLLM behaves exactly as without attnpool. With it on:
 - on CPU, attnpool's backend takes the place of vLLM's ``CPU_ATTN`` (the only backend the CPU
   platform returns for non-MLA models), and its MLA backend that of ``CPU_MLA`` (what the CPU
   platform returns for multi-head latent attention models on CPUs without AMX: :mod:`.mla`);
-- on CUDA, it is vLLM's ``CUSTOM`` backend: ``LLM(..., attention_backend="CUSTOM")``.
+- on CUDA, it is vLLM's ``CUSTOM`` backend: ``LLM(..., attention_backend="CUSTOM")``;
+- with ``enable_lora``, the punica wrapper (vLLM's LoRA metadata and ops) is attnpool's subclass
+  of the platform's own, its index tensors views of one pool (:mod:`.lora`): the plugin wraps
+  ``current_platform.get_punica_wrapper`` (:func:`redirect_punica`).
 
 The classes are in :mod:`.backend` (which imports vLLM); the pool sizing and per-step refill in
 :mod:`.step`, the cache views and store in :mod:`.cache`, the encoder-only steps in
@@ -18,6 +21,7 @@ The classes are in :mod:`.backend` (which imports vLLM); the pool sizing and per
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ...errors import InputError
 
@@ -33,6 +37,13 @@ CPU_KERNEL = "ATTNPOOL_VLLM_CPU_KERNEL"
 CPU_BACKEND = "attnpool.integrations.vllm.backend.AttnpoolCPUBackend"
 CUDA_BACKEND = "attnpool.integrations.vllm.backend.AttnpoolBackend"
 CPU_MLA_BACKEND = "attnpool.integrations.vllm.mla.AttnpoolCPUMLABackend"
+#: The platform's punica wrapper class path -> attnpool's subclass of it (:mod:`.lora`).
+PUNICA_WRAPPERS = {
+    "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU":
+        "attnpool.integrations.vllm.lora.AttnpoolPunicaWrapperCPU",
+    "vllm.lora.punica_wrapper.punica_gpu.PunicaWrapperGPU":
+        "attnpool.integrations.vllm.lora.AttnpoolPunicaWrapperGPU",
+}
 
 
 def enabled() -> bool:
@@ -48,9 +59,27 @@ def cpu_kernel_mode() -> str:
     return mode
 
 
+def redirect_punica(platform: Any) -> None:
+    """Make ``platform.get_punica_wrapper()`` (the class path vLLM's
+    ``vllm.lora.punica_wrapper.get_punica_wrapper`` instantiates) answer attnpool's subclass of
+    the platform's wrapper (:data:`PUNICA_WRAPPERS`) while :data:`SWITCH` is on, read at each
+    call; other class paths pass through. The method is replaced on the platform instance (vLLM's
+    ``current_platform``), once per process; vLLM's files are not changed."""
+    native = platform.get_punica_wrapper
+    if getattr(native, "_attnpool", False):
+        return
+
+    def get_punica_wrapper() -> str:
+        name = str(native())
+        return PUNICA_WRAPPERS.get(name, name) if enabled() else name
+
+    get_punica_wrapper._attnpool = True  # type: ignore[attr-defined]
+    platform.get_punica_wrapper = get_punica_wrapper
+
+
 def register() -> None:
-    """vLLM's plugin hook: register attnpool's backend when :data:`SWITCH` is on, else
-    nothing (the plugin runs in every vLLM process of the machine once attnpool is
+    """vLLM's plugin hook: register attnpool's backend and punica wrapper when :data:`SWITCH`
+    is on, else nothing (the plugin runs in every vLLM process of the machine once attnpool is
     installed)."""
     if not enabled():
         return
@@ -62,3 +91,4 @@ def register() -> None:
         register_backend(AttentionBackendEnum.CPU_MLA, CPU_MLA_BACKEND)
     else:
         register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND)
+    redirect_punica(current_platform)
