@@ -39,6 +39,11 @@ to mean something:
 Accepted drafts per run (12 requests, first round): STANDALONE 42 (topk 1) / 59 (topk 2), EAGLE
 29 / 32, EAGLE3 15 / 19; NGRAM 0 in the first round, 17 per request in the second.
 
+``--backend attnpool`` runs the same settings on attnpool's backend instead of ``intel_amx``
+(environment :func:`env` with ``amx=False``: no platform override); ``--corrupt verify`` /
+``--corrupt draft`` then corrupt one field of attnpool's verify or draft view in the extra round
+(``tests/integrations/sglang/test_sglang_spec_attnpool.py``).
+
 ``ATTNPOOL_SGLANG_SPEC_PROBE=<file>`` in a run's environment records what reaches SGLang's
 attention backends per forward mode (``tests/helpers/sglang_cpu/sitecustomize.py``).
 """
@@ -81,10 +86,16 @@ MAX_NEW = 24
 SPEC_ENV = {"ATTNPOOL_SGLANG_AMX": "1", "OMP_NUM_THREADS": "1"}
 
 
-def env(**extra: str) -> dict[str, str]:
+def env(amx: bool = True, **extra: str) -> dict[str, str]:
     """An engine process's environment: SGLang's CPU engine, the kernel stand-ins and the
-    platform override."""
-    return se.env(**SPEC_ENV, **extra)
+    platform override (``amx=False``: without it, as attnpool's runs go: nothing of SGLang's
+    ``intel_amx`` path is used)."""
+    spec = SPEC_ENV if amx else {k: v for k, v in SPEC_ENV.items()
+                                  if k != "ATTNPOOL_SGLANG_AMX"}
+    got = se.env(**spec, **extra)
+    if not amx:
+        got.pop("ATTNPOOL_SGLANG_AMX", None)
+    return got
 
 
 def prompts(n: int = 12, seed: int = 7) -> list[list[int]]:
@@ -165,14 +176,19 @@ def save_models(root: Path) -> dict[str, Path]:
 
 
 def run(models: dict[str, Path], name: str, batch: list[list[int]], max_new: int = MAX_NEW,
-        rounds: int = 2, corrupt: str | None = None, flag: Path | None = None
-        ) -> dict[str, Any]:
+        rounds: int = 2, corrupt: str | None = None, flag: Path | None = None,
+        backend: str | None = None) -> dict[str, Any]:
     """One run's tokens and spec counters (see the module doc). ``corrupt``: one more round,
     ``"corrupted"``, with the draft's decode metadata corrupted that way (the stand-in's
-    negative control, switched on in the running engine through the file ``flag``)."""
+    negative control, or attnpool's: ``verify`` / ``draft`` corrupt one field of attnpool's
+    verify or draft view, ``tests/helpers/sglang_cpu/sitecustomize.py``; switched on in the
+    running engine through the file ``flag``). ``backend``: the attention backend instead of
+    the run's own (``attnpool``: attnpool's backend serves the target and the draft)."""
     import sglang
 
     args = {**se.BASE, **COMMON, **RUNS[name]}
+    if backend is not None:
+        args["attention_backend"] = backend
     draft = args.get("speculative_draft_model_path")
     if draft is not None:
         args["speculative_draft_model_path"] = str(models[draft])
@@ -183,7 +199,8 @@ def run(models: dict[str, Path], name: str, batch: list[list[int]], max_new: int
     t = time.perf_counter()
     engine = sglang.Engine(model_path=str(models["target"]), **args)
     started = time.perf_counter() - t
-    out: dict[str, Any] = {"run": name, "args": {k: str(v) for k, v in RUNS[name].items()},
+    out: dict[str, Any] = {"run": name, "backend": args["attention_backend"],
+                           "args": {k: str(v) for k, v in RUNS[name].items()},
                            "start_s": round(started, 1), "rounds": []}
 
     def generate() -> dict[str, Any]:
@@ -213,14 +230,19 @@ def main() -> None:
     ap.add_argument("--models", type=Path, required=True, help="folder for save_models")
     ap.add_argument("--run", required=True, choices=sorted(RUNS))
     ap.add_argument("--max-new", type=int, default=MAX_NEW)
-    ap.add_argument("--corrupt", choices=("self", "prefix"),
-                    help="then one more round with the draft's decode metadata corrupted")
+    ap.add_argument("--corrupt", choices=("self", "prefix", "verify", "draft"),
+                    help="then one more round with the draft's decode metadata corrupted "
+                         "(self, prefix: SGLang's own path) or one field of attnpool's verify "
+                         "or draft view (verify, draft: --backend attnpool)")
+    ap.add_argument("--backend", help="the attention backend instead of the run's own "
+                                      "(attnpool; such a run needs no ATTNPOOL_SGLANG_AMX)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    if RUNS[a.run].get("speculative_algorithm") and os.environ.get("ATTNPOOL_SGLANG_AMX") != "1":
+    if (RUNS[a.run].get("speculative_algorithm") and a.backend is None
+            and os.environ.get("ATTNPOOL_SGLANG_AMX") != "1"):
         raise SystemExit("a speculative run needs ATTNPOOL_SGLANG_AMX=1 (see env())")
     result = run(save_models(a.models), a.run, prompts(), a.max_new, corrupt=a.corrupt,
-                 flag=a.out.with_suffix(".corrupt"))
+                 flag=a.out.with_suffix(".corrupt"), backend=a.backend)
     a.out.write_text(json.dumps(result))
 
 

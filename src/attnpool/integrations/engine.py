@@ -45,6 +45,8 @@ class PoolSizes:
         num_pages: pages of the engine's KV cache when known: the page-id bound of the pool's
             checks.
         device: the engine's device.
+        num_draft_tokens, topk, spec_steps: speculative decoding's sizes (``N``, ``K``, ``S``:
+            the verify, draft and draft-extend phases), 0 / 1 / 0 without it.
     """
 
     max_bs: int
@@ -54,17 +56,21 @@ class PoolSizes:
     sliding_window: int | None
     num_pages: int | None
     device: torch.device
+    num_draft_tokens: int = 0
+    topk: int = 1
+    spec_steps: int = 0
 
 
 def pool_config(s: PoolSizes, layout: Layout = Layout.FLASH_ATTN) -> PoolConfig:
     """An engine's :class:`attnpool.PoolConfig`: page tables in ``layout`` (flash-attn's, the
     one SDPA and flash-attn read; FlashInfer's CSR lists when it attends), the pad page 0 (the
     page both engines keep for padding: vLLM's null block, SGLang's padding slot), decode and
-    extend phases."""
+    extend phases, and the speculative phases when ``s`` has their sizes."""
     return PoolConfig(max_bs=s.max_bs, max_context_len=s.max_context_len,
                       page_size=s.page_size, device=s.device, layout=layout,
                       max_extend_tokens=s.max_extend_tokens, sliding_window=s.sliding_window,
-                      num_pages=s.num_pages, pad_page=0)
+                      num_pages=s.num_pages, pad_page=0, num_draft_tokens=s.num_draft_tokens,
+                      topk=s.topk, spec_steps=s.spec_steps)
 
 
 def layer_facts(layers: Iterable[tuple[int, int, int, float, float]],

@@ -6,6 +6,14 @@ imported or changed.
   attnpool's pool is followed by one wrong value, the first row's ``cache_seqlens`` shortened
   by one (its newest key dropped), so that tokens change if and only if attention reads the
   pool.
+- ``ATTNPOOL_SGLANG_CORRUPT_DRAFT_FILE=<file>`` (the speculative tests' negative control for
+  attnpool): while that file exists and holds ``verify`` or ``draft``, each refill of
+  attnpool's ``pool.verify`` (or ``pool.draft``) is followed by one wrong field, the real
+  requests' lengths in the view's prefix part (``cache_seqlens``, the first draft step's)
+  shortened by one: each request's newest key dropped (the newest committed one; a chain's
+  newest draft). The file is read
+  at every refill, so a running engine can be switched. (SGLang's own path reads the same
+  file: ``self`` / ``prefix`` corrupt its stand-in's draft table, ``sgl_kernel/_spec.py``.)
 - ``ATTNPOOL_SGLANG_TIMES=<file>`` (the benchmark): the host time of the attention backend
   (SGLang's ``torch_native`` or attnpool's) per forward: its ``init_forward_metadata`` and its
   layers' ``forward_decode`` / ``forward_extend`` (K/V store and attention). The file holds
@@ -51,6 +59,33 @@ if os.environ.get("ATTNPOOL_SGLANG_CORRUPT") == "1":
         return run
 
     _step.BatchFiller.fill = _corrupted  # type: ignore[method-assign]
+
+def _corrupt_spec(module: ModuleType, flag: str) -> None:
+    """The negative control of attnpool's speculative views (module doc)."""
+    filler = module.BatchFiller
+
+    def which() -> str | None:
+        if not os.path.exists(flag):
+            return None
+        with open(flag) as f:
+            return f.read().strip()
+
+    verify, draft = filler.verify, filler.draft
+
+    def corrupted_verify(self: Any, **kw: Any) -> Any:
+        run = verify(self, **kw)
+        if which() == "verify":
+            run.view.prefix.cache_seqlens[:kw["seq_lens"].shape[0]] -= 1
+        return run
+
+    def corrupted_draft(self: Any, **kw: Any) -> Any:
+        runs = draft(self, **kw)
+        if which() == "draft" and runs:
+            runs[0].view.prefix.cache_seqlens[:kw["seq_lens"].shape[0]] -= 1
+        return runs
+
+    filler.verify, filler.draft = corrupted_verify, corrupted_draft
+
 
 _TIMED = {"sglang.srt.layers.attention.torch_native_backend": "TorchNativeAttnBackend",
           "attnpool.integrations.sglang.backend": "AttnpoolAttnBackend"}
@@ -217,6 +252,10 @@ if os.environ.get("ATTNPOOL_SGLANG_TIMES"):
 if os.environ.get("ATTNPOOL_SGLANG_AMX") == "1":
     _AFTER.setdefault("sglang.srt.runtime_context", []).append(
         lambda m: m.override_platform(has_amx=True).install())
+
+if os.environ.get("ATTNPOOL_SGLANG_CORRUPT_DRAFT_FILE"):
+    _AFTER.setdefault("attnpool.integrations.sglang.step", []).append(
+        lambda m: _corrupt_spec(m, os.environ["ATTNPOOL_SGLANG_CORRUPT_DRAFT_FILE"]))
 
 if os.environ.get("ATTNPOOL_SGLANG_SPEC_PROBE"):
     _AFTER.setdefault("sglang.srt.layers.attention.intel_amx_backend", []).append(

@@ -64,7 +64,7 @@ def test_unserved_runner_is_refused_with_every_reason(caplog: pytest.LogCaptureF
               _layer(2, sliding_window_size=20, attn_type=AttentionType.ENCODER_ONLY),
               _layer(3, v_head_dim=16), _layer(4, use_irope=True),
               _layer(5, logit_cap=5.0, logit_capping_method="not tanh")]
-    spec = SimpleNamespace(is_none=lambda: False)
+    spec = SimpleNamespace(is_none=lambda: False, name="DFLASH")
     args = SimpleNamespace(chunked_prefill_size=64, max_prefill_tokens=128, enable_pdmux=True)
     with caplog.at_level(logging.ERROR), pytest.raises(LayoutError) as e:
         AttnpoolAttnBackend(_runner(layers, kv_dtype=torch.float16, spec_algorithm=spec,
@@ -73,11 +73,46 @@ def test_unserved_runner_is_refused_with_every_reason(caplog: pytest.LogCaptureF
     msg = str(e.value)
     for part in ("multi-head latent attention", "cross attention", "encoder_only",
                  "value head size", "more than one sliding window ([10, 20])",
-                 "torch.float16 with a torch.float32 model", "speculative decoding",
+                 "torch.float16 with a torch.float32 model", "speculative_algorithm=DFLASH",
+                 "speculative decoding with page_size=16",
                  "chunked local attention", "logit capping other than tanh",
                  "PD-multiplexing", "another attention_backend"):
         assert part in msg
     assert msg in caplog.text  # logged at ERROR too, where SGLang's scheduler log shows it
+
+
+def test_speculative_runner_builds_its_spec_phases() -> None:
+    """With speculative decoding the pool has SGLang's verify and draft sizes (N, topk and
+    steps from the server args; NGRAM a tree without draft steps), the runner's backends share
+    it, and a GPU runner is refused at start (SGLang's GPU tree-mask layout is not read)."""
+    from attnpool.integrations.sglang.backend import AttnpoolDraftSteps, backend_for
+
+    def runner(algo: str, topk: int, device: str = "cpu") -> SimpleNamespace:
+        table = SimpleNamespace(req_to_token=torch.zeros(8, 512, dtype=torch.int32), size=8)
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        kv = MHATokenToKVPool(size=256, page_size=1, dtype=torch.float32, head_num=2,
+                              head_dim=32, layer_num=2, device="cpu",
+                              enable_memory_saver=False)
+        args = SimpleNamespace(chunked_prefill_size=64, max_prefill_tokens=128,
+                               speculative_num_draft_tokens=6 if topk > 1 else 4,
+                               speculative_eagle_topk=topk, speculative_num_steps=3)
+        return _runner([_layer(0), _layer(1)], page_size=1, kv=kv, req_to_token_pool=table,
+                       server_args=args, device=device,
+                       spec_algorithm=SimpleNamespace(is_none=lambda: False, name=algo))
+
+    eagle = runner("EAGLE", 2)
+    b = backend_for(eagle)
+    cfg = b.filler.pool.cfg
+    assert (cfg.num_draft_tokens, cfg.topk, cfg.spec_steps) == (6, 2, 3)
+    steps = AttnpoolDraftSteps(eagle, 2, 3)
+    assert steps.base is b and backend_for(eagle) is b and len(steps.attn_backends) == 2
+    with pytest.raises(LayoutError, match="topk=1, 3 steps"):
+        AttnpoolDraftSteps(eagle, 1, 3)
+    cfg = backend_for(runner("NGRAM", 1)).filler.pool.cfg
+    assert (cfg.num_draft_tokens, cfg.topk, cfg.spec_steps) == (4, 2, 0)
+    with pytest.raises(LayoutError, match="speculative decoding on cuda"):
+        backend_for(runner("EAGLE", 1, device="cuda"))
 
 
 def test_the_adapter_is_the_fastest_installed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,14 @@ for an extend batch, the new tokens per request (``extend_seq_lens`` and its hos
 - an extend batch (prefill, a chunk of a long prompt, or a mixed chunk whose decode rows extend
   by one token, ``--enable-mixed-chunk``) is a :attr:`attnpool.BufferPool.extend` update. Rows
   come in SGLang's order; a row with a cached prefix (radix cache, an earlier chunk) reads it
-  from the table like every other key.
+  from the table like every other key;
+- speculative decoding's batches: a target verify (``N`` drafts per request over the committed
+  ``seq_lens``, a chain or a tree with its mask) is a :attr:`attnpool.BufferPool.verify` update
+  (:meth:`BatchFiller.verify`), a round of the draft model's decode steps one
+  :attr:`attnpool.BufferPool.draft` update (:meth:`BatchFiller.draft`) and the draft model's
+  extend after a verify a :attr:`attnpool.BufferPool.draft_extend` update
+  (:meth:`BatchFiller.draft_extend`). Each draft's K/V slot is the request table's entry
+  after the committed tokens, where SGLang stores it.
 
 On a CPU the host copies SGLang already keeps are passed as the pool's host lengths: bounds are
 checked, ``max_seqlen_*`` are the batch's own (the SDPA adapter gathers only live lanes) and
@@ -29,11 +36,11 @@ import torch
 from torch import Tensor
 
 from ...adapters.backends import Backend
-from ...adapters.binding import Run
+from ...adapters.binding import Run, bind
 from ...adapters.flashinfer_step import LayerFacts
 from ...config import Impl
 from ...errors import CapacityError, InputError, LayoutError
-from ...views import DecodeView, ExtendView
+from ...views import DecodeView, DraftView, ExtendView
 from ..engine import Filler, PoolSizes
 
 #: The backend's name in SGLang's registry and on its command line.
@@ -62,6 +69,11 @@ class RunnerSizes:
             the page-id bound of the pool's checks. Page 0 holds SGLang's padding slot, the
             pool's pad page.
         device: the model runner's device.
+        num_draft_tokens, topk, spec_steps: speculative decoding's ``N``, ``K`` and ``S``
+            (SGLang's ``speculative_num_draft_tokens``, ``speculative_eagle_topk``,
+            ``speculative_num_steps``; NGRAM's irregular tree: ``K = max(2, breadth)``, as any
+            ``K > 1`` makes verify a tree); 0, 1, 0 without speculation. They enable ``pool.verify``,
+            ``pool.draft_extend`` (``N > 0``) and ``pool.draft`` (``S > 0``).
     """
 
     max_requests: int
@@ -71,6 +83,9 @@ class RunnerSizes:
     sliding_window: int | None
     num_pages: int
     device: torch.device
+    num_draft_tokens: int = 0
+    topk: int = 1
+    spec_steps: int = 0
 
     def pool(self) -> PoolSizes:
         """The pool's sizes (:func:`attnpool.integrations.engine.pool_config` makes its config:
@@ -78,7 +93,8 @@ class RunnerSizes:
         return PoolSizes(max_bs=self.max_requests, max_context_len=self.max_context_len,
                          max_extend_tokens=self.max_extend_tokens, page_size=self.page_size,
                          sliding_window=self.sliding_window, num_pages=self.num_pages,
-                         device=self.device)
+                         device=self.device, num_draft_tokens=self.num_draft_tokens,
+                         topk=self.topk, spec_steps=self.spec_steps)
 
 
 class BatchFiller(Filler):
@@ -149,6 +165,84 @@ class BatchFiller(Filler):
             prefix_free = (not self.masked and extend_prefix_lens_cpu is not None
                            and not any(extend_prefix_lens_cpu))
         return self.bind(view, num_tokens, prefix_free=prefix_free)
+
+    def _check_requests(self, n: int, tokens: int) -> None:
+        if n > self.sizes.max_requests:
+            raise CapacityError(f"a batch of {n} requests ({tokens} query rows) is past the "
+                                f"pool's max_requests={self.sizes.max_requests}")
+
+    def verify(self, *, req_pool_indices: Tensor, req_to_token: Tensor, seq_lens: Tensor,
+               seq_lens_cpu: Tensor | None, tree_mask: Tensor | None) -> Run:
+        """Refill ``pool.verify`` from a target-verify batch (SGLang's ``TARGET_VERIFY``) and
+        bind the layers' call: ``N`` query rows per request, request after request.
+
+        Args:
+            seq_lens, seq_lens_cpu: the committed lengths (SGLang's ``forward_batch.seq_lens``
+                of a verify batch: the drafts not included); the drafts' K/V slots are
+                ``req_to_token[r, seq_len .. seq_len + N - 1]``.
+            tree_mask: ``[n, N, N]`` bool (a tree pool: ``topk > 1`` or NGRAM), row ``j`` the
+                drafts draft ``j`` sees (its ancestors and itself); None for a chain.
+        """
+        n, nd = seq_lens.shape[0], self.pool.cfg.num_draft_tokens
+        self._check_requests(n, n * nd)
+        view = self.pool.verify.update_(n, seq_lens=seq_lens, tree_mask=tree_mask,
+                                        req_pool_indices=req_pool_indices,
+                                        req_to_token=req_to_token,
+                                        seq_lens_cpu=seq_lens_cpu if self.host else None)
+        return bind(self.backend, view, n * nd, self.num_heads, self.num_kv_heads, self.dtype)
+
+    def draft(self, *, req_pool_indices: Tensor, req_to_token: Tensor, seq_lens: Tensor,
+              seq_lens_cpu: Tensor | None, out_cache_loc: Tensor | None) -> list[Run]:
+        """Refill ``pool.draft`` for one speculative round of the draft model and bind one
+        call per draft decode step SGLang runs (``S - 1`` of them: the round's first draft
+        token comes from the draft extend before it, so SGLang's step ``i`` is the pool's step
+        ``d = i + 1``, reading ``seq_len + i + 1`` keys).
+
+        Args:
+            seq_lens, seq_lens_cpu: the committed lengths before the round.
+            out_cache_loc: tree rounds (``topk > 1``): the round's draft slots as SGLang lays
+                them out, ``[n * K * S]`` in request, branch, step order (branch ``k`` of
+                request ``r`` owns ``req_to_token[r, seq_len + k*S .. seq_len + (k+1)*S - 1]``);
+                passed to the pool as ``[n, S, K]``. None for a chain (its slots are read from
+                the request table, ``req_to_token[r, seq_len + d - 1]`` at step ``d``).
+
+        Each step's query rows are ``n * K``, request-major (branch ``k`` of request ``r`` at
+        row ``r*K + k``).
+        """
+        cfg = self.pool.cfg
+        n, k, steps = seq_lens.shape[0], cfg.topk, cfg.spec_steps
+        self._check_requests(n, n * k)
+        loc = None
+        if k > 1:
+            if out_cache_loc is None:
+                raise InputError("a tree draft round needs its out_cache_loc, got None")
+            loc = out_cache_loc.view(n, k, steps).transpose(1, 2)
+        view: DraftView = self.pool.draft.update_(
+            n, seq_lens=seq_lens, out_cache_loc=loc, req_pool_indices=req_pool_indices,
+            req_to_token=req_to_token, seq_lens_cpu=seq_lens_cpu if self.host else None)
+        return [bind(self.backend, step, n * k, self.num_heads, self.num_kv_heads, self.dtype)
+                for step in view.steps[:steps - 1]]
+
+    def draft_extend(self, *, req_pool_indices: Tensor, req_to_token: Tensor,
+                     seq_lens: Tensor, seq_lens_cpu: Tensor | None, extend_seq_lens: Tensor,
+                     extend_seq_lens_cpu: Sequence[int] | None, num_tokens: int) -> Run:
+        """Refill ``pool.draft_extend`` from the draft model's extend after a verify
+        (SGLang's ``DRAFT_EXTEND_V2``) and bind the layers' call.
+
+        Request ``i`` runs ``extend_seq_lens[i]`` queries (1..N; SGLang's v2 worker runs all
+        ``N`` verified positions), causally, over ``seq_lens[i]`` keys that include them: the
+        draft extend phase's own semantics (``accept_lens`` queries over ``seq_lens``), read
+        from the request table like every other phase.
+        """
+        n = seq_lens.shape[0]
+        self._check_requests(n, num_tokens)
+        view = self.pool.draft_extend.update_(
+            n, seq_lens=seq_lens, accept_lens=extend_seq_lens,
+            accept_lens_cpu=extend_seq_lens_cpu if self.host else None,
+            req_pool_indices=req_pool_indices, req_to_token=req_to_token,
+            seq_lens_cpu=seq_lens_cpu if self.host else None)
+        return bind(self.backend, view, num_tokens, self.num_heads, self.num_kv_heads,
+                    self.dtype)
 
     def capture(self, bs: int) -> Run:
         """The adapter call a decode CUDA graph of ``bs`` rows captures: bound to
