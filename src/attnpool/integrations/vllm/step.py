@@ -218,13 +218,15 @@ class StepFiller(Filler):
         # (shape[0]: a third of len()'s cost, which is a Python method of torch.Tensor)
         lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
         view: DecodeView | ExtendView
-        if extend and self._extend_offsets is not None:  # (the C step reads vLLM's query
-            # offsets itself: no op makes the lengths, which would be the step's first op)
-            view = self._extend_offsets(n, lens, query_start_loc, block_table)
-        elif self.host:  # (vLLM's lengths are their own host copies)
-            view = (self._extend.host_step(n, lens, query_lens_(query_start_loc,
-                                                                self._q_rows[n]), block_table)
-                    if extend else self._decode_step(n, lens, block_table))
+        if self.host:  # (vLLM's lengths are their own host copies)
+            if not extend:
+                view = self._decode_step(n, lens, block_table)
+            elif self._extend_offsets is not None:  # (the C step reads vLLM's query offsets
+                # itself: no op makes the lengths, which would be the step's first op)
+                view = self._extend_offsets(n, lens, query_start_loc, block_table)
+            else:
+                view = self._extend.host_step(n, lens, query_lens_(query_start_loc,
+                                                                   self._q_rows[n]), block_table)
         else:
             q_lens = query_lens_(query_start_loc, self._q_rows[n]) if extend else None
             table = block_table if block_table.shape[0] == n else block_table[:n]
