@@ -27,7 +27,7 @@ sends it with one copy: a ``memcpy`` into the arena on the CPU, one non-blocking
 copy from pinned, double-buffered memory on CUDA. The prefill (sgmv) metadata of vLLM's
 ``_update_prefill_metadata`` (runs of equal adapters, their starts and lengths, the batch's
 ``max_length``) is computed in the same pass on the host, so neither ``unique_consecutive`` nor
-``.item()`` runs on the device tensors.
+a host read (``item``) runs on the device tensors.
 
 **Rows without an adapter.** vLLM's torch LoRA ops (the CPU wrapper's) gather
 ``weights[lora_indices]``, so an index of ``-1`` reads the *last* slot: with every slot holding an
@@ -296,7 +296,9 @@ class AttnpoolPunicaWrapperCPU(PoolPunicaMixin, PunicaWrapperCPU):  # type: igno
         rows = self.sampler_indices
         out = y.view(-1, y.shape[-1])
         inp = x.view(-1, x.shape[-1])
-        h = buffer if buffer is not None else torch.zeros(
+        # vLLM's own per-call scratch when it passes none (its shrink writes only its first
+        # rank columns; the expand reads them all), not metadata of the pool
+        h = buffer if buffer is not None else torch.zeros(  # ok: vLLM's scratch, as its own
             (inp.shape[0], lora_b_stacked.shape[-1]), dtype=torch.float32, device=inp.device)
         bgmv_shrink(inp, lora_a_stacked, h, rows, scale)
         _drop_rows(h, self._sampler_no_lora)
