@@ -225,6 +225,19 @@ def run(models: dict[str, Path], name: str, batch: list[list[int]], max_new: int
     return out
 
 
+def result(results: dict[str, Any], key: str) -> dict[str, Any]:
+    """One run's output from a test's results (a run that failed left its log's tail there
+    instead: the assertion shows it)."""
+    got = results[key]
+    assert isinstance(got, dict), f"the {key} run failed:\n{got}"
+    return got
+
+
+def correct_drafts(round_: dict[str, Any]) -> list[int]:
+    """Each request's accepted drafts in one round of a run."""
+    return [s["spec_num_correct_drafts"] for s in round_["spec"]]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", type=Path, required=True, help="folder for save_models")

@@ -128,33 +128,23 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     yield out
 
 
-def _get(results: dict[str, Any], key: str) -> dict[str, Any]:
-    got = results[key]
-    assert isinstance(got, dict), f"the {key} run failed:\n{got}"
-    return got
-
-
-def _correct(round_: dict[str, Any]) -> list[int]:
-    return [s["spec_num_correct_drafts"] for s in round_["spec"]]
-
-
 @pytest.mark.parametrize("name", MATRIX)
 def test_attnpool_spec_tokens_and_accept_counts(name: str, results: dict[str, Any]) -> None:
     from attnpool.integrations.sglang.backend import Served
 
     if name not in _selected():
         pytest.skip("not in CI's sample: ATTNPOOL_SGLANG_SPEC_FULL=1 runs the whole matrix")
-    plain, own, ours = (_get(results, k) for k in ("plain", name, f"{name}@attnpool"))
+    plain, own, ours = (ss.result(results, k) for k in ("plain", name, f"{name}@attnpool"))
     assert ours["backend"] == se.NAME and own["backend"] == "intel_amx"
     for r, (want, ref, got) in enumerate(zip(plain["rounds"], own["rounds"], ours["rounds"],
                                              strict=True)):
         _record(run=f"{name} attnpool", round=r,
                 identical=sum(a == b for a, b in zip(want["tokens"], got["tokens"],
                                                      strict=True)),
-                correct_drafts=_correct(got), sglang_correct_drafts=_correct(ref),
+                correct_drafts=ss.correct_drafts(got), sglang_correct_drafts=ss.correct_drafts(ref),
                 seconds=got["seconds"], sglang_seconds=ref["seconds"])
         assert got["tokens"] == want["tokens"], f"{name}, round {r}: tokens"
-        assert _correct(got) == _correct(ref), f"{name}, round {r}: accept counts"
+        assert ss.correct_drafts(got) == ss.correct_drafts(ref), f"{name}, round {r}: accept counts"
         assert [s["spec_verify_ct"] for s in got["spec"]] == \
             [s["spec_verify_ct"] for s in ref["spec"]], f"{name}, round {r}: verify steps"
     served = ours["served"]
@@ -174,13 +164,13 @@ def test_negative_control(name: str, results: dict[str, Any]) -> None:
     or the accept counts (a verify view) move, so the comparisons above see such errors."""
     if name not in _selected():
         pytest.skip("not in this selection")
-    plain, ours = _get(results, "plain"), _get(results, f"{name}@attnpool")
+    plain, ours = ss.result(results, "plain"), ss.result(results, f"{name}@attnpool")
     clean, bad = ours["rounds"][-1], ours["corrupted"]
     tokens_moved = bad["tokens"] != plain["rounds"][-1]["tokens"]
-    changed = [i for i, (a, b) in enumerate(zip(_correct(clean), _correct(bad), strict=True))
-               if a != b]
+    before, after = ss.correct_drafts(clean), ss.correct_drafts(bad)
+    changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
     _record(run=f"{name} attnpool, {bad['how']} view corrupted", tokens_moved=tokens_moved,
-            correct_drafts=_correct(bad), clean=_correct(clean), changed_requests=changed)
+            correct_drafts=after, clean=before, changed_requests=changed)
     if bad["how"] == "draft":  # verification keeps the tokens; the proposals change
         assert bad["tokens"] == plain["rounds"][-1]["tokens"]
         assert changed, "corrupting attnpool's draft view left every accept count unchanged"

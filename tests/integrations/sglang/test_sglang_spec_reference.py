@@ -110,32 +110,22 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     yield out
 
 
-def _get(results: dict[str, Any], key: str) -> dict[str, Any]:
-    got = results[key]
-    assert isinstance(got, dict), f"the {key} run failed:\n{got}"
-    return got
-
-
-def _correct(round_: dict[str, Any]) -> list[int]:
-    return [s["spec_num_correct_drafts"] for s in round_["spec"]]
-
-
 @pytest.mark.parametrize("name", MATRIX)
 def test_spec_tokens(name: str, results: dict[str, Any]) -> None:
     if name not in _selected():
         pytest.skip("not in CI's sample: ATTNPOOL_SGLANG_SPEC_FULL=1 runs the whole matrix")
-    plain, run = _get(results, "plain"), _get(results, name)
+    plain, run = ss.result(results, "plain"), ss.result(results, name)
     for r, (want, got) in enumerate(zip(plain["rounds"], run["rounds"], strict=True)):
         spec = got["spec"]
         _record(run=name, round=r, requests=len(want["tokens"]),
                 identical=sum(a == b for a, b in zip(want["tokens"], got["tokens"],
                                                      strict=True)),
-                correct_drafts=_correct(got),
+                correct_drafts=ss.correct_drafts(got),
                 proposed=sum(s["spec_num_proposed_drafts"] for s in spec),
                 verify_steps=sum(s["spec_verify_ct"] for s in spec), seconds=got["seconds"])
         assert got["tokens"] == want["tokens"], f"{name}, round {r}"
         assert all(s["spec_verify_ct"] > 0 for s in spec), f"{name}: a request not verified"
-    first, last = (_correct(r) for r in (run["rounds"][0], run["rounds"][-1]))
+    first, last = (ss.correct_drafts(r) for r in (run["rounds"][0], run["rounds"][-1]))
     assert sum(last) > 0, f"{name}: no draft ever accepted"
     if name != "NGRAM":  # (NGRAM's corpus grows with the first round)
         assert first == last, name
@@ -146,16 +136,16 @@ def test_amx_plain(results: dict[str, Any]) -> None:
     ``torch_native``."""
     if "amx" not in _selected():
         pytest.skip("ATTNPOOL_SGLANG_SPEC_FULL=1 runs it")
-    plain, amx = _get(results, "plain"), _get(results, "amx")
+    plain, amx = ss.result(results, "plain"), ss.result(results, "amx")
     assert [r["tokens"] for r in amx["rounds"]] == [r["tokens"] for r in plain["rounds"]]
 
 
 def test_negative_control_moves_accept_counts(results: dict[str, Any]) -> None:
-    plain, run = _get(results, "plain"), _get(results, CONTROL)
+    plain, run = ss.result(results, "plain"), ss.result(results, CONTROL)
     clean, bad = run["rounds"][-1], run["corrupted"]
     assert bad["tokens"] == plain["rounds"][-1]["tokens"]
-    changed = [i for i, (a, b) in enumerate(zip(_correct(clean), _correct(bad), strict=True))
-               if a != b]
+    before, after = ss.correct_drafts(clean), ss.correct_drafts(bad)
+    changed = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b]
     _record(run=f"{CONTROL} corrupted draft metadata ({bad['how']})",
-            correct_drafts=_correct(bad), clean=_correct(clean), changed_requests=changed)
+            correct_drafts=after, clean=before, changed_requests=changed)
     assert changed, "corrupting the draft's decode metadata left every accept count unchanged"
