@@ -72,6 +72,10 @@ class LoRAConfig:
         extra_buffers: optional ``(name, dtype, length)`` buffers of an engine's own layout, in
             the same allocation after the outputs (``LoRABatchPool.extras[name]``); the pool
             never writes them except :meth:`LoRABatchPool.poison_`.
+        token_budget: optional cap on the tokens of one update in all (rows of ``permutation``
+            and of the outputs): an engine whose eager segments are whole prompts sets
+            ``max_tokens_per_req`` to its prefill budget and this to the same budget, instead
+            of paying ``max_bs`` times it. Default: ``max_bs * max_tokens_per_req``.
     """
 
     max_bs: int
@@ -82,6 +86,7 @@ class LoRAConfig:
     output_dtype: torch.dtype = torch.float16
     device: str | torch.device = "auto"
     extra_buffers: tuple[tuple[str, torch.dtype, int], ...] = ()
+    token_budget: int | None = None
     _device: torch.device = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +94,9 @@ class LoRAConfig:
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise PoolError(f"LoRAConfig: {name} must be an int >= 1, got {v!r}")
+        tb = self.token_budget
+        if tb is not None and (not is_int(tb) or tb < 1):
+            raise PoolError(f"LoRAConfig: token_budget must be an int >= 1 or None, got {tb!r}")
         dims = self.output_dims
         if not isinstance(dims, tuple) or any(not is_int(d) or d < 1 for d in dims) \
                 or len(set(dims)) != len(dims):
@@ -114,7 +122,12 @@ class LoRAConfig:
 
     @property
     def max_tokens(self) -> int:
-        return self.max_bs * self.max_tokens_per_req
+        full = self.max_bs * self.max_tokens_per_req
+        return full if self.token_budget is None else min(full, self.token_budget)
+
+    def tokens(self, bs: int) -> int:
+        """Rows of a view of ``bs`` requests: ``bs * max_tokens_per_req``, within the budget."""
+        return min(bs * self.max_tokens_per_req, self.max_tokens)
 
     def lengths(self) -> tuple[int, int, int, int]:
         """Element counts indexed by ``_FIELDS``' third column."""
@@ -130,7 +143,8 @@ class LoRABatchView:
             ``[bs + 1] int32``; ``lora_ranks`` ``[max_loras] int32`` and ``scalings``
             ``[max_loras] float32`` (whole, indexed by slot); ``permutation``: ``[num_tokens]
             int64``, a permutation of ``0..num_tokens-1``.
-        num_tokens: ``bs * max_tokens_per_req``, rows of the activations the view covers.
+        num_tokens: ``bs * max_tokens_per_req`` (at most ``token_budget``), rows of the
+            activations the view covers.
         max_len: static bound of any ``seg_lens`` (``max_tokens_per_req``).
         max_rank: static bound of any ``lora_ranks`` (``max_lora_rank``).
     """
@@ -223,8 +237,10 @@ class LoRABatchPool:
                             for i in range(2)]
         else:
             self._images = [self._meta]
-        self._np = [{k: t.numpy() for k, t in self._typed(img, offsets).items()}
-                    for img in self._images]
+        self._host = [self._typed(img, offsets) for img in self._images]
+        self._np = [{k: t.numpy() for k, t in typed.items()} for typed in self._host]
+        self._host_views: dict[int, LoRABatchView] = {}
+        self._last = 0
         self._events: list[torch.cuda.Event | None] = [None] * len(self._images)
         self._turn = 0
         self._ranks = np.zeros(cfg.max_loras_per_batch, dtype=np.int32)
@@ -257,7 +273,7 @@ class LoRABatchPool:
     def _view(self, bs: int) -> LoRABatchView:
         v = self._views.get(bs)
         if v is None:
-            b, t = self.buffers, bs * self.cfg.max_tokens_per_req
+            b, t = self.buffers, self.cfg.tokens(bs)
             v = LoRABatchView(bs, b["seg_lens"][:bs], b["seg_indptr"][: bs + 1],
                               b["weight_indices"][:bs], b["lora_ranks"], b["scalings"],
                               b["permutation"][:t], t, self.cfg.max_tokens_per_req,
@@ -273,6 +289,25 @@ class LoRABatchPool:
             self._write(np.zeros(0, np.int64), np.zeros(0, np.int64))
         return self._view(bs)
 
+    def host_view(self, bs: int) -> LoRABatchView:
+        """The last update's metadata on the host, shaped like :meth:`view` (``bs`` requests):
+        the image that update wrote (pinned, on CUDA) or, without staging, the pool's own
+        view. For kernels that walk segments in Python (SGLang's ``torch_native`` LoRA ops):
+        reading these costs no device sync. Valid until the update after next rewrites the
+        image (two images alternate)."""
+        self._check_bs(bs)
+        if not self._valid:
+            self.view(bs)
+        v = self._host_views.get(bs)
+        if v is None:
+            b, t = self._host[self._last], self.cfg.tokens(bs)
+            v = LoRABatchView(bs, b["seg_lens"][:bs], b["seg_indptr"][: bs + 1],
+                              b["weight_indices"][:bs], b["lora_ranks"], b["scalings"],
+                              b["permutation"][:t], t, self.cfg.max_tokens_per_req,
+                              self.cfg.max_lora_rank)
+            self._host_views[bs] = v
+        return v
+
     def output(self, bs: int, out_dim: int) -> Tensor:
         """The reusable output buffer ``[bs * max_tokens_per_req, out_dim]`` (uninitialised: the
         LoRA kernel writes it; rows of padded tokens hold whatever it writes there)."""
@@ -280,7 +315,7 @@ class LoRABatchPool:
         if out_dim not in self._outputs:
             raise LayoutError(f"no output buffer of width {out_dim}; configured: "
                               f"{list(self._outputs)}")
-        return self._outputs[out_dim][: bs * self.cfg.max_tokens_per_req]
+        return self._outputs[out_dim][: self.cfg.tokens(bs)]
 
     # ---- update --------------------------------------------------------------------------------
     def update_(
@@ -313,6 +348,10 @@ class LoRABatchPool:
                 raise InputError(f"seg_lens must have n={n} values (one per request), "
                                  f"got {lens.shape[0]}")
             _in_range("seg_lens", lens, 0, c.max_tokens_per_req)
+        total = int(lens.sum())
+        if total > c.max_tokens:
+            raise CapacityError(f"seg_lens sum to {total} tokens, more than the pool's "
+                                f"max_tokens={c.max_tokens}")
         ranks = scal = None
         if lora_ranks is not None:
             ranks = _host("lora_ranks", lora_ranks, integer=True)
@@ -367,6 +406,8 @@ class LoRABatchPool:
                 ev.record()
                 self._events[k] = ev
             self._turn = (k + 1) % len(self._images)
+        self._last = k
+        self._host_views.clear()
         self._valid = True
 
     # ---- poison / check ------------------------------------------------------------------------

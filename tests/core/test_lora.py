@@ -274,3 +274,42 @@ def test_cuda_pinned_staging_matches_cpu_over_many_steps() -> None:
         torch.cuda.synchronize()
         for name, t in gpu.buffers.items():
             assert torch.equal(t.cpu(), cpu.buffers[name]), (step, name)
+
+
+@pytest.mark.parametrize("staging", [False, True])
+def test_token_budget_caps_tokens_not_segments(staging: bool) -> None:
+    """``token_budget``: segments of up to ``max_tokens_per_req`` tokens each, at most the
+    budget in all; the permutation (and a view's rows) are the budget, not ``max_bs`` times the
+    segment bound; a batch over the budget is refused before any write."""
+    c = LoRAConfig(max_bs=6, max_loras_per_batch=3, max_lora_rank=8, max_tokens_per_req=40,
+                   token_budget=48, device="cpu")
+    pool = LoRABatchPool(c, staging=staging)
+    assert c.max_tokens == 48 and pool.buffers["permutation"].shape[0] == 48
+    assert pool.view(6).num_tokens == 48 and pool.view(1).num_tokens == 40
+    v = pool.update_(4, [2, 0, 1], [40, 3, 5], lora_ranks=[0, 8, 4], scalings=[0, 2.0, 1.0])
+    pool.check(v)
+    assert v.seg_indptr.tolist() == [0, 40, 43, 48, 48]
+    before = pool.storage.view(torch.uint8).clone()
+    with pytest.raises(CapacityError, match="sum to 49 tokens, more than the pool's "
+                                            "max_tokens=48"):
+        pool.update_(4, [2, 0, 1], [40, 4, 5])
+    assert torch.equal(pool.storage.view(torch.uint8), before)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(PoolError):
+            LoRAConfig(max_bs=2, max_loras_per_batch=1, max_lora_rank=1, token_budget=bad)
+
+
+@pytest.mark.parametrize("staging", [False, True])
+def test_host_view_is_the_last_update(staging: bool) -> None:
+    """``host_view``: the last update's values on the host, the pool's own view without
+    staging, the image that update sent with it (and no other update's)."""
+    pool = LoRABatchPool(cfg_(), staging=staging)
+    for w, lens in (([1, 2], [3, 1]), ([3, 0, 1], [2, 2, 3]), ([2], [1])):
+        v = pool.update_(4, w, lens, lora_ranks=[0, 8, 4, 2], scalings=[0, 1, 2, 3])
+        h = pool.host_view(4)
+        assert h.seg_indptr.device.type == "cpu"
+        for name in ("seg_lens", "seg_indptr", "weight_indices", "lora_ranks", "scalings",
+                     "permutation"):
+            assert torch.equal(getattr(h, name), getattr(v, name)), name
+        same = h.seg_lens.data_ptr() == v.seg_lens.data_ptr()
+        assert same == (not staging)
