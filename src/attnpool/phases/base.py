@@ -366,3 +366,22 @@ class PhaseBase(Generic[ViewT]):
         if host is None:
             return self._max_pages
         return min(self._max_pages, ceil_div(max(host, default=0) + add, self.cfg.page_size))
+
+
+class KeyedPhase(PhaseBase[ViewT]):
+    """A phase whose views are keyed by the batch size and one host bound, the keys' width
+    ``max_k`` (decode, verify, draft extend): capture hands out the view at the full context
+    (the static bound a graph was captured with), an update the view of its host-tight bound.
+    The memo's hit needs no Python frame beyond this method's: it runs on every update."""
+
+    def _capture_view(self, bs: int) -> ViewT:
+        return self._view(bs, self.cfg.max_context_len)
+
+    def _view(self, bs: int, max_k: int) -> ViewT:
+        key = (bs, max_k)
+        return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, max_k))
+
+    def _make_view(self, bs: int, max_k: int) -> ViewT:
+        """The ``bs``-row view whose keys are bounded by ``max_k`` (slices of the phase's
+        buffers; built once per key by :meth:`_view`)."""
+        raise NotImplementedError

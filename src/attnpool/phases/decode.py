@@ -13,7 +13,7 @@ from ..config import Phase
 from ..errors import InputError
 from ..views import DecodeView
 from ._views import part_view
-from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
+from .base import Inputs, KeyedPhase, Replay, Shared, UpdatePath, new_record
 from .host_lane import HostLane
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ class DecodeValues(NamedTuple):
     width: int
 
 
-class DecodePhase(PhaseBase[DecodeView]):
+class DecodePhase(KeyedPhase[DecodeView]):
     """``pool.decode``: ``view(bs)`` for capture, ``update_(...)`` before each replay.
 
     Row ``i < n`` is request ``req_pool_indices[i]`` with ``cache_seqlens[i] = seq_lens[i]`` and
@@ -74,10 +74,6 @@ class DecodePhase(PhaseBase[DecodeView]):
             self._host_step if self._lane is None else self._lane.bind(self._host_step)
         #: (request ids, arena epoch) right after the last decode update, for ``request_ids``.
         self._last: tuple[list[Hashable], int] | None = None
-
-    def _capture_view(self, bs: int) -> DecodeView:
-        """The ``bs``-row view for capture: valid padded values, static host bounds."""
-        return self._view(bs, self.cfg.max_context_len)
 
     def update_(
         self,
@@ -206,9 +202,6 @@ class DecodePhase(PhaseBase[DecodeView]):
         return self._view(bs, self._max_k(host, 0, n, bs, self.cfg.max_context_len))
 
     # ---- internals ----------------------------------------------------------------------------
-    def _view(self, bs: int, max_seqlen_k: int) -> DecodeView:
-        key = (bs, max_seqlen_k)
-        return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, max_seqlen_k))
 
     def _make_view(self, bs: int, max_seqlen_k: int) -> DecodeView:
         return self._rebound(bs, 1, max_seqlen_k, lambda: part_view(

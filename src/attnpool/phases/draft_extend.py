@@ -12,7 +12,7 @@ from ..config import Phase
 from ..errors import CapacityError
 from ..views import DraftExtendView
 from ._views import part_view
-from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
+from .base import Inputs, KeyedPhase, Replay, Shared, UpdatePath, new_record
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -34,7 +34,7 @@ class DraftExtendValues(NamedTuple):
     pad_q: int
 
 
-class DraftExtendPhase(PhaseBase[DraftExtendView]):
+class DraftExtendPhase(KeyedPhase[DraftExtendView]):
     """``pool.draft_extend``: request ``i`` runs ``accept_lens[i]`` queries (1..N) causally over
     ``cache_seqlens = seq_lens`` (which include those tokens).
 
@@ -55,9 +55,6 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
         super().__init__(arena)
         self._b = self._paged()
         self._cu_q = arena.buffer(self.phase, "cu_seqlens_q")
-
-    def _capture_view(self, bs: int) -> DraftExtendView:
-        return self._view(bs, self.cfg.max_context_len)
 
     def update_(
         self,
@@ -113,10 +110,6 @@ class DraftExtendPhase(PhaseBase[DraftExtendView]):
         # N queries per padded row: every captured bs has cu_seqlens_q[bs] = bs*N (class doc)
         return DraftExtendValues(inputs=self._capture_inputs(), q_lens=self._arange[:0],
                                  width=0, pad_q=self.cfg.num_draft_tokens)
-
-    def _view(self, bs: int, max_k: int) -> DraftExtendView:
-        key = (bs, max_k)
-        return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, max_k))
 
     def _make_view(self, bs: int, max_k: int) -> DraftExtendView:
         return part_view(self._b, bs, self._cu_q, max_q=self.cfg.num_draft_tokens, max_k=max_k,

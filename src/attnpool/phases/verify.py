@@ -16,7 +16,7 @@ from ..errors import InputError
 from ..update.parts import TreeExpandPart
 from ..views import PagedView, VerifyView
 from ._views import part_view
-from .base import Inputs, PhaseBase, Replay, Shared, UpdatePath, new_record
+from .base import Inputs, KeyedPhase, Replay, Shared, UpdatePath, new_record
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -39,7 +39,7 @@ class VerifyValues(NamedTuple):
     width: int
 
 
-class VerifyPhase(PhaseBase[VerifyView]):
+class VerifyPhase(KeyedPhase[VerifyView]):
     """``pool.verify``: chain verify is one causal pass over ``seq_lens + N``; tree verify is a
     non-causal prefix pass over ``seq_lens`` plus an expand pass over the allowed draft tokens,
     merged by log-sum-exp (see :class:`attnpool.VerifyView`).
@@ -57,10 +57,6 @@ class VerifyPhase(PhaseBase[VerifyView]):
         self._p = self._paged()
         self._e = self._paged("expand_") if self.tree else None
         self._cu_q = arena.buffer(None, "arange_n")
-
-    def _capture_view(self, bs: int) -> VerifyView:
-        """The ``bs``-request view for capture (valid padded values, static bounds)."""
-        return self._view(bs, self.cfg.max_context_len)
 
     def update_(
         self,
@@ -124,10 +120,6 @@ class VerifyPhase(PhaseBase[VerifyView]):
     def _expand_pad(self) -> int:
         """Keys of a padded expand row: at most N, so it stays inside the part's width."""
         return min(self.cfg.pad_seq_len, self.cfg.num_draft_tokens)
-
-    def _view(self, bs: int, max_k: int) -> VerifyView:
-        key = (bs, max_k)
-        return self._views.get(key) or self._memo(key, lambda: self._make_view(bs, max_k))
 
     def _make_view(self, bs: int, max_k: int) -> VerifyView:
         cfg, nd = self.cfg, self.cfg.num_draft_tokens

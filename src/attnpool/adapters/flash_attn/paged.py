@@ -139,15 +139,10 @@ def fa3_kwargs(
         "q": q,
         "k_cache": cache_as_pages(k_cache, view.page_size),
         "v_cache": cache_as_pages(v_cache, view.page_size),
-        "cache_seqlens": view.cache_seqlens,
         "page_table": table,
         "cu_seqlens_q": view.cu_seqlens_q,
         "max_seqlen_q": view.max_seqlen_q,
-        "softmax_scale": softmax_scale_of(softmax_scale, d),
-        "causal": view.causal,
-        "return_softmax_lse": return_softmax_lse,
-        **window_kwargs(view),
-        **_softcap_kwargs(softcap),
+        **_shared_kwargs(view, d, softmax_scale, return_softmax_lse, softcap),
     }
     if scheduler_metadata is not None:
         kw["scheduler_metadata"] = scheduler_metadata
@@ -170,16 +165,9 @@ def fa3_varlen_kwargs(view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tens
     return kw
 
 
-def fa2_kwargs(
-    view: PagedView,
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    *,
-    softmax_scale: float | None = None,
-    return_softmax_lse: bool = True,
-    softcap: float = 0.0,
-) -> dict[str, Any]:
+def fa2_kwargs(view: PagedView, q: Tensor, k_cache: Tensor, v_cache: Tensor, *,
+               softmax_scale: float | None = None, return_softmax_lse: bool = True,
+               softcap: float = 0.0) -> dict[str, Any]:
     """Keyword arguments of FA2 ``flash_attn_with_kvcache`` for one paged part.
 
     FA2 takes ``q [bs, seqlen_q, H, D]``: every row has ``seqlen_q = view.max_seqlen_q`` queries,
@@ -222,8 +210,18 @@ def fa2_kwargs(
         "q": q.view(view.bs, sq, h, d),
         "k_cache": k_cache,
         "v_cache": v_cache,
-        "cache_seqlens": view.cache_seqlens,
         "block_table": table,
+        **_shared_kwargs(view, d, softmax_scale, return_softmax_lse, softcap),
+    }
+
+
+def _shared_kwargs(view: PagedView, d: int, softmax_scale: float | None,
+                   return_softmax_lse: bool, softcap: float) -> dict[str, Any]:
+    """What FA2's and FA3's ``flash_attn_with_kvcache`` take under the same names: the lengths
+    the kernel reads (``cache_seqlens``, the view's own buffer, so a graph replays the refill),
+    the scale, causality, the window and the softcap."""
+    return {
+        "cache_seqlens": view.cache_seqlens,
         "softmax_scale": softmax_scale_of(softmax_scale, d),
         "causal": view.causal,
         "return_softmax_lse": return_softmax_lse,

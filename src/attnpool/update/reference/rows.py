@@ -31,15 +31,9 @@ def table_slots(table: Tensor, rows: Tensor, cols: Tensor, block_size: int | Non
     return table[rows, cols // block_size] * block_size + cols % block_size
 
 
-def gather_pages(
-    req_to_token: Tensor,
-    req_pool_indices: Tensor,
-    page_size: int,
-    width: int,
-    token_offset: Tensor | None = None,
-    out: Tensor | None = None,
-    block_size: int | None = None,
-) -> Tensor:
+def gather_pages(req_to_token: Tensor, req_pool_indices: Tensor, page_size: int, width: int,
+                 token_offset: Tensor | None = None, out: Tensor | None = None,
+                 block_size: int | None = None) -> Tensor:
     """Page ids ``[n, width]`` of pages ``0..width-1`` of each request (a temporary, or ``out``).
 
     Page ``p`` of request ``r`` is ``req_to_token[r, off + p*P] // P``. Columns past a row's live
@@ -212,15 +206,9 @@ def local_extend_rows(
     return q_lens, kv, torch.where(valid, lo, 0), valid, torch.where(valid, req, 0)
 
 
-def extend_tokens(
-    seq_lens: Tensor,
-    extend_lens: Tensor,
-    req_pool_indices: Tensor,
-    req_to_token: Tensor,
-    num_tokens: int,
-    block_size: int | None = None,
-    token_offset: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
+def extend_tokens(seq_lens: Tensor, extend_lens: Tensor, req_pool_indices: Tensor,
+                  req_to_token: Tensor, num_tokens: int, block_size: int | None = None,
+                  token_offset: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Per packed query token of an extend batch: ``(positions, slots)``, each ``[num_tokens]``
     int64 temporaries.
 
