@@ -58,7 +58,7 @@ def test_served_runner_builds_its_pool() -> None:
 def test_unserved_runner_is_refused_with_every_reason(caplog: pytest.LogCaptureFixture) -> None:
     from sglang.srt.layers.radix_attention import AttentionType
 
-    from attnpool.integrations.sglang.backend import AttnpoolAttnBackend
+    from attnpool.integrations.sglang.factory import backend_for
 
     layers = [_layer(0, is_cross_attention=True), _layer(1, sliding_window_size=10),
               _layer(2, sliding_window_size=20, attn_type=AttentionType.ENCODER_ONLY),
@@ -67,7 +67,7 @@ def test_unserved_runner_is_refused_with_every_reason(caplog: pytest.LogCaptureF
     spec = SimpleNamespace(is_none=lambda: False, name="DFLASH")
     args = SimpleNamespace(chunked_prefill_size=64, max_prefill_tokens=128, enable_pdmux=True)
     with caplog.at_level(logging.ERROR), pytest.raises(LayoutError) as e:
-        AttnpoolAttnBackend(_runner(layers, kv_dtype=torch.float16, spec_algorithm=spec,
+        backend_for(_runner(layers, kv_dtype=torch.float16, spec_algorithm=spec,
                                     use_mla_backend=True, attention_chunk_size=64,
                                     server_args=args))
     msg = str(e.value)
@@ -85,7 +85,8 @@ def test_speculative_runner_builds_its_spec_phases() -> None:
     """With speculative decoding the pool has SGLang's verify and draft sizes (N, topk and
     steps from the server args; NGRAM a tree without draft steps), the runner's backends share
     it, and a GPU runner is refused at start (SGLang's GPU tree-mask layout is not read)."""
-    from attnpool.integrations.sglang.backend import AttnpoolDraftSteps, backend_for
+    from attnpool.integrations.sglang.factory import backend_for
+    from attnpool.integrations.sglang.spec import AttnpoolDraftSteps
 
     def runner(algo: str, topk: int, device: str = "cpu") -> SimpleNamespace:
         table = SimpleNamespace(req_to_token=torch.zeros(8, 512, dtype=torch.int32), size=8)

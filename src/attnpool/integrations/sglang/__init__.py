@@ -10,7 +10,7 @@ asked: ``sglang.Engine(..., attention_backend="attnpool")`` or ``--attention-bac
 Speculative decoding (NGRAM, EAGLE, EAGLE3, STANDALONE): the target's verify batches and the
 draft model's extends go through the same backend (``pool.verify``, ``pool.draft_extend``); the
 draft model's decode steps through a multi-step draft backend
-(:class:`.backend.AttnpoolDraftSteps`, ``pool.draft``). SGLang does not look those up in its
+(:class:`.spec.AttnpoolDraftSteps`, ``pool.draft``). SGLang does not look those up in its
 attention-backend registry: its ``DraftBackendFactory`` builds them from a dict of backend
 names to constructors made inside ``create_decode_backend`` / ``create_draft_extend_backend``
 each time they run (a local variable, so there is nothing to add a name to), and refuses any
@@ -18,8 +18,8 @@ other name. :func:`register` therefore wraps those two methods: for the backend 
 ``attnpool`` they return attnpool's objects, for every other name they call SGLang's own method
 unchanged.
 
-The backend class is in :mod:`.backend` (which imports SGLang); the pool sizing and per-batch
-refill, plain torch, in :mod:`.step`.
+The backend classes are in :mod:`.backend` and :mod:`.spec` (importing SGLang); the pool sizing
+and per-batch refill, plain torch, in :mod:`.step`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ __all__ = ["NAME", "register"]
 
 
 def _create(model_runner: Any) -> Any:
-    from .backend import backend_for
+    from .factory import backend_for
 
     return backend_for(model_runner)
 
@@ -73,7 +73,7 @@ def _wrap_draft_factory() -> None:
             return decode(self)
         if self.speculative_num_steps <= 1:  # (SGLang's rule: one step needs no backend)
             return None
-        from .backend import AttnpoolDraftSteps
+        from .spec import AttnpoolDraftSteps
 
         steps = _stamp(AttnpoolDraftSteps(self.draft_model_runner, self.topk,
                                           self.speculative_num_steps))
@@ -84,9 +84,9 @@ def _wrap_draft_factory() -> None:
     def create_draft_extend_backend(self: Any) -> Any:
         if _draft_name(self, False) != NAME:
             return extend(self)
-        from .backend import backend_for
+        from .spec import spec_backend_for
 
-        return _stamp(backend_for(self.draft_model_runner))
+        return _stamp(spec_backend_for(self.draft_model_runner))
 
     for new, old in ((create_decode_backend, decode), (create_draft_extend_backend, extend)):
         new.__doc__, new.__wrapped__ = old.__doc__, old  # type: ignore[attr-defined]
