@@ -165,21 +165,10 @@ def planned_rows(view: PagedView, kind: WrapperKind | None = None) -> int:
     return int(view.cu_seqlens_q[view.bs])
 
 
-def plan(
-    wrapper: Any,
-    view: PagedView,
-    *,
-    num_qo_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_dtype: torch.dtype,
-    kv_dtype: torch.dtype | None = None,
-    sm_scale: float | None = None,
-    kind: WrapperKind | None = None,
-    rows: int | None = None,
-    softcap: float = 0.0,
-    head_dim_v: int | None = None,
-) -> int:
+def plan(wrapper: Any, view: PagedView, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+         q_dtype: torch.dtype, kv_dtype: torch.dtype | None = None, sm_scale: float | None = None,
+         kind: WrapperKind | None = None, rows: int | None = None, softcap: float = 0.0,
+         head_dim_v: int | None = None) -> int:
     """Plan ``wrapper`` (built by :func:`make_wrapper` on this view's buffers) for the batch the
     view now holds; return the query rows it will compute (``rows`` if given, else
     :func:`planned_rows`). Host-side and syncing: call after ``update_``, before replay.

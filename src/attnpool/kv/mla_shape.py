@@ -78,17 +78,17 @@ class MLAShape:
                       num_layers: int = 1, max_tokens: int = 1,
                       device: str | torch.device = "cpu") -> KVCacheConfig:
         """The :class:`KVCacheConfig` of a latent cache of this shape."""
-        return KVCacheConfig(num_pages=num_pages, page_size=page_size, max_tokens=max_tokens,
-                             num_layers=num_layers, kind=KVKind.MLA,
+        return KVCacheConfig(num_pages, page_size, max_tokens, num_layers, kind=KVKind.MLA,
                              kv_lora_rank=self.kv_lora_rank, rope_dim=self.qk_rope_head_dim,
                              dtype=dtype, device=device)
 
     def expanded_config(self, num_pages: int, page_size: int, *, dtype: torch.dtype,
                         num_layers: int = 1, max_tokens: int = 1,
                         device: str | torch.device = "cpu") -> KVCacheConfig:
-        """The :class:`KVCacheConfig` of the expanded per-head cache of this shape."""
-        return KVCacheConfig(num_pages=num_pages, page_size=page_size, max_tokens=max_tokens,
-                             num_layers=num_layers, kind=KVKind.MHA,
+        """The :class:`KVCacheConfig` of the expanded per-head cache of this shape: a key of
+        ``nope + rope`` and a value of ``v`` per head (the same argument order as
+        :meth:`latent_config`)."""
+        return KVCacheConfig(num_pages, page_size, max_tokens, num_layers, kind=KVKind.MHA,
                              num_kv_heads=self.num_heads, head_dim=self.qk_head_dim,
                              head_dim_v=self.v_head_dim, dtype=dtype, device=device)
 

