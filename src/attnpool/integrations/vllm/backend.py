@@ -61,8 +61,8 @@ from .choice import KERNEL, pick
 from .cpu_kernel import CPUKernel, kernel_isa
 from .decode_cpu import attend
 from .encoder_only import EncoderOnlySteps, scratch_blocks
-from .runtime import group_impls, layer_scales, logger, refuse, step_metadata
-from .step import EngineSizes, StepFiller, StepMetadata, group_window, mixed_graphs
+from .runtime import BackendClasses, group_impls, layer_scales, logger, refuse, step_metadata
+from .step import EngineSizes, StepFiller, StepMetadata, group_window, mixed_graphs, uniform_graphs
 
 #: the attention types a layer may have: decoder self-attention everywhere, encoder-only and
 #: cross attention where vLLM's CPU kernel attends (non-causally)
@@ -203,6 +203,14 @@ class AttnpoolImpl(AttentionImpl[StepMetadata]):
         store_(k_cache, v_cache, key[:t], value[:t], blocks, offsets)
 
 
+def verify_rows(vllm_config: VllmConfig) -> int:
+    """``N = 1 + num_speculative_tokens``, the query rows of one request in a speculative
+    verify step (vLLM's ``uniform_decode_query_len``), or 0 without speculative decoding."""
+    spec = getattr(vllm_config, "speculative_config", None)  # (as vLLM's own readers do)
+    k = 0 if spec is None else int(spec.num_speculative_tokens or 0)
+    return 1 + k if k > 0 else 0
+
+
 def _facts(impls: list[AttnpoolImpl], num_kv_heads: int, dtype: torch.dtype) -> LayerFacts:
     """What FlashInfer's plans fix for a group's layers, refused when the layers differ in it
     (one plan per step and part serves every layer)."""
@@ -241,7 +249,9 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
             sliding_window=group_window({i.sliding_window for i in impls}),
             num_blocks=scratch_blocks(sched.max_num_batched_tokens, kv_cache_spec.block_size,
                                       sched.max_num_seqs) if encoder_only
-            else vllm_config.cache_config.num_gpu_blocks, device=torch.device(device))
+            else vllm_config.cache_config.num_gpu_blocks, device=torch.device(device),
+            num_draft_tokens=0 if encoder_only or cross or first.backend is Backend.FLASHINFER
+            else verify_rows(vllm_config))
         # vLLM's CPU kernel applies each layer's window itself over the full part: the pool
         # then has no window part (its bytes would be written every step and never read)
         kernel = sizes.device.type == "cpu" and cpu_kernel_mode() == "vllm"
@@ -269,15 +279,22 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: Any
                               ) -> AttentionCGSupport:
-        """``ALWAYS`` when every attnpool layer attends with flash-attn on CUDA
-        (:func:`.step.mixed_graphs`), else ``UNIFORM_SINGLE_TOKEN_DECODE`` (also before the
-        layers exist: the safe declaration)."""
+        """``ALWAYS`` when every attnpool layer attends with flash-attn FA3 or FA4 on CUDA
+        (:func:`.step.mixed_graphs`); ``UNIFORM_BATCH`` with speculative decoding when every
+        layer attends with flash-attn (FA2 included: a verify step has one query count for
+        every row), whose uniform verify steps are refilled through the verify view a graph
+        of that size captured (:func:`.step.uniform_graphs`); else
+        ``UNIFORM_SINGLE_TOKEN_DECODE`` (also before the layers exist: the safe
+        declaration)."""
         layers = get_layers_from_vllm_config(vllm_config, Attention)
         backends = {layer.impl.backend for layer in layers.values()
                     if isinstance(layer.impl, AttnpoolImpl)}
         device = torch.device(vllm_config.device_config.device).type
-        return (AttentionCGSupport.ALWAYS if mixed_graphs(backends, device)
-                else cls._cudagraph_support)
+        if mixed_graphs(backends, device):
+            return AttentionCGSupport.ALWAYS
+        if uniform_graphs(backends, device, verify_rows(vllm_config)):
+            return AttentionCGSupport.UNIFORM_BATCH
+        return cls._cudagraph_support
 
     def _one_phase(self) -> bool:
         """vLLM's graph mode keeps one full graph per size for decode and mixed batches alike
@@ -336,17 +353,10 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         return self.build(0, cm)
 
 
-class _AttnpoolClasses:
-    """The impl and builder every attnpool backend class hands vLLM (listed first among a
-    backend's bases, so these win over the vLLM base class's)."""
+class _AttnpoolClasses(BackendClasses):
+    """The impl and builder of attnpool's two (non-MLA) backend classes."""
 
-    @staticmethod
-    def get_impl_cls() -> type[AttnpoolImpl]:
-        return AttnpoolImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttnpoolMetadataBuilder]:
-        return AttnpoolMetadataBuilder
+    impl, builder = AttnpoolImpl, AttnpoolMetadataBuilder
 
 
 class AttnpoolCPUBackend(_AttnpoolClasses, CPUAttentionBackend):

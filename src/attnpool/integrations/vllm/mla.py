@@ -52,7 +52,7 @@ from .mla_step import (
     prefill_mode,
     store_latent_,
 )
-from .runtime import group_impls
+from .runtime import BackendClasses, group_impls
 from .step import EngineSizes
 
 logger = init_logger("vllm.plugins.attnpool")
@@ -176,13 +176,7 @@ class AttnpoolMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
                                          latent=latent)
 
 
-class AttnpoolCPUMLABackend(CPUMLABackend):
+class AttnpoolCPUMLABackend(BackendClasses, CPUMLABackend):
     """vLLM's ``CPU_MLA`` slot, served by attnpool (same name: vLLM looks it up by it)."""
 
-    @staticmethod
-    def get_impl_cls() -> type[AttnpoolMLAImpl]:
-        return AttnpoolMLAImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[AttnpoolMLAMetadataBuilder]:
-        return AttnpoolMLAMetadataBuilder
+    impl, builder = AttnpoolMLAImpl, AttnpoolMLAMetadataBuilder

@@ -4,7 +4,7 @@ current step's metadata from vLLM's forward context (importing this module impor
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -37,6 +37,25 @@ def refuse(reasons: list[str], kernel_fixes: bool = False) -> None:
            f"it, where it serves the setting.")
     logger.error(msg)
     raise LayoutError(msg)
+
+
+class BackendClasses:
+    """The impl and builder classes an attnpool backend class hands vLLM
+    (``get_impl_cls``, ``get_builder_cls``), named once per backend as its :attr:`impl` and
+    :attr:`builder`. Listed first among the backend's bases, so that these win over the vLLM
+    base class's (the backends subclass vLLM's own CPU backends for their facts: dtypes, block
+    and head sizes, the cache layout)."""
+
+    impl: ClassVar[type[Any]]
+    builder: ClassVar[type[Any]]
+
+    @classmethod
+    def get_impl_cls(cls) -> type[Any]:
+        return cls.impl
+
+    @classmethod
+    def get_builder_cls(cls) -> type[Any]:
+        return cls.builder
 
 
 def layer_scales(layer: Any) -> tuple[float, float]:

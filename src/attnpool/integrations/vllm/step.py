@@ -15,9 +15,20 @@ extend row with one new token (``extend_lens = query_start_loc[1:] - query_start
 ``seq_lens`` its whole length), so no reordering is needed and every layer reads one
 :class:`attnpool.ExtendView`. A batch in which every row has one query (``max_query_len == 1``)
 is a :attr:`attnpool.BufferPool.decode` update instead: the shape CUDA graphs capture per batch
-size, and the cheaper SDPA path on a CPU. The two phases overlay the same bytes; a step's
+size, and the cheaper SDPA path on a CPU. The phases overlay the same bytes; a step's
 metadata is read by that step's forward before the next step is built (vLLM builds and runs
 steps in order on one stream), which is the overlay's contract.
+
+**Speculative verify.** With speculative decoding (``speculative_config``, ``k`` draft tokens),
+a step in which every request runs ``N = 1 + k`` queries (the last sampled token and its
+``k`` drafts) is a :attr:`attnpool.BufferPool.verify` update (a chain: one causal pass of
+``N`` query rows per request over its committed prefix ``seq_lens - N``): the shape vLLM's
+runner calls a uniform decode batch (:func:`uniform_verify`: ``max_query_len == N`` and
+``num_actual_tokens == N * num_reqs``), the one a ``UNIFORM_BATCH`` CUDA graph replays. Every
+other speculative step (requests with fewer drafts, prefill chunks beside verify rows) stays
+an extend update: a verify row is an extend row of ``N`` new tokens, so both give the same
+attention. vLLM's drafter model (``method="draft_model"``) builds its own group's metadata
+through the same builder, so its steps follow the same rule.
 
 **Per step, nothing is allocated** once the pool's views for a shape exist: the query lengths are
 computed into a staging buffer (:func:`query_lens_`), the host copies vLLM already keeps on a CPU
@@ -35,14 +46,15 @@ import torch
 from torch import Tensor
 
 from ...adapters.backends import Backend
-from ...adapters.binding import Run
+from ...adapters.binding import Run, bind
 from ...adapters.flashinfer_step import LayerFacts
 from ...errors import CapacityError, LayoutError
-from ...views import DecodeView, ExtendView, PagedView
+from ...views import DecodeView, ExtendView, PagedView, VerifyView
 from ..engine import Filler, PoolSizes
 from .cache import slot_index_
 from .cpu_kernel import CPUKernel, KernelStep
 from .decode_cpu import BlockPlan, plan_blocks
+from .served import Kind, corrupting, counts_from_env
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +72,8 @@ class EngineSizes:
         num_blocks: blocks of the group's cache when known (``cache_config.num_gpu_blocks``):
             the page-id bound of the pool's checks.
         device: the engine's device.
+        num_draft_tokens: ``N = 1 + num_speculative_tokens`` query rows of a verify step
+            with speculative decoding (the pool's verify phase), else 0 (no verify phase).
     """
 
     max_num_seqs: int
@@ -69,6 +83,7 @@ class EngineSizes:
     sliding_window: int | None
     num_blocks: int | None
     device: torch.device
+    num_draft_tokens: int = 0
 
     def pool(self, window_part: bool = True) -> PoolSizes:
         """The pool's sizes (:func:`attnpool.integrations.engine.pool_config` makes its config:
@@ -78,7 +93,20 @@ class EngineSizes:
                          max_extend_tokens=self.max_num_batched_tokens,
                          page_size=self.block_size,
                          sliding_window=self.sliding_window if window_part else None,
-                         num_pages=self.num_blocks, device=self.device)
+                         num_pages=self.num_blocks, device=self.device,
+                         num_draft_tokens=self.num_draft_tokens)
+
+
+def uniform_verify(num_reqs: int, num_actual_tokens: int, max_query_len: int,
+                   num_draft_tokens: int) -> bool:
+    """Whether a step is a uniform verify batch: every one of its ``num_reqs`` requests runs
+    ``N = num_draft_tokens`` queries (``N > 1``). vLLM's runner calls the same batches uniform
+    decode batches (a longest query of ``1 + num_speculative_tokens`` and that many tokens per
+    request), the ones a ``UNIFORM_BATCH`` CUDA graph replays: the rule must be the runner's,
+    so that a graph captured over the verify view is refilled through it at every replay. Host
+    ints only (no read of a device tensor)."""
+    return (num_draft_tokens > 1 and max_query_len == num_draft_tokens
+            and num_actual_tokens == num_draft_tokens * num_reqs)
 
 
 def query_lens_(query_start_loc: Tensor, out: Tensor) -> Tensor:
@@ -107,7 +135,8 @@ class StepMetadata:
     encoder's K/V there. Nothing of attnpool's changes a field after ``fill``.
 
     Fields:
-        view: the refilled :class:`attnpool.DecodeView` or :class:`attnpool.ExtendView`.
+        view: the refilled :class:`attnpool.DecodeView`, :class:`attnpool.ExtendView` or
+            (a uniform speculative verify step) chain :class:`attnpool.VerifyView`.
         run: the adapter call bound to ``view`` for every layer of the step (SDPA plans are
             computed by the first layer that reads a part and reused by the others); None
             when vLLM's kernel attends (``kernel``).
@@ -127,7 +156,7 @@ class StepMetadata:
             set by vLLM's cross-attention builder (see above); None otherwise.
     """
 
-    view: DecodeView | ExtendView
+    view: DecodeView | ExtendView | VerifyView
     run: Run | None
     blocks: Tensor
     offsets: Tensor
@@ -173,9 +202,13 @@ class StepFiller(Filler):
         #: query lengths are made into staging first (:func:`query_lens_`)
         self._extend_offsets = (self._extend.host_step_offsets
                                 if self.host and self._extend.host_route else None)
+        #: the verify phase and its ``N`` with speculative decoding, else None and 0
+        self._nd = sizes.num_draft_tokens
+        self._verify = self.pool.verify if self._nd else None
         if self.host:  # (the first step of each size: no slicing in a build)
-            for phase in (self._decode, self._extend):
-                phase.prepare_views(range(1, sizes.max_num_seqs + 1))
+            for phase in (self._decode, self._extend, self._verify):
+                if phase is not None:
+                    phase.prepare_views(range(1, sizes.max_num_seqs + 1))
         self._caps = (sizes.max_num_seqs, sizes.max_num_batched_tokens)
         dev, t = sizes.device, sizes.max_num_batched_tokens
         # staging, allocated once: query lengths, each token's block and offset
@@ -185,6 +218,13 @@ class StepFiller(Filler):
         self._blocks = torch.empty(t, dtype=torch.int64, device=dev)
         self._offsets = torch.empty(t, dtype=torch.int64, device=dev)
         self._none = self._blocks[:0]  # (no block/offset pair: vLLM's kernel stores by slot)
+        #: a verify step's committed lengths (``seq_lens - N``), and their first n rows
+        self._committed = torch.empty(sizes.max_num_seqs if self._nd else 0, dtype=torch.int32,
+                                      device=dev)
+        self._committed_rows = [self._committed[:k] for k in range(self._committed.shape[0] + 1)]
+        #: refill counts per phase (:mod:`.served`: only when asked for), and the test hook
+        self.served = counts_from_env()
+        self._corrupt = corrupting()
         #: vLLM's CPU kernel, when the group attends with it (set by the builder)
         self.kernel: CPUKernel | None = None
         #: every batch an extend update, one-query rows included (set by the builder in vLLM's
@@ -217,6 +257,11 @@ class StepFiller(Filler):
         extend = max_query_len != 1 or self.one_phase
         # (shape[0]: a third of len()'s cost, which is a Python method of torch.Tensor)
         lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
+        if (extend and self._verify is not None and not self.one_phase
+                and uniform_verify(n, num_actual_tokens, max_query_len, self._nd)):
+            verified = self._verify_step(n, lens, block_table)
+            if verified is not None:
+                return self._verify_metadata(verified, n, num_actual_tokens, slot_mapping)
         view: DecodeView | ExtendView
         if self.host:  # (vLLM's lengths are their own host copies)
             if not extend:
@@ -234,10 +279,51 @@ class StepFiller(Filler):
                     if q_lens is None else
                     self._extend.update_(n, seq_lens=lens, extend_lens=q_lens,
                                          block_table=table))
+        if self.served is not None:
+            self.served.count(Kind.EXTEND if extend else Kind.DECODE)
         if self.kernel is not None:  # vLLM's kernel stores by slot itself: no block/offset pair
             return StepMetadata(view, None, self._none, self._none, num_actual_tokens,
                                 self.kernel.step(view, n))
         run = self.bind(view, num_actual_tokens)
+        slot_index_(slot_mapping, self.sizes.block_size, self._blocks, self._offsets)
+        return StepMetadata(view, run, self._blocks[:tokens], self._offsets[:tokens],
+                            num_actual_tokens)
+
+    def _verify_step(self, n: int, lens: Tensor, block_table: Tensor) -> VerifyView | None:
+        """The verify update of a uniform verify step (:func:`uniform_verify`): the committed
+        lengths ``seq_lens - N`` go to a staging buffer (vLLM's ``seq_lens`` count the step's
+        ``N`` new tokens; the view's ``cache_seqlens`` adds them back). On a CPU they are also
+        the view's host lengths, and a step with a request that has nothing committed (a new
+        prompt of exactly ``N`` tokens) returns None: the extend update serves it (the verify
+        phase reads a cached prefix of at least one token). On CUDA no host copy is read
+        (no sync): such a row's committed length 0 gives ``cache_seqlens = N``, its whole
+        prompt, which is what attention reads (the update's host range check needs the host
+        copy), and the step keeps the phase vLLM's uniform-batch graph replays."""
+        verify = self._verify
+        if verify is None:
+            raise LayoutError("a verify step needs the pool's verify phase (num_draft_tokens)")
+        committed = torch.sub(lens, self._nd, out=self._committed_rows[n])
+        table = block_table if block_table.shape[0] == n else block_table[:n]
+        if not self.host:
+            return verify.update_(n, seq_lens=committed, block_table=table)
+        if int(committed.min()) < 1:
+            return None
+        return verify.update_(n, seq_lens=committed, block_table=table, seq_lens_cpu=committed)
+
+    def _verify_metadata(self, view: VerifyView, n: int, num_actual_tokens: int,
+                         slot_mapping: Tensor) -> StepMetadata:
+        """A verify step's metadata: vLLM's kernel reads the chain's one causal pass
+        (``view.prefix``); the adapters take the view itself (its window part included)."""
+        if self.served is not None:
+            self.served.count(Kind.VERIFY)
+        if self._corrupt:  # (the tests' negative control: .served)
+            view.prefix.cache_seqlens[0] -= 1
+        if self.kernel is not None:
+            return StepMetadata(view, None, self._none, self._none, num_actual_tokens,
+                                self.kernel.step(view.prefix, n))
+        run = bind(self.backend, view, num_actual_tokens, self.num_heads, self.num_kv_heads,
+                   self.dtype)
+        tokens = slot_mapping.shape[0]
         slot_index_(slot_mapping, self.sizes.block_size, self._blocks, self._offsets)
         return StepMetadata(view, run, self._blocks[:tokens], self._offsets[:tokens],
                             num_actual_tokens)
@@ -251,6 +337,16 @@ def mixed_graphs(backends: set[Backend], device: str) -> bool:
     step), FA2 (its mixed parts fall back to SDPA) or SDPA (its gather plan is made on the
     host). The builder then declares ``AttentionCGSupport.ALWAYS``."""
     return device == "cuda" and bool(backends) and backends <= {Backend.FA3, Backend.FA4}
+
+
+def uniform_graphs(backends: set[Backend], device: str, num_draft_tokens: int) -> bool:
+    """Whether a group's layers attend with kernels that a full CUDA graph of a uniform verify
+    step replays (vLLM's ``UNIFORM_BATCH``): speculative decoding (``N > 1``) with flash-attn
+    (FA2, FA3, FA4) on CUDA, which read the verify view's tensors and its static bounds
+    (``max_seqlen_q = N``, ``max_seqlen_k = C``). Not FlashInfer (its verify steps are extend
+    updates, planned per step on the host) or SDPA (its gather plan is made on the host)."""
+    return (device == "cuda" and num_draft_tokens > 1 and bool(backends)
+            and backends <= {Backend.FA2, Backend.FA3, Backend.FA4})
 
 
 def group_window(windows: set[int | None]) -> int | None:
