@@ -15,7 +15,8 @@ with the switch off, vLLM behaves exactly as without attnpool. With it on:
 
 The classes are in :mod:`.backend` (which imports vLLM); the pool sizing and per-step refill in
 :mod:`.step`, the cache views and store in :mod:`.cache`, the encoder-only steps in
-:mod:`.encoder_only` and which adapter attends per device in :mod:`.choice` are plain torch.
+:mod:`.encoder_only` and which adapter attends per device in :mod:`.choice` are plain torch,
+and so are the refill counts a test or a demo can ask for (:mod:`.served`).
 """
 
 from __future__ import annotations

@@ -27,8 +27,17 @@ CUDA graphs, declared per kernel (:meth:`AttnpoolMetadataBuilder.get_cudagraph_s
 ``ALWAYS`` with flash-attn (FA3, FA4), whose extend view keeps its static bounds and tensors
 when refilled on CUDA, so one full graph per size replays every mixed batch padded to it
 (:func:`.step.mixed_graphs`; in vLLM's ``FULL`` mode every batch is then an extend update,
-``StepFiller.one_phase``); ``UNIFORM_SINGLE_TOKEN_DECODE`` otherwise (decode views captured per
-size; FlashInfer plans each captured size's graph wrapper in every :meth:`build`).
+``StepFiller.one_phase``); ``UNIFORM_BATCH`` with speculative decoding and flash-attn FA2
+(uniform verify steps, ``1 + k`` queries per request, refill the verify view a graph of that
+size captured: :func:`.step.uniform_graphs`); ``UNIFORM_SINGLE_TOKEN_DECODE`` otherwise (decode
+views captured per size; FlashInfer plans each captured size's graph wrapper in every
+:meth:`build`). Declared only: no GPU has run them.
+
+Speculative decoding (vLLM's n-gram and draft-model methods, which vLLM's CPU build runs):
+a step in which every request verifies ``k`` drafts (``1 + k`` queries) is a ``pool.verify``
+refill, every other step a decode or extend one (:mod:`.step`); the drafter model's layers
+are a group of their own, served the same way. FlashInfer keeps verify steps on
+``pool.extend`` (its plans take decode and extend parts).
 """
 
 from __future__ import annotations
