@@ -14,16 +14,17 @@ forward: :mod:`attnpool.adapters.flashinfer_step`; then flash-attn FA3, FA4, FA2
 forces one).
 
 Models this base does not serve have their own subclass, built by
-:func:`.factory.backend_for` (SGLang's factory): speculative decoding in :mod:`.spec`. The
-base knows none of them (they import it, never the reverse); it refuses what a runner needs
-of one unless the subclass declares it serves it (:class:`Extra`).
+:func:`.factory.backend_for` (SGLang's factory): speculative decoding in :mod:`.spec`,
+encoder-decoder models (cross attention) in :mod:`.cross`. The base knows none of them (they
+import it, never the reverse); it refuses what a runner needs of one unless the subclass
+declares it serves it (:class:`Extra`).
 
 What the backend does not serve is refused when SGLang builds it, at engine start, with the
-reason and the setting to change (:func:`refusals`): cross attention (encoder-decoder
-models), encoder-only and bidirectional layers, multi-head latent attention, KV caches of
+reason and the setting to change (:func:`refusals`): cross attention with speculative
+decoding, encoder-only and bidirectional layers, multi-head latent attention, KV caches of
 another dtype than the model's (fp8), hybrid sliding-window KV pools, more than one sliding
-window, query/value head sizes that differ (and what :mod:`.spec` refuses of speculative
-decoding).
+window, query/value head sizes that differ (and what :mod:`.spec` and :mod:`.cross` refuse
+of their own).
 
 CUDA graphs (decode): :meth:`~AttnpoolAttnBackend.init_forward_metadata_out_graph` binds the
 layers' call to ``pool.decode.view(bs)`` before a capture; the refill of that view (no host
@@ -70,6 +71,8 @@ class Extra(Enum):
 
     #: speculative decoding (:class:`.spec.AttnpoolSpecBackend`)
     SPEC = "speculative decoding"
+    #: cross attention of encoder-decoder models (:class:`.cross.AttnpoolCrossBackend`)
+    CROSS = "cross attention"
 
 
 def speculative(model_runner: Any) -> bool:
@@ -133,8 +136,9 @@ def refusals(model_runner: Any, layers: list[RadixAttention],
         out.append("the model has no RadixAttention layer")
     if getattr(model_runner, "use_mla_backend", False):
         out.append("multi-head latent attention (MLA) models")
-    if any(layer.is_cross_attention for layer in layers):
-        out.append("cross attention (encoder-decoder models)")
+    if Extra.CROSS not in served and any(layer.is_cross_attention for layer in layers):
+        out.append("cross attention (encoder-decoder models; attnpool serves them without "
+                   "speculative decoding: attnpool.integrations.sglang.cross)")
     kinds = {layer.attn_type for layer in layers} - {AttentionType.DECODER}
     if kinds:
         out.append(f"attention types other than causal decoder attention "

@@ -2,9 +2,11 @@
 
 SGLang's registry calls :func:`backend_for` for every runner (the plugin's factory:
 :func:`attnpool.integrations.sglang.register`): a speculative runner gets
-:class:`.spec.AttnpoolSpecBackend`, any other runner the base :class:`.backend.
+:class:`.spec.AttnpoolSpecBackend`, an encoder-decoder model's runner (cross-attention
+layers) :class:`.cross.AttnpoolCrossBackend`, any other runner the base :class:`.backend.
 AttnpoolAttnBackend`. The class is picked from the runner, once; each refuses at construction
-what it does not serve, with every reason.
+what it does not serve, with every reason (a speculative encoder-decoder runner: the
+speculative class, which refuses cross attention).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from .backend import AttnpoolAttnBackend, kept, speculative
+from .cross import AttnpoolCrossBackend, encoder_decoder
 from .spec import AttnpoolSpecBackend
 
 __all__ = ["backend_class", "backend_for"]
@@ -21,6 +24,8 @@ def backend_class(model_runner: Any) -> type[AttnpoolAttnBackend]:
     """The class that serves this runner (see the module doc)."""
     if speculative(model_runner):
         return AttnpoolSpecBackend
+    if encoder_decoder(AttnpoolAttnBackend.served_layers(model_runner)):
+        return AttnpoolCrossBackend
     return AttnpoolAttnBackend
 
 

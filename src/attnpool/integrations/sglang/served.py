@@ -23,14 +23,15 @@ class Served:
 
     The counters, in file order: decode refills, extend refills, the pools' bytes, then
     speculative decoding's verify refills, draft rounds (one ``pool.draft`` refill each) and
-    draft extend refills. A reader sums whatever length a file has (:meth:`read_all`), so a
-    file written with fewer counters reads as zeros past its end.
+    draft extend refills, then an encoder-decoder model's ``pool.encoder`` refills (decode
+    and extend batches with encoder rows: :mod:`.cross`). A reader sums whatever length a file
+    has (:meth:`read_all`), so a file written with fewer counters reads as zeros past its end.
     """
 
     #: the counters' indices
-    DECODE, EXTEND, BYTES, VERIFY, DRAFT, DRAFT_EXTEND = range(6)
+    DECODE, EXTEND, BYTES, VERIFY, DRAFT, DRAFT_EXTEND, ENCODER = range(7)
     #: how many counters a file holds
-    KINDS = 6
+    KINDS = 7
     _open: ClassVar[dict[str, Served]] = {}
 
     def __init__(self, path: str, nbytes: int) -> None:

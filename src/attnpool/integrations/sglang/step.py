@@ -30,7 +30,7 @@ forward by the first layer that reads a part: :class:`attnpool.adapters.binding.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -40,7 +40,8 @@ from ...adapters.binding import Run, bind
 from ...adapters.flashinfer_step import LayerFacts
 from ...config import Impl
 from ...errors import CapacityError, InputError, LayoutError
-from ...views import DecodeView, DraftView, ExtendView
+from ...pool import BufferPool
+from ...views import DecodeView, DraftView, EncoderView, ExtendView
 from ..engine import Filler, PoolSizes
 
 #: The backend's name in SGLang's registry and on its command line.
@@ -74,6 +75,9 @@ class RunnerSizes:
             ``speculative_num_steps``; NGRAM's irregular tree: ``K = max(2, breadth)``, as any
             ``K > 1`` makes verify a tree); 0, 1, 0 without speculation. They enable ``pool.verify``,
             ``pool.draft_extend`` (``N > 0``) and ``pool.draft`` (``S > 0``).
+        max_encoder_len: the longest encoder input of an encoder-decoder model (its tokens
+            first in each request's table row): enables ``pool.encoder``
+            (:meth:`BatchFiller.encoder`); 0 without.
     """
 
     max_requests: int
@@ -86,6 +90,7 @@ class RunnerSizes:
     num_draft_tokens: int = 0
     topk: int = 1
     spec_steps: int = 0
+    max_encoder_len: int = 0
 
     def pool(self) -> PoolSizes:
         """The pool's sizes (:func:`attnpool.integrations.engine.pool_config` makes its config:
@@ -117,6 +122,10 @@ class BatchFiller(Filler):
                  dtype: torch.dtype, masked: bool = False,
                  facts: LayerFacts | None = None) -> None:
         super().__init__(sizes.pool(), backend, num_heads, num_kv_heads, dtype, facts)
+        if sizes.max_encoder_len:
+            # (PoolSizes has no encoder phase: the pool is made again with one; the first
+            # arena is dropped before anything but its constants was written)
+            self.pool = BufferPool(replace(self.pool.cfg, max_encoder_len=sizes.max_encoder_len))
         self.sizes, self.masked = sizes, masked
         #: per captured size, the real-row count a recorded refill reads (:meth:`replay`)
         self._real: dict[int, Tensor] = {}
@@ -243,6 +252,64 @@ class BatchFiller(Filler):
             seq_lens_cpu=seq_lens_cpu if self.host else None)
         return bind(self.backend, view, num_tokens, self.num_heads, self.num_kv_heads,
                     self.dtype)
+
+    def encoder(self, *, req_pool_indices: Tensor, req_to_token: Tensor, seq_lens: Tensor,
+                seq_lens_cpu: Tensor | None, encoder_lens: Tensor,
+                encoder_lens_cpu: Sequence[int], extend_seq_lens: Tensor | None = None,
+                extend_seq_lens_cpu: Sequence[int] | None = None) -> tuple[Run, Run]:
+        """Refill ``pool.encoder`` from an encoder-decoder model's batch and bind the calls of
+        its decoder layers and of its cross layers: ``(decoder, cross)``.
+
+        Each request's table row holds its ``encoder_lens[i]`` encoder tokens first, then its
+        ``seq_lens[i]`` decoder tokens (SGLang's layout; ``seq_lens`` counts decoder tokens
+        only). The encoder phase's rows have one query each: a decode batch is one row per
+        request; an extend batch (``extend_seq_lens``: new decoder tokens per request) one row
+        per new token, token ``j`` of ``q`` new ones a decode row of ``seq_lens[i] - q + j +
+        1`` decoder keys, which is causal attention over the request's prefix and the tokens
+        before it, exactly; its cross row sees all the request's encoder tokens (cross
+        attention is not causal). Rows are request-major, token order: the packed queries'
+        order. So the phase's ``max_bs`` must cover an extend batch's new tokens.
+
+        Raises:
+            CapacityError: more rows than the pool has.
+            InputError: an extend batch without its host new-token counts.
+        """
+        rows, enc_cpu = seq_lens.shape[0], list(encoder_lens_cpu)
+        dec_cpu = seq_lens_cpu
+        if extend_seq_lens is not None:
+            if extend_seq_lens_cpu is None:
+                raise InputError("an encoder-decoder extend batch needs extend_seq_lens_cpu "
+                                 "(new tokens per request, host), got None")
+            q = torch.as_tensor(list(extend_seq_lens_cpu), dtype=torch.int64)
+            rows = int(q.sum())
+            self._check_rows(rows)
+            dev = seq_lens.device
+            ends = torch.repeat_interleave(seq_lens, extend_seq_lens, output_size=rows)
+            # each token's place from its request's end: q - 1 .. 0
+            back = (torch.repeat_interleave(torch.cumsum(q, 0), q, output_size=rows)
+                    - torch.arange(1, rows + 1))
+            seq_lens = ends - back.to(dev)
+            req_pool_indices = torch.repeat_interleave(req_pool_indices, extend_seq_lens,
+                                                       output_size=rows)
+            encoder_lens = torch.repeat_interleave(encoder_lens, extend_seq_lens,
+                                                   output_size=rows)
+            enc_cpu = torch.repeat_interleave(torch.as_tensor(enc_cpu), q).tolist()
+            dec_cpu = None if seq_lens_cpu is None else (
+                torch.repeat_interleave(seq_lens_cpu.to(torch.int64), q) - back)
+        self._check_rows(rows)
+        view: EncoderView = self.pool.encoder.update_(
+            rows, seq_lens=seq_lens, encoder_lens=encoder_lens,
+            encoder_lens_cpu=enc_cpu if self.host else None,
+            req_pool_indices=req_pool_indices, req_to_token=req_to_token,
+            seq_lens_cpu=dec_cpu if self.host else None)
+        heads, kv_heads, dtype = self.num_heads, self.num_kv_heads, self.dtype
+        return (bind(self.backend, view.decoder, rows, heads, kv_heads, dtype),
+                bind(self.backend, view.cross, rows, heads, kv_heads, dtype))
+
+    def _check_rows(self, rows: int) -> None:
+        if rows > self.pool.cfg.max_bs:
+            raise CapacityError(f"an encoder-decoder batch of {rows} query rows is past the "
+                                f"pool's max_bs={self.pool.cfg.max_bs}")
 
     def capture(self, bs: int) -> Run:
         """The adapter call a decode CUDA graph of ``bs`` rows captures: bound to
