@@ -239,7 +239,7 @@ class LoRABatchPool:
             self._images = [self._meta]
         self._host = [self._typed(img, offsets) for img in self._images]
         self._np = [{k: t.numpy() for k, t in typed.items()} for typed in self._host]
-        self._host_views: dict[int, LoRABatchView] = {}
+        self._host_views: dict[tuple[int, int], LoRABatchView] = {}
         self._last = 0
         self._events: list[torch.cuda.Event | None] = [None] * len(self._images)
         self._turn = 0
@@ -298,14 +298,16 @@ class LoRABatchPool:
         self._check_bs(bs)
         if not self._valid:
             self.view(bs)
-        v = self._host_views.get(bs)
+        if not self.staging:
+            return self._view(bs)
+        v = self._host_views.get((self._last, bs))
         if v is None:
             b, t = self._host[self._last], self.cfg.tokens(bs)
             v = LoRABatchView(bs, b["seg_lens"][:bs], b["seg_indptr"][: bs + 1],
                               b["weight_indices"][:bs], b["lora_ranks"], b["scalings"],
                               b["permutation"][:t], t, self.cfg.max_tokens_per_req,
                               self.cfg.max_lora_rank)
-            self._host_views[bs] = v
+            self._host_views[(self._last, bs)] = v
         return v
 
     def output(self, bs: int, out_dim: int) -> Tensor:
@@ -321,10 +323,10 @@ class LoRABatchPool:
     def update_(
         self,
         bs: int,
-        weight_indices: Sequence[int] | Tensor,
-        seg_lens: Sequence[int] | Tensor | None = None,
-        lora_ranks: Sequence[int] | Tensor | None = None,
-        scalings: Sequence[float] | Tensor | None = None,
+        weight_indices: Sequence[int] | Tensor | np.ndarray,
+        seg_lens: Sequence[int] | Tensor | np.ndarray | None = None,
+        lora_ranks: Sequence[int] | Tensor | np.ndarray | None = None,
+        scalings: Sequence[float] | Tensor | np.ndarray | None = None,
     ) -> LoRABatchView:
         """Refill the metadata for ``n = len(weight_indices) <= bs`` real requests.
 
@@ -407,7 +409,6 @@ class LoRABatchPool:
                 self._events[k] = ev
             self._turn = (k + 1) % len(self._images)
         self._last = k
-        self._host_views.clear()
         self._valid = True
 
     # ---- poison / check ------------------------------------------------------------------------

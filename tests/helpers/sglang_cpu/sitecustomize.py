@@ -11,9 +11,7 @@ imported or changed.
   attnpool's ``pool.verify`` (or ``pool.draft``) is followed by one wrong field, the real
   requests' lengths in the view's prefix part (``cache_seqlens``, the first draft step's)
   shortened by one: each request's newest key dropped (the newest committed one; a chain's
-  newest draft); ``encoder``: each refill of ``pool.encoder`` (an encoder-decoder model's
-  batches) is followed by its cross part's lengths halved (each query row loses the second half
-  of its request's encoder keys). The file is read
+  newest draft). The file is read
   at every refill, so a running engine can be switched. (SGLang's own path reads the same
   file: ``self`` / ``prefix`` corrupt its stand-in's draft table, ``sgl_kernel/_spec.py``.)
 - ``ATTNPOOL_SGLANG_TIMES=<file>`` (the benchmark): the host time of the attention backend
@@ -36,6 +34,10 @@ imported or changed.
   (target or draft), forward mode, batch size, the shapes (and, for small ones, values) of the
   batch's index fields and of ``spec_info``'s fields. At most 4 lines per (backend, model,
   mode, batch size).
+- ``ATTNPOOL_SGLANG_NO_PIN=1`` (the LoRA tests and benchmark): ``pin_memory`` a no-op on a
+  machine without CUDA (``no_pin.py``), in SGLang's LoRA modules as they are imported: its LoRA
+  code pins host tensors on every device, which torch refuses without an NVIDIA driver. A test
+  stand-in, changing no value.
 """
 
 from __future__ import annotations
@@ -86,16 +88,7 @@ def _corrupt_spec(module: ModuleType, flag: str) -> None:
             runs[0].view.prefix.cache_seqlens[:kw["seq_lens"].shape[0]] -= 1
         return runs
 
-    encoder = filler.encoder
-
-    def corrupted_encoder(self: Any, **kw: Any) -> Any:
-        runs = encoder(self, **kw)
-        if which() == "encoder":
-            runs[1].view.cache_seqlens.floor_divide_(2)
-        return runs
-
-    filler.verify, filler.draft, filler.encoder = (corrupted_verify, corrupted_draft,
-                                                   corrupted_encoder)
+    filler.verify, filler.draft = corrupted_verify, corrupted_draft
 
 
 _TIMED = {"sglang.srt.layers.attention.torch_native_backend": "TorchNativeAttnBackend",
@@ -271,6 +264,12 @@ if os.environ.get("ATTNPOOL_SGLANG_CORRUPT_DRAFT_FILE"):
 if os.environ.get("ATTNPOOL_SGLANG_SPEC_PROBE"):
     _AFTER.setdefault("sglang.srt.layers.attention.intel_amx_backend", []).append(
         lambda m: _probe(m, os.environ["ATTNPOOL_SGLANG_SPEC_PROBE"]))
+
+if os.environ.get("ATTNPOOL_SGLANG_NO_PIN") == "1":
+    import no_pin
+
+    for _name in no_pin.MODULES:
+        _AFTER.setdefault(_name, []).append(no_pin.unpin_module)
 
 if _AFTER:
     import importlib.util

@@ -94,10 +94,17 @@ def _wrap_draft_factory() -> None:
         setattr(F, old.__name__, new)
 
 
+def _lora_backend() -> type:
+    from .lora import AttnpoolLoRABackend
+
+    return AttnpoolLoRABackend
+
+
 def register() -> None:
     """SGLang's plugin hook: accept ``attnpool`` as an attention backend, register its
-    factory and route the draft backend factory's ``attnpool`` to it (idempotent; the backend
-    module is imported only when SGLang builds it)."""
+    factory and route the draft backend factory's ``attnpool`` to it, and register the LoRA
+    backend ``attnpool`` (:mod:`.lora`; idempotent; the backend modules are imported only when
+    SGLang builds them)."""
     from sglang.srt.arg_groups.choices import (
         ATTENTION_BACKEND_CHOICES,
         add_attention_backend_choices,
@@ -108,3 +115,6 @@ def register() -> None:
         add_attention_backend_choices([NAME])
     register_attention_backend(NAME)(_create)
     _wrap_draft_factory()
+    from sglang.srt.lora.backend.lora_registry import register_lora_backend
+
+    register_lora_backend(NAME)(_lora_backend)
