@@ -11,7 +11,9 @@ imported or changed.
   attnpool's ``pool.verify`` (or ``pool.draft``) is followed by one wrong field, the real
   requests' lengths in the view's prefix part (``cache_seqlens``, the first draft step's)
   shortened by one: each request's newest key dropped (the newest committed one; a chain's
-  newest draft). The file is read
+  newest draft); ``encoder``: each refill of ``pool.encoder`` (an encoder-decoder model's
+  batches) is followed by its cross part's lengths halved (each query row loses the second half
+  of its request's encoder keys). The file is read
   at every refill, so a running engine can be switched. (SGLang's own path reads the same
   file: ``self`` / ``prefix`` corrupt its stand-in's draft table, ``sgl_kernel/_spec.py``.)
 - ``ATTNPOOL_SGLANG_TIMES=<file>`` (the benchmark): the host time of the attention backend
@@ -88,7 +90,16 @@ def _corrupt_spec(module: ModuleType, flag: str) -> None:
             runs[0].view.prefix.cache_seqlens[:kw["seq_lens"].shape[0]] -= 1
         return runs
 
-    filler.verify, filler.draft = corrupted_verify, corrupted_draft
+    encoder = filler.encoder
+
+    def corrupted_encoder(self: Any, **kw: Any) -> Any:
+        runs = encoder(self, **kw)
+        if which() == "encoder":
+            runs[1].view.cache_seqlens.floor_divide_(2)
+        return runs
+
+    filler.verify, filler.draft, filler.encoder = (corrupted_verify, corrupted_draft,
+                                                   corrupted_encoder)
 
 
 _TIMED = {"sglang.srt.layers.attention.torch_native_backend": "TorchNativeAttnBackend",
