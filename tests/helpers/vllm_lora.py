@@ -10,7 +10,8 @@ transformers reference, and one engine run per fresh process.
 - :func:`generate_apart`: ``LLM.generate`` of the rows (each with its adapter or none) in a new
   Python process, ``ATTNPOOL_VLLM`` set for that process only; it reports, besides the tokens,
   the class of each punica wrapper vLLM built and, for attnpool's, whether every metadata tensor
-  is a view of the arena, the arena's ``data_ptr`` before and after, and how many refills ran.
+  is a view of the arena, the arena's ``data_ptr`` before and after, and how many refills ran,
+  and the scheduler's preemptions.
 """
 
 from __future__ import annotations
@@ -119,11 +120,12 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
             for _, a in spec["rows"]]
     reqs = [{"prompt_token_ids": p} for p, _ in spec["rows"]]
     result: dict[str, Any] = {}
-    for max_loras in spec["max_loras"]:
+    settings: dict[str, dict[str, Any]] = spec.get("settings") or {
+        str(n): {"max_loras": n} for n in spec["max_loras"]}
+    for key, setting in settings.items():
         built.clear()
-        llm = LLM(model=spec["model"], **engine_args(
-            enable_lora=True, max_lora_rank=8, max_loras=max_loras, max_num_seqs=16,
-            max_num_batched_tokens=256))
+        kw = {"max_num_seqs": 16, "max_num_batched_tokens": 256} | setting
+        llm = LLM(model=spec["model"], **engine_args(enable_lora=True, max_lora_rank=8, **kw))
         try:
             arenas = {}
             for w in built:
@@ -155,8 +157,11 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                         for k in arena.tensors)
                     row["ptr_stable"] = arenas[id(w)] == arena.pool.storage.data_ptr()
                 wrappers.append(row)
-            result[str(max_loras)] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                                      "wrappers": wrappers, "refills": len(refills)}
+            preempted = int(sum(getattr(m, "value", 0) for m in llm.get_metrics()
+                                if m.name == "vllm:num_preemptions"))
+            result[key] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                           "wrappers": wrappers, "refills": len(refills),
+                           "preemptions": preempted}
         finally:
             del llm
             gc.collect()
@@ -165,10 +170,13 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
 
 def generate_apart(model: Path, adapters: dict[str, Path],
                    rows: list[tuple[list[int], str | None]], new: int, max_loras: list[int],
-                   attnpool: bool, threads: int = 2) -> dict[str, Any]:
-    """:func:`_run` in a fresh Python process with ``ATTNPOOL_VLLM`` set to ``attnpool``."""
+                   attnpool: bool, threads: int = 2,
+                   settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """:func:`_run` in a fresh Python process with ``ATTNPOOL_VLLM`` set to ``attnpool``: one
+    engine per ``max_loras`` (results keyed ``str(max_loras)``) or, with ``settings``, one per
+    named setting (``max_loras`` and any other engine arguments; results keyed by name)."""
     spec = {"model": str(model), "adapters": {k: str(v) for k, v in adapters.items()},
-            "rows": rows, "new": new, "max_loras": max_loras}
+            "rows": rows, "new": new, "max_loras": max_loras, "settings": settings}
     code = ("import json, sys; from tests.helpers import vllm_lora as vl; "
             "print('RESULT' + json.dumps(vl._run(json.loads(sys.argv[1]))))")
     env = dict(os.environ, ATTNPOOL_VLLM="1" if attnpool else "0",

@@ -13,6 +13,9 @@ into the weights (``W += alpha / r * B @ A``).
 - ``max_loras=2``, every slot full: attnpool's 9 rows equal the reference, and vLLM's own base
   rows do not (its torch ops read slot ``-1`` as the last slot): the negative control.
 - ``max_loras=3``: attnpool, vLLM and the reference agree on all 9 rows.
+- ``max_loras=3`` under scheduling pressure (prompts of 20-30 tokens): chunked prefill with a
+  token budget (8) below every prompt, and a KV cache of 6 blocks of 32 tokens for 9 requests of
+  two blocks each, which forces preemption (counted): attnpool, vLLM and the reference agree.
 
 Unit checks (no engine): the refill writes what vLLM's own ``update_metadata`` writes, with no
 torch op but a view after the first refill (no allocation, no copy through torch) and a stable
@@ -96,6 +99,48 @@ def test_spare_slot(setup: dict[str, Any], runs: dict[str, dict[str, Any]]) -> N
     """max_loras=3: attnpool, vLLM and the merged reference agree."""
     ours, native = runs["attnpool"]["3"]["tokens"], runs["native"]["3"]["tokens"]
     assert ours == native == setup["ref"]
+
+
+#: vLLM's scheduling under pressure, with longer prompts (each row then spans two KV blocks of
+#: 32 tokens, vLLM's CPU block size): ``chunked``: a step's token budget (8) below every
+#: prompt, so prompts are split across steps; ``preempt``: 6 blocks for 9 requests of 2 blocks
+#: each, so the scheduler preempts running requests and recomputes them
+SCHED_LENGTHS = (20, 25, 30)
+SCHEDULING: dict[str, dict[str, Any]] = {
+    "chunked": {"max_loras": 3, "max_num_seqs": 8, "max_num_batched_tokens": 8,
+                "enable_chunked_prefill": True},
+    "preempt": {"max_loras": 3, "max_model_len": 64, "num_gpu_blocks_override": 6},
+}
+
+
+@pytest.fixture(scope="module")
+def sched_runs(setup: dict[str, Any]) -> dict[str, Any]:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in SCHED_LENGTHS]
+    rows = [(p, a) for a in ADAPTERS for p in prompts]
+    got: dict[str, Any] = {
+        name: vl.generate_apart(setup["model"], setup["adapters"], rows, NEW, [],
+                                attnpool=name == "attnpool", settings=SCHEDULING)
+        for name in ("attnpool", "native")}
+    got["ref"] = vl.reference(setup["model"], setup["adapters"], rows, NEW)
+    return got
+
+
+@pytest.mark.parametrize("setting", list(SCHEDULING))
+def test_chunked_prefill_and_preemption(setup: dict[str, Any],
+                                        sched_runs: dict[str, dict[str, Any]],
+                                        setting: str) -> None:
+    """Prompts split across steps, or requests preempted and recomputed: attnpool, vLLM and the
+    reference still agree (max_loras=3)."""
+    ours, native = sched_runs["attnpool"][setting], sched_runs["native"][setting]
+    assert ours["tokens"] == native["tokens"] == sched_runs["ref"]
+    assert [w["cls"] for w in ours["wrappers"]] == ["AttnpoolPunicaWrapperCPU"]
+    assert all(w["views"] and w["ptr_stable"] for w in ours["wrappers"])
+    assert ours["refills"] >= 1
+    if setting == "chunked":  # a prompt longer than the step's token budget is split
+        assert SCHEDULING[setting]["max_num_batched_tokens"] < min(SCHED_LENGTHS)
+    else:
+        assert ours["preemptions"] > 0 and native["preemptions"] > 0
 
 
 # ---- wrapper, no engine ------------------------------------------------------------------------
