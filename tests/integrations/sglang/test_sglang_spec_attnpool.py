@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -46,6 +45,7 @@ pytest.importorskip("sglang")
 
 from tests.helpers import sglang_engine as se
 from tests.helpers import sglang_spec as ss
+from tests.helpers.processes import log_tail, run_all
 
 FULL = os.environ.get("ATTNPOOL_SGLANG_SPEC_FULL") == "1"
 MATRIX = ("NGRAM", "STANDALONE-1", "STANDALONE-2", "EAGLE-1", "EAGLE-2", "EAGLE3-1",
@@ -97,34 +97,20 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     root = tmp_path_factory.mktemp("sglang_spec_attnpool")
     models = root / "models"
     ss.save_models(models)
-    pending = ["plain", *(k for name in _selected() for k in (f"{name}@attnpool", name))]
-    jobs, running, out = len(pending), [], {}
+    keys = ["plain", *(k for name in _selected() for k in (f"{name}@attnpool", name))]
     t0 = time.perf_counter()
-    while pending or running:
-        while pending and len(running) < PARALLEL:
-            key = pending.pop(0)
-            cmd, env = _job(root, models, key)
-            with open(root / f"{key}.log", "w") as log:
-                proc = subprocess.Popen(cmd, env=env, cwd=se.ROOT, stdout=log,
-                                        stderr=subprocess.STDOUT)
-            running.append((key, proc, time.perf_counter()))
-        time.sleep(0.5)
-        for item in list(running):
-            key, proc, started = item
-            if proc.poll() is None and time.perf_counter() - started < 900:
-                continue
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            running.remove(item)
-            if proc.returncode != 0:
-                out[key] = (root / f"{key}.log").read_text()[-4000:]
-                continue
-            got = json.loads((root / f"{key}.json").read_text())
-            if "@" in key:
-                got["served"] = Served.read_all(str(root / f"{key}.served"))
-            out[key] = got
-    _record(test="spec attnpool", processes=jobs, seconds=round(time.perf_counter() - t0, 1))
+    status = run_all({key: _job(root, models, key) for key in keys}, root, parallel=PARALLEL,
+                     cwd=se.ROOT)
+    out: dict[str, Any] = {}
+    for key, code in status.items():
+        if code != 0:
+            out[key] = log_tail(root, key)
+            continue
+        got = json.loads((root / f"{key}.json").read_text())
+        if "@" in key:
+            got["served"] = Served.read_all(str(root / f"{key}.served"))
+        out[key] = got
+    _record(test="spec attnpool", processes=len(keys), seconds=round(time.perf_counter() - t0, 1))
     yield out
 
 

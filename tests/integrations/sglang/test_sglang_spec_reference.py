@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -48,6 +47,7 @@ pytest.importorskip("sglang")
 
 from tests.helpers import sglang_engine as se
 from tests.helpers import sglang_spec as ss
+from tests.helpers.processes import log_tail, run_all
 
 FULL = os.environ.get("ATTNPOOL_SGLANG_SPEC_FULL") == "1"
 #: the speculative runs, and the sample CI runs
@@ -80,31 +80,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     root = tmp_path_factory.mktemp("sglang_spec")
     models = root / "models"
     ss.save_models(models)  # (once, before the processes read them)
-    jobs = _selected()
-    pending, running, out = list(jobs), [], {}
+    jobs = {key: ([sys.executable, "-m", "tests.helpers.sglang_spec", "--models", str(models),
+                   "--run", key, "--out", str(root / f"{key}.json"),
+                   *(["--corrupt", CORRUPTION] if key == CONTROL else [])], ss.env())
+            for key in _selected()}
     t0 = time.perf_counter()
-    while pending or running:
-        while pending and len(running) < PARALLEL:
-            key = pending.pop(0)
-            path = root / f"{key}.json"
-            more = ["--corrupt", CORRUPTION] if key == CONTROL else []
-            with open(root / f"{key}.log", "w") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "tests.helpers.sglang_spec", "--models",
-                     str(models), "--run", key, "--out", str(path), *more],
-                    env=ss.env(), cwd=se.ROOT, stdout=log, stderr=subprocess.STDOUT)
-            running.append((key, path, proc, time.perf_counter()))
-        time.sleep(0.5)
-        for item in list(running):
-            key, path, proc, started = item
-            if proc.poll() is None and time.perf_counter() - started < 900:
-                continue
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            running.remove(item)
-            out[key] = (json.loads(path.read_text()) if proc.returncode == 0 else
-                        (root / f"{key}.log").read_text()[-4000:])
+    status = run_all(jobs, root, parallel=PARALLEL, cwd=se.ROOT)
+    out = {key: json.loads((root / f"{key}.json").read_text()) if code == 0 else
+           log_tail(root, key) for key, code in status.items()}
     _record(test="spec reference", processes=len(jobs),
             seconds=round(time.perf_counter() - t0, 1))
     yield out
