@@ -225,7 +225,7 @@ def _time_pieces() -> None:
                                                  "the C call)"),
                              (CPUKernel, "step", "work split (CPUKernel.step)"),
                              (step_module, "query_lens_", "query lengths (query_lens_)"),
-                             (StepFiller, "fill", "the whole refill (StepFiller.fill)")):
+                             (StepFiller, "step", "the whole refill (StepFiller.step)")):
         wrap(cls, name, label)
     build = AttnpoolMetadataBuilder.build
     a, b = torch.ones(8), torch.ones(8)

@@ -342,11 +342,9 @@ class AttnpoolMetadataBuilder(AttentionMetadataBuilder[StepMetadata]):
         if self._phase_set is False:
             self.filler.one_phase = self._one_phase()
             self._phase_set = True
-        return self.filler.fill(num_reqs=cm.num_reqs, num_actual_tokens=cm.num_actual_tokens,
-                                max_query_len=cm.max_query_len,
-                                query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
-                                block_table=cm.block_table_tensor,
-                                slot_mapping=cm.slot_mapping)
+        return self.filler.step(cm.num_reqs, cm.num_actual_tokens, cm.max_query_len,
+                                cm.query_start_loc, cm.seq_lens, cm.block_table_tensor,
+                                cm.slot_mapping)
 
     def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata
                                     ) -> StepMetadata:

@@ -237,7 +237,16 @@ class StepFiller(Filler):
              slot_mapping: Tensor) -> StepMetadata:
         """Refill the pool from one step of vLLM's batch (``CommonAttentionMetadata``'s
         fields: ``query_start_loc [>= num_reqs + 1]``, ``seq_lens [>= num_reqs]``,
-        ``block_table [>= num_reqs, >= max_pages]``, ``slot_mapping [num_tokens]``).
+        ``block_table [>= num_reqs, >= max_pages]``, ``slot_mapping [num_tokens]``): the
+        keyword form of :meth:`step`."""
+        return self.step(num_reqs, num_actual_tokens, max_query_len, query_start_loc, seq_lens,
+                         block_table, slot_mapping)
+
+    def step(self, num_reqs: int, num_actual_tokens: int, max_query_len: int,
+             query_start_loc: Tensor, seq_lens: Tensor, block_table: Tensor,
+             slot_mapping: Tensor) -> StepMetadata:
+        """:meth:`fill` with positional arguments, in its order: the builder's call, once per
+        step and group (keywords cost a step more than the Python frame they name).
 
         This is the builder's whole per-step cost, run between two forwards: inputs vLLM
         already sliced to the step's rows are not sliced again, and with vLLM's kernel
