@@ -16,14 +16,17 @@ imported or changed.
   of its request's encoder keys). The file is read
   at every refill, so a running engine can be switched. (SGLang's own path reads the same
   file: ``self`` / ``prefix`` corrupt its stand-in's draft table, ``sgl_kernel/_spec.py``.)
-- ``ATTNPOOL_SGLANG_TIMES=<file>`` (the benchmark): the host time of the attention backend
-  (SGLang's ``torch_native`` or attnpool's) per forward: its ``init_forward_metadata`` and its
-  layers' ``forward_decode`` / ``forward_extend`` (K/V store and attention). The file holds
-  ``{"<metadata|attention> <decode|extend> <requests>": [calls, seconds]}``, totals since the
-  engine started, rewritten after every metadata call (the scheduler process is stopped, not
-  exited, so nothing is left for an exit hook; a reader diffs two readings). The classes are
-  wrapped when their modules are first imported (an import hook), so SGLang is not imported
-  any earlier than it would be.
+- ``ATTNPOOL_SGLANG_TIMES=<file>`` (the benchmarks): the host time of the attention backend
+  (SGLang's ``torch_native`` or ``intel_amx``, or attnpool's) per forward: its
+  ``init_forward_metadata`` and its layers' ``forward_decode`` / ``forward_extend`` (K/V store
+  and attention). The file holds ``{"<metadata|attention> <kind> <requests>": [calls,
+  seconds]}``, ``kind`` being ``decode`` / ``extend`` for plain batches, ``target_verify``,
+  ``draft_extend_v2``, or ``draft_decode`` for the draft model's multi-step decode (one metadata
+  call for all its steps); totals since the engine started, over every timed class of the
+  process, rewritten after every metadata call (the scheduler process is stopped, not exited,
+  so nothing is left for an exit hook; a reader diffs two readings). The classes are wrapped
+  when their modules are first imported (an import hook), so SGLang is not imported any
+  earlier than it would be.
 - ``ATTNPOOL_SGLANG_AMX=1`` (the speculative-decoding reference): the platform override
   ``override_platform(has_amx=True)``, installed as soon as ``sglang.srt.runtime_context`` is
   imported, in every process. Without it SGLang replaces ``attention_backend="intel_amx"``
@@ -102,16 +105,36 @@ def _corrupt_spec(module: ModuleType, flag: str) -> None:
                                                    corrupted_encoder)
 
 
-_TIMED = {"sglang.srt.layers.attention.torch_native_backend": "TorchNativeAttnBackend",
-          "attnpool.integrations.sglang.backend": "AttnpoolAttnBackend"}
+#: module -> the attention backend classes timed there; a subclass that keeps its base's
+#: methods (attnpool's speculative backend) is timed through the base
+_TIMED = {"sglang.srt.layers.attention.torch_native_backend": ("TorchNativeAttnBackend",),
+          "sglang.srt.layers.attention.intel_amx_backend": ("IntelAMXAttnBackend",
+                                                           "IntelAMXMultiStepDraftBackend"),
+          "attnpool.integrations.sglang.backend": ("AttnpoolAttnBackend",),
+          "attnpool.integrations.sglang.spec": ("AttnpoolDraftSteps", "AttnpoolDraftStep")}
+#: the draft model's multi-step decode backends: one metadata call serves every draft step
+_DRAFT_STEPS = ("IntelAMXMultiStepDraftBackend", "AttnpoolDraftSteps")
+#: every timed class's totals, one dict for the process (one file holds them all)
+_TOTALS: dict[str, list[float]] = {}
+
+
+def _kind(forward_batch: Any, cls_name: str) -> str:
+    """``decode`` / ``extend`` for a plain batch, ``draft_decode`` for the draft model's
+    multi-step decode, else the forward mode's name (``target_verify``, ``draft_extend_v2``)."""
+    if cls_name in _DRAFT_STEPS:
+        return "draft_decode"
+    mode = forward_batch.forward_mode
+    if mode.is_decode():
+        return "decode"
+    return "extend" if mode.name == "EXTEND" else str(mode.name).lower()
 
 
 def _time_backend(cls: Any, path: str) -> None:
-    totals: dict[str, list[float]] = {}
+    name = cls.__name__
 
     def add(what: str, forward_batch: Any, dt: float) -> None:
-        kind = "decode" if forward_batch.forward_mode.is_decode() else "extend"
-        row = totals.setdefault(f"{what} {kind} {forward_batch.batch_size}", [0, 0.0])
+        key = f"{what} {_kind(forward_batch, name)} {forward_batch.batch_size}"
+        row = _TOTALS.setdefault(key, [0, 0.0])
         row[0] += 1
         row[1] += dt
 
@@ -122,10 +145,13 @@ def _time_backend(cls: Any, path: str) -> None:
         out = metadata(self, forward_batch)
         add("metadata", forward_batch, time.perf_counter() - t)
         with open(path, "w") as f:
-            json.dump(totals, f)
+            json.dump(_TOTALS, f)
         return out
 
     cls.init_forward_metadata = timed_metadata
+    if name in _DRAFT_STEPS:  # (its steps' layers are timed in their own backend class)
+        return
+
     def timing(orig: Any) -> Any:
         def timed_layer(self: Any, q: Any, k: Any, v: Any, layer: Any, forward_batch: Any,
                         *args: Any, **kw: Any) -> Any:
@@ -136,8 +162,8 @@ def _time_backend(cls: Any, path: str) -> None:
 
         return timed_layer
 
-    for name in ("forward_decode", "forward_extend"):
-        setattr(cls, name, timing(getattr(cls, name)))
+    for method in ("forward_decode", "forward_extend"):
+        setattr(cls, method, timing(getattr(cls, method)))
 
 
 def _describe(value: Any) -> Any:
@@ -260,9 +286,10 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 _AFTER: dict[str, list[Callable[[ModuleType], None]]] = {}
 
 if os.environ.get("ATTNPOOL_SGLANG_TIMES"):
-    for _name, _cls in _TIMED.items():
-        _AFTER.setdefault(_name, []).append(
-            lambda m, c=_cls: _time_backend(getattr(m, c), os.environ["ATTNPOOL_SGLANG_TIMES"]))
+    for _name, _classes in _TIMED.items():
+        for _cls in _classes:
+            _AFTER.setdefault(_name, []).append(
+                lambda m, c=_cls: _time_backend(getattr(m, c), os.environ["ATTNPOOL_SGLANG_TIMES"]))
 
 if os.environ.get("ATTNPOOL_SGLANG_AMX") == "1":
     _AFTER.setdefault("sglang.srt.runtime_context", []).append(
