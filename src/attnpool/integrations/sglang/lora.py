@@ -10,14 +10,16 @@ LoRA backend (its math, unchanged) whose ``LoRABatchInfo`` tensors are views of 
 Python; on a CPU device they are the same views, on CUDA the views of the image the last update
 sent, :meth:`attnpool.lora.LoRABatchPool.host_view`).
 
-**Sizes, and when.** SGLang builds the LoRA backend before its memory pools exist, so the arena
-is allocated once, at the first batch (or at ``init_decode_cuda_graph_batch_info``, whichever
-comes first), from the engine's limits then: ``max_running_requests`` (segments of one batch;
-without it, the forward's token bound, since every request brings at least one token), the
-forward's token bound (the prefill budget, ``chunked_prefill_size`` or ``max_prefill_tokens``,
-plus one decode row per request for mixed chunks), ``max_loras_per_batch`` and
-``max_lora_rank`` (required: it bounds every rank the pool accepts). The graph batch's
-per-token indices need ``max_bs * num_tokens_per_req`` rows; the arena covers both.
+**Sizes, and when.** The arena is allocated once, at ``init_decode_cuda_graph_batch_info`` or
+the first batch, whichever comes first (SGLang tells the graph's token rows only after it built
+the backend, and they share the arena), from the server arguments the backend is built with:
+``max_running_requests`` (segments of one batch; without it, the forward's token bound, since
+every request brings at least one token), the forward's token bound (the prefill budget, the
+largest of ``chunked_prefill_size``, ``max_prefill_tokens`` and ``context_length``, plus one
+decode row per request for mixed chunks), ``max_loras_per_batch`` and ``max_lora_rank``
+(required: it bounds every rank the pool accepts). The graph batch's per-token indices need
+``max_bs * num_tokens_per_req`` rows; the arena covers both. A batch beyond these bounds is
+refused (:class:`attnpool.PoolError`), never truncated.
 
 **Refill.** Eager batches: consecutive requests on one adapter are merged into one segment (as
 ``torch_native`` does), and the pool is refilled in place with the segments, ranks and scalings
