@@ -200,12 +200,22 @@ def _whisper_requests(model: Path) -> tuple[list[str], list[str], list[dict[str,
     return [""] * len(files), files, params
 
 
+def _served() -> tuple[int, ...] | None:
+    """The pool's refill counts so far (attnpool's engine with the report on), else None."""
+    from attnpool.integrations.sglang.served import REPORT, Served
+
+    path = os.environ.get(REPORT)
+    return Served.read_all(path) if path else None
+
+
 def run(model: Path, kind: str, backend: str, corrupt: bool) -> dict[str, Any]:
     """The requests' greedy tokens, twice (``tokens``, ``again``: mllama's second round finds
     its prompts, encoder tokens included, in the radix cache; SGLang keeps whisper's off), and
     the encoder lengths SGLang counted (``encoder_lens``: its prompt tokens less the decoder
-    prompt's); with ``corrupt`` a third round with attnpool's encoder view corrupted (see the
-    module doc)."""
+    prompt's); for mllama then a round of text-only requests (``text``: no encoder input, the
+    model skips its cross layers), with the pool's refill counts before and after it
+    (``served_before_text``, ``served_after_text``); with ``corrupt`` a last round with
+    attnpool's encoder view corrupted (see the module doc)."""
     import sglang
 
     if kind == "mllama":
@@ -232,6 +242,13 @@ def run(model: Path, kind: str, backend: str, corrupt: bool) -> dict[str, Any]:
 
         out["tokens"] = generate()
         out["again"] = generate()
+        if kind == "mllama":
+            out["served_before_text"] = _served()
+            text = [p.split("<|begin_of_text|>")[1] for p in prompts[:2]]
+            got = engine.generate(prompt=[f"<|begin_of_text|>{t}" for t in text],
+                                  sampling_params=params[:2])
+            out["text"] = [g["output_ids"] for g in got]
+            out["served_after_text"] = _served()
         if corrupt:
             if not flag:
                 raise SystemExit("--corrupt needs ATTNPOOL_SGLANG_CORRUPT_DRAFT_FILE set")

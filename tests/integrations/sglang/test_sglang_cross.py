@@ -8,7 +8,8 @@ varies between their requests are described there):
 
 - **mllama** (Llama 3.2 Vision): 4 requests of 1, 2, 3 and 1 images, so 10, 20, 30 and 10
   encoder tokens (checked from SGLang's own prompt-token counts), prompts of 3 to 14 words;
-  one prefill batch mixing those encoder lengths, then decode batches.
+  one prefill batch mixing those encoder lengths, then decode batches; then a round of two
+  text-only requests (no encoder input: the base's decode and extend views).
 - **whisper**: 4 requests of different tones. Whisper's encoder length is fixed by the model
   (1500 tokens for every request, ``max_source_positions``), and SGLang builds the same
   4-token decoder prompt for every request: what varies is the audio (so the cross keys) and
@@ -157,9 +158,19 @@ def test_cross_tokens_equal_torch_native(kind: str, results: dict[str, Any]) -> 
     assert ours["tokens"] == native["tokens"]
     # the second round (mllama: its prompts and encoder tokens from the radix cache)
     assert ours["again"] == native["again"]
-    # every batch (the prefill and each decode step) went through the encoder view
+    # every batch with encoder rows (each prefill and decode step) went through the encoder
+    # view; mllama's text-only round (no encoder input) through the plain decode and extend
+    # views, as the model skips its cross layers there
     assert served[Served.ENCODER] > 0
-    assert served[Served.DECODE] == served[Served.EXTEND] == 0
+    if kind == "mllama":
+        before, after = ours["served_before_text"], ours["served_after_text"]
+        assert before[Served.ENCODER] > 0
+        assert before[Served.DECODE] == before[Served.EXTEND] == 0
+        assert after[Served.ENCODER] == before[Served.ENCODER]
+        assert after[Served.DECODE] > 0 and after[Served.EXTEND] > 0
+        assert ours["text"] == native["text"]
+    else:
+        assert served[Served.DECODE] == served[Served.EXTEND] == 0
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -247,7 +258,7 @@ def _runner(layers: list[Any], page: int = 1, **kw: Any) -> SimpleNamespace:
             "req_to_token_pool": table, "page_size": page, "device": "cpu",
             "dtype": torch.float32, "server_args": SimpleNamespace(chunked_prefill_size=64,
                                                                    max_prefill_tokens=128),
-            "spec_algorithm": None}
+            "spec_algorithm": None, "model_config": SimpleNamespace(is_encoder_decoder=True)}
     return SimpleNamespace(**(base | kw))
 
 
@@ -270,20 +281,72 @@ def test_encoder_decoder_runner_gets_the_cross_backend() -> None:
 
 def test_cross_refusals(caplog: pytest.LogCaptureFixture) -> None:
     """Refused at start with every reason: pages of more than one token, sliding windows,
-    cross layers of other heads, a GPU, and speculative decoding with cross layers (the
-    speculative backend refuses cross attention)."""
+    cross layers of other heads, a GPU, cross layers in a model SGLang does not run as an
+    encoder-decoder model (its Transformers fallback's encoder-only layers), and speculative
+    decoding with cross layers (the speculative backend refuses cross attention)."""
     from attnpool.integrations.sglang.factory import backend_for
 
     cross = [_layer(0, sliding_window_size=8), _layer(1, is_cross_attention=True),
              _layer(2, is_cross_attention=True, v_head_dim=32)]
     cross[2].tp_q_head_num = 8
     with caplog.at_level(logging.ERROR), pytest.raises(LayoutError) as e:
-        backend_for(_runner(cross, page=16, device="cuda"))
+        backend_for(_runner(cross, page=16, device="cuda",
+                            model_config=SimpleNamespace(is_encoder_decoder=False)))
     msg = str(e.value)
     for part in ("cross attention with page_size=16", "cross attention with sliding-window",
-                 "different heads or head sizes", "cross attention on cuda"):
+                 "different heads or head sizes", "cross attention on cuda",
+                 "not run as an encoder-decoder model"):
         assert part in msg
+    assert msg in caplog.text
     spec = SimpleNamespace(is_none=lambda: False, name="EAGLE")
     with pytest.raises(LayoutError, match=r"cross attention \(encoder-decoder models"):
         backend_for(_runner([_layer(0), _layer(1, is_cross_attention=True)],
                             spec_algorithm=spec))
+
+
+def test_cross_refill_checks_sglang_layout() -> None:
+    """The cross backend's refill over SGLang-shaped batches: decoder slots after the encoder's,
+    encoder slots first in the row, checked (a batch storing elsewhere is refused); a batch
+    mixing requests with and without an encoder input is refused; one without any goes the
+    base's way (no cross call bound)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from attnpool.integrations.sglang.factory import backend_for
+
+    b = backend_for(_runner([_layer(0), _layer(1, is_cross_attention=True)]))
+    rows, enc, dec = [5, 0], [10, 20], [4, 2]
+    table = _encoder_table(rows, enc, dec)
+    b.req_to_token.copy_(table.new_zeros(b.req_to_token.shape))
+    b.req_to_token[:, :WIDTH] = table
+
+    def batch(decode: bool, **kw: Any) -> SimpleNamespace:
+        q = [1, 1] if decode else [4, 2]
+        fb = {"forward_mode": ForwardMode.DECODE if decode else ForwardMode.EXTEND,
+              "batch_size": 2, "req_pool_indices": torch.tensor(rows),
+              "seq_lens": torch.tensor(dec), "seq_lens_cpu": torch.tensor(dec),
+              "encoder_lens": torch.tensor(enc), "encoder_lens_cpu": list(enc),
+              "extend_seq_lens": None if decode else torch.tensor(q),
+              "extend_seq_lens_cpu": None if decode else q,
+              "extend_prefix_lens_cpu": None if decode else [0, 0],
+              "encoder_cached": [True, True] if decode else [False, False],
+              "out_cache_loc": torch.cat([table[r, e + d - n:e + d] for r, e, d, n in
+                                          zip(rows, enc, dec, q, strict=True)]).long(),
+              "encoder_out_cache_loc": None if decode else torch.cat(
+                  [table[r, :e] for r, e in zip(rows, enc, strict=True)]).long()}
+        return SimpleNamespace(**(fb | kw))
+
+    for decode in (True, False):
+        fb = batch(decode)
+        b.init_forward_metadata(fb)
+        assert b.run is not None and b.cross_run is not None
+        with pytest.raises(LayoutError, match="out_cache_loc slots"):
+            b.init_forward_metadata(batch(decode, out_cache_loc=fb.out_cache_loc.flip(0)))
+    wrong = batch(False).encoder_out_cache_loc + 1
+    with pytest.raises(LayoutError, match="encoder_out_cache_loc"):
+        b.init_forward_metadata(batch(False, encoder_out_cache_loc=wrong))
+    with pytest.raises(LayoutError, match="mixing requests with and without"):
+        b.init_forward_metadata(batch(True, encoder_lens_cpu=[0, 20]))
+    plain = batch(True, encoder_lens_cpu=[0, 0], seq_lens=torch.tensor(dec),
+                  out_cache_loc=torch.tensor([0, 0]))
+    b.init_forward_metadata(plain)
+    assert b.run is not None and b.cross_run is None

@@ -17,13 +17,14 @@ to its part; an extend batch is one row per new token
 
 On a CPU each batch's ``out_cache_loc`` and ``encoder_out_cache_loc`` are checked against the
 table slots the views read (a layout this backend does not expect is refused, never served
-wrong). Refused at engine start (:func:`cross_refusals`): pages of more than one token (an
-encoder's last page would hold decoder tokens), sliding windows, decoder and cross layers of
-different head counts or sizes, and any device but a CPU (checked there only; no CUDA
-graphs). Refused per batch, with the reason: a batch mixing requests with and without an
-encoder input (mllama's text-only requests beside image ones: a cross row of no key).
-A batch where no request has one (mllama's text-only batches, whose cross layers the model
-skips) is the base's decode or extend batch.
+wrong). Refused at engine start (:func:`cross_refusals`): cross-attention layers in a model
+SGLang does not run as an encoder-decoder model (its Transformers fallback marks encoder-only
+layers so), pages of more than one token (an encoder's last page would hold decoder
+tokens), sliding windows, decoder and cross layers of different head counts or sizes, and any
+device but a CPU (checked there only; no CUDA graphs). Refused per batch, with the reason: a
+batch mixing requests with and without an encoder input (mllama's text-only requests beside
+image ones: a cross row of no key). A batch where no request has one (mllama's text-only
+batches, whose cross layers the model skips) is the base's decode or extend batch.
 
 This module imports :mod:`.backend` (the base), never the reverse.
 """
@@ -53,6 +54,11 @@ def encoder_decoder(layers: list[RadixAttention]) -> bool:
 def cross_refusals(model_runner: Any, layers: list[RadixAttention]) -> list[str]:
     """What of an encoder-decoder runner the backend does not serve (see the module doc)."""
     out: list[str] = []
+    if not getattr(getattr(model_runner, "model_config", None), "is_encoder_decoder", False):
+        # (SGLang's Transformers fallback marks an encoder-only model's layers so, to make
+        # them non-causal: no encoder tokens, no encoder_lens)
+        out.append("cross-attention layers in a model SGLang does not run as an "
+                   "encoder-decoder model (model_config.is_encoder_decoder is False)")
     if int(model_runner.page_size) > 1:
         out.append(f"cross attention with page_size={model_runner.page_size} (SGLang starts "
                    "a request's decoder tokens right after its encoder tokens, on the same "
@@ -140,22 +146,26 @@ class AttnpoolCrossBackend(AttnpoolAttnBackend):
         host)."""
         if not self.filler.host or fb.out_cache_loc is None:
             return
-        table = self.req_to_token
-        rows = fb.req_pool_indices.tolist()
-        seq = fb.seq_lens_cpu.tolist() if fb.seq_lens_cpu is not None else fb.seq_lens.tolist()
-        q = [1] * len(rows) if decode else list(fb.extend_seq_lens_cpu)
-        want = torch.cat([table[r, e + s - n:e + s] for r, e, s, n in
-                          zip(rows, enc, seq, q, strict=True)])
-        if not torch.equal(want, fb.out_cache_loc[:want.shape[0]].to(want.dtype)):
+        table, rpi = self.req_to_token, fb.req_pool_indices.to(torch.int64)
+        n = rpi.shape[0]
+        seq = (fb.seq_lens if fb.seq_lens_cpu is None else fb.seq_lens_cpu).to(torch.int64)
+        q = (torch.ones(n, dtype=torch.int64) if decode
+             else torch.as_tensor(list(fb.extend_seq_lens_cpu), dtype=torch.int64))
+        tokens = int(q.sum())
+        # token t of request i: column enc + seq - 1 - (its place from the request's end)
+        back = torch.repeat_interleave(torch.cumsum(q, 0), q) - torch.arange(1, tokens + 1)
+        cols = torch.repeat_interleave(torch.as_tensor(enc) + seq - 1, q) - back
+        want = table[torch.repeat_interleave(rpi, q), cols]
+        if not torch.equal(want, fb.out_cache_loc[:tokens].to(want.dtype)):
             raise LayoutError(f"attention_backend={NAME!r}: the encoder-decoder batch stores "
                               "its decoder K/V at out_cache_loc slots that are not the table's "
                               "slots after each request's encoder tokens and prefix")
-        cached = fb.encoder_cached or [True] * len(rows)
+        cached = fb.encoder_cached or [True] * n
         loc = fb.encoder_out_cache_loc
         if decode or loc is None or all(cached):
             return
-        want = torch.cat([table[r, :e] for r, e, c in zip(rows, enc, cached, strict=True)
-                          if not c])
+        want = torch.cat([table[r, :e] for r, e, c in
+                          zip(rpi.tolist(), enc, cached, strict=True) if not c])
         if not torch.equal(want, loc[:want.shape[0]].to(want.dtype)) \
                 or loc.shape[0] != want.shape[0]:
             raise LayoutError(f"attention_backend={NAME!r}: the batch stores its encoder K/V "

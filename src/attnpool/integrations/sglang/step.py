@@ -18,13 +18,17 @@ for an extend batch, the new tokens per request (``extend_seq_lens`` and its hos
   :attr:`attnpool.BufferPool.draft` update (:meth:`BatchFiller.draft`) and the draft model's
   extend after a verify a :attr:`attnpool.BufferPool.draft_extend` update
   (:meth:`BatchFiller.draft_extend`). Each draft's K/V slot is the request table's entry
-  after the committed tokens, where SGLang stores it.
+  after the committed tokens, where SGLang stores it;
+- an encoder-decoder model's batches (each table row: the encoder's tokens, then the
+  decoder's) are a :attr:`attnpool.BufferPool.encoder` update (:meth:`BatchFiller.encoder`):
+  one row per request in decode, one per new token in extend.
 
 On a CPU the host copies SGLang already keeps are passed as the pool's host lengths: bounds are
 checked, ``max_seqlen_*`` are the batch's own (the SDPA adapter gathers only live lanes) and
 pages are written only as far as the longest row reaches. Once a shape's views exist, a refill
 allocates nothing (the pool's arena holds every buffer; the adapter's gather plan is made per
-forward by the first layer that reads a part: :class:`attnpool.adapters.binding.Run`).
+forward by the first layer that reads a part: :class:`attnpool.adapters.binding.Run`), except
+an encoder-decoder extend batch, whose per-token rows (request rows, lengths) are made for it.
 """
 
 from __future__ import annotations
