@@ -47,6 +47,8 @@ class PoolSizes:
         device: the engine's device.
         num_draft_tokens, topk, spec_steps: speculative decoding's sizes (``N``, ``K``, ``S``:
             the verify, draft and draft-extend phases), 0 / 1 / 0 without it.
+        max_encoder_len: the longest encoder input of an encoder-decoder model (the encoder
+            phase), 0 without one.
     """
 
     max_bs: int
@@ -59,18 +61,20 @@ class PoolSizes:
     num_draft_tokens: int = 0
     topk: int = 1
     spec_steps: int = 0
+    max_encoder_len: int = 0
 
 
 def pool_config(s: PoolSizes, layout: Layout = Layout.FLASH_ATTN) -> PoolConfig:
     """An engine's :class:`attnpool.PoolConfig`: page tables in ``layout`` (flash-attn's, the
     one SDPA and flash-attn read; FlashInfer's CSR lists when it attends), the pad page 0 (the
     page both engines keep for padding: vLLM's null block, SGLang's padding slot), decode and
-    extend phases, and the speculative phases when ``s`` has their sizes."""
+    extend phases, and the speculative and encoder phases when ``s`` has their sizes."""
     return PoolConfig(max_bs=s.max_bs, max_context_len=s.max_context_len,
                       page_size=s.page_size, device=s.device, layout=layout,
                       max_extend_tokens=s.max_extend_tokens, sliding_window=s.sliding_window,
                       num_pages=s.num_pages, pad_page=0, num_draft_tokens=s.num_draft_tokens,
-                      topk=s.topk, spec_steps=s.spec_steps)
+                      topk=s.topk, spec_steps=s.spec_steps,
+                      max_encoder_len=s.max_encoder_len)
 
 
 def layer_facts(layers: Iterable[tuple[int, int, int, float, float]],

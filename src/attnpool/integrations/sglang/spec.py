@@ -208,9 +208,15 @@ class AttnpoolSpecBackend(AttnpoolAttnBackend):
         """:meth:`_check_slots` for requests of different query counts (a draft extend)."""
         if not self.filler.host or fb.out_cache_loc is None:
             return
-        want = torch.cat([self.req_to_token[r, p:p + q] for r, p, q in zip(
-            fb.req_pool_indices.tolist(), fb.extend_prefix_lens.tolist(),
-            fb.extend_seq_lens.tolist(), strict=True)])
+        # (one gather for the batch: a slice per request made this check cost more than the
+        # refill it guards at 8 requests)
+        lens = fb.extend_seq_lens.to(torch.int64)
+        starts = torch.cumsum(lens, 0) - lens
+        within = torch.arange(tokens) - starts.repeat_interleave(lens, output_size=tokens)
+        rows = fb.req_pool_indices.to(torch.int64).repeat_interleave(lens, output_size=tokens)
+        cols = (fb.extend_prefix_lens.to(torch.int64).repeat_interleave(lens, output_size=tokens)
+                + within)
+        want = self.req_to_token[rows, cols]
         if not torch.equal(want, fb.out_cache_loc[:tokens].to(want.dtype)):
             raise LayoutError(f"attention_backend={NAME!r}: the draft extend batch stores its "
                               "K/V at out_cache_loc slots that are not the request table's "

@@ -34,7 +34,7 @@ an encoder-decoder extend batch, whose per-token rows (request rows, lengths) ar
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -44,7 +44,6 @@ from ...adapters.binding import Run, bind
 from ...adapters.flashinfer_step import LayerFacts
 from ...config import Impl
 from ...errors import CapacityError, InputError, LayoutError
-from ...pool import BufferPool
 from ...views import DecodeView, DraftView, EncoderView, ExtendView
 from ..engine import Filler, PoolSizes
 
@@ -103,7 +102,8 @@ class RunnerSizes:
                          max_extend_tokens=self.max_extend_tokens, page_size=self.page_size,
                          sliding_window=self.sliding_window, num_pages=self.num_pages,
                          device=self.device, num_draft_tokens=self.num_draft_tokens,
-                         topk=self.topk, spec_steps=self.spec_steps)
+                         topk=self.topk, spec_steps=self.spec_steps,
+                         max_encoder_len=self.max_encoder_len)
 
 
 class BatchFiller(Filler):
@@ -126,10 +126,6 @@ class BatchFiller(Filler):
                  dtype: torch.dtype, masked: bool = False,
                  facts: LayerFacts | None = None) -> None:
         super().__init__(sizes.pool(), backend, num_heads, num_kv_heads, dtype, facts)
-        if sizes.max_encoder_len:
-            # (PoolSizes has no encoder phase: the pool is made again with one; the first
-            # arena is dropped before anything but its constants was written)
-            self.pool = BufferPool(replace(self.pool.cfg, max_encoder_len=sizes.max_encoder_len))
         self.sizes, self.masked = sizes, masked
         #: per captured size, the real-row count a recorded refill reads (:meth:`replay`)
         self._real: dict[int, Tensor] = {}
