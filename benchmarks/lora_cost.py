@@ -242,7 +242,8 @@ def e2e(engine: str, rounds: int, new: int, repeat: int) -> dict[str, Any]:
         ours = statistics.median(x[n]["tok_s"] for x in runs["attnpool"])
         same = all(x[n]["tokens"] == runs["engine"][0][n]["tokens"]
                    for x in runs["engine"] + runs["attnpool"])
-        res[n] = (eng, ours, same)
+        res[n] = (eng, ours, same, [round(x[n]["tok_s"], 1) for x in runs["engine"]],
+                  [round(x[n]["tok_s"], 1) for x in runs["attnpool"]])
     return res
 
 
@@ -277,9 +278,10 @@ def main() -> None:
     res = e2e(a.engine, a.rounds, a.new, a.repeat)
     print(f"{a.engine}: end to end with LoRA, tokens/s (median of {a.rounds} rounds of "
           f"{a.repeat} calls, {a.new} new tokens each)")
-    for n, (eng, ours, same) in res.items():
+    for n, (eng, ours, same, eng_rounds, our_rounds) in res.items():
         print(f"  {n} request(s): engine {eng:8.1f}  attnpool {ours:8.1f}  ratio "
-              f"{ours / eng:5.2f}  same tokens: {same}")
+              f"{ours / eng:5.2f}  same tokens: {same}  (rounds: engine {eng_rounds}, "
+              f"attnpool {our_rounds})")
 
 
 if __name__ == "__main__":
