@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.helpers import sglang_engine as se
+from tests.helpers import whisper_tiny
 
 #: mllama: images per request (10 encoder tokens each) and prompt words
 MLLAMA_IMAGES = (1, 2, 3, 1)
@@ -119,47 +120,9 @@ def save_mllama(root: Path) -> Path:
     return path
 
 
-def _byte_symbols() -> list[str]:
-    """The 256 printable stand-ins of byte-level BPE (GPT-2's mapping of bytes to symbols)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    rest = [b for b in range(256) if b not in keep]
-    table = {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(rest)}
-    return [table[b] for b in range(256)]
-
-
 def save_whisper(root: Path) -> Path:
     """The tiny whisper of the module doc, saved under ``root`` (once)."""
-    import torch
-    import transformers as tf
-
-    path = root / "whisper"
-    if (path / "config.json").exists():
-        return path
-    path.mkdir(parents=True)
-    (path / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate(_byte_symbols())}))
-    (path / "merges.txt").write_text("#version: 0.2\n")
-    end = "<|endoftext|>"
-    tok = tf.WhisperTokenizer(str(path / "vocab.json"), str(path / "merges.txt"),
-                              unk_token=end, bos_token=end, eos_token=end, pad_token=end)
-    tok.add_special_tokens({"additional_special_tokens": [
-        "<|startoftranscript|>", "<|en|>", "<|translate|>", "<|transcribe|>", "<|startoflm|>",
-        "<|startofprev|>", "<|nocaptions|>", "<|notimestamps|>"]})
-    start, eos = tok.convert_tokens_to_ids("<|startoftranscript|>"), tok.convert_tokens_to_ids(end)
-    cfg = tf.WhisperConfig(vocab_size=len(tok), num_mel_bins=80, d_model=64, encoder_layers=2,
-                           decoder_layers=2, encoder_attention_heads=2,
-                           decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128,
-                           max_source_positions=1500, max_target_positions=448, init_std=0.3,
-                           decoder_start_token_id=start, eos_token_id=eos, pad_token_id=eos,
-                           bos_token_id=eos, begin_suppress_tokens=None, suppress_tokens=None,
-                           forced_decoder_ids=None)
-    torch.manual_seed(0)
-    model = tf.WhisperForConditionalGeneration(cfg).to(torch.float32)
-    model.generation_config.forced_decoder_ids = None
-    model.save_pretrained(path)
-    tf.WhisperProcessor(feature_extractor=tf.WhisperFeatureExtractor(feature_size=80),
-                        tokenizer=tok).save_pretrained(path)
-    return path
+    return whisper_tiny.save_whisper(root / "whisper", d_model=64, heads=2, ffn=128)
 
 
 def _mllama_requests(model: Path) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:

@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from tests.helpers import vllm_engine as ve
+from tests.helpers import whisper_tiny
 
 #: seconds of random audio per request (vLLM pads each to Whisper's 30 s: 1500 encoder tokens)
 SECONDS = (1, 3, 2)
@@ -32,48 +33,9 @@ ENCODER_TOKENS = 1500
 PROMPT = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 
 
-def _byte_symbols() -> list[str]:
-    """The 256 printable stand-ins of byte-level BPE (GPT-2's mapping)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    extra = [b for b in range(256) if b not in keep]
-    table = dict(zip(keep, map(chr, keep), strict=True))
-    table.update({b: chr(256 + i) for i, b in enumerate(extra)})
-    return [table[b] for b in range(256)]
-
-
 def _save(root: Path) -> Path:
-    import torch
-    import transformers as tf
-
-    path = root / "whisper"
-    if (path / "config.json").exists():
-        return path
-    path.mkdir(parents=True)
-    (path / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate(_byte_symbols())}))
-    (path / "merges.txt").write_text("#version: 0.2\n")
-    end = "<|endoftext|>"
-    tok = tf.WhisperTokenizer(str(path / "vocab.json"), str(path / "merges.txt"), unk_token=end,
-                              bos_token=end, eos_token=end, pad_token=end)
-    tok.add_special_tokens({"additional_special_tokens": [
-        "<|startoftranscript|>", "<|en|>", "<|translate|>", "<|transcribe|>", "<|startoflm|>",
-        "<|startofprev|>", "<|nocaptions|>", "<|notimestamps|>"]})
-    start = tok.convert_tokens_to_ids("<|startoftranscript|>")
-    eos = tok.convert_tokens_to_ids(end)
-    cfg = tf.WhisperConfig(vocab_size=len(tok), num_mel_bins=80, d_model=128, encoder_layers=2,
-                           decoder_layers=2, encoder_attention_heads=4,
-                           decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256,
-                           max_source_positions=ENCODER_TOKENS, max_target_positions=448,
-                           init_std=0.3, decoder_start_token_id=start, eos_token_id=eos,
-                           pad_token_id=eos, bos_token_id=eos, begin_suppress_tokens=None,
-                           suppress_tokens=None, forced_decoder_ids=None)
-    torch.manual_seed(0)
-    model = tf.WhisperForConditionalGeneration(cfg).to(torch.float32)
-    model.generation_config.forced_decoder_ids = None
-    model.save_pretrained(path)
-    tf.WhisperProcessor(feature_extractor=tf.WhisperFeatureExtractor(feature_size=80),
-                        tokenizer=tok).save_pretrained(path)
-    return path
+    return whisper_tiny.save_whisper(root / "whisper", d_model=128, heads=4, ffn=256,
+                                     encoder_tokens=ENCODER_TOKENS)
 
 
 def _transcribe(model: Path, attnpool: bool) -> list[list[int]]:
