@@ -137,3 +137,29 @@ def generate_apart(model: Path, attnpool: bool, reqs: list[dict[str, list[int]]]
         raise RuntimeError(f"vLLM run failed ({out.returncode}):\n{out.stderr[-3000:]}")
     tokens, preempted = json.loads(lines[-1][len("RESULT"):])
     return tokens, preempted
+
+
+def config_stub(backends: list[Any], device: str, *, mode: Any = None,
+                speculative_tokens: int | None = None) -> Any:
+    """The few fields of a ``VllmConfig`` attnpool's metadata builder reads to declare its graph
+    support, without an engine: one attention layer per entry of ``backends`` (an
+    ``AttnpoolImpl`` attending with it) in the forward context, the device, the graph mode and
+    speculative decoding's ``num_speculative_tokens`` (None: no speculation)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.attention import Attention
+
+    from attnpool.integrations.vllm.backend import AttnpoolImpl
+
+    layers = {}
+    for i, backend in enumerate(backends):
+        impl = object.__new__(AttnpoolImpl)
+        impl.backend = backend
+        layer = object.__new__(Attention)
+        object.__setattr__(layer, "impl", impl)
+        layers[f"model.layers.{i}.attn"] = layer
+    spec = (None if speculative_tokens is None
+            else SimpleNamespace(num_speculative_tokens=speculative_tokens))
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context=layers, cudagraph_mode=mode),
+        device_config=SimpleNamespace(device=device), speculative_config=spec)

@@ -14,27 +14,19 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm.config import CUDAGraphMode
-from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import AttentionCGSupport
 
 from attnpool.adapters.backends import Backend
 from attnpool.integrations.vllm.backend import (
-    AttnpoolImpl,
     AttnpoolMetadataBuilder,
 )
 
+from tests.helpers import vllm_engine as ve
+
 
 def _config(backends: list[Backend], device: str, mode: CUDAGraphMode) -> SimpleNamespace:
-    layers = {}
-    for i, backend in enumerate(backends):
-        impl = object.__new__(AttnpoolImpl)
-        impl.backend = backend
-        layer = object.__new__(Attention)
-        object.__setattr__(layer, "impl", impl)
-        layers[f"model.layers.{i}.attn"] = layer
-    return SimpleNamespace(
-        compilation_config=SimpleNamespace(static_forward_context=layers, cudagraph_mode=mode),
-        device_config=SimpleNamespace(device=device))
+    cfg: SimpleNamespace = ve.config_stub(backends, device, mode=mode)
+    return cfg
 
 
 def _builder(cfg: SimpleNamespace, device: str) -> AttnpoolMetadataBuilder:

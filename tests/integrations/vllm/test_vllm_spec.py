@@ -33,7 +33,6 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -41,16 +40,16 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import AttentionCGSupport
 
 from attnpool import ExtendView, VerifyView
 from attnpool.adapters.backends import Backend
 from attnpool.integrations.vllm import served
-from attnpool.integrations.vllm.backend import AttnpoolImpl, AttnpoolMetadataBuilder
+from attnpool.integrations.vllm.backend import AttnpoolMetadataBuilder
 from attnpool.integrations.vllm.cache import cpu_views
 from attnpool.integrations.vllm.step import EngineSizes, StepFiller, StepMetadata
 
+from tests.helpers import vllm_engine as ve
 from tests.helpers import vllm_spec as vs
 
 NEW = 32
@@ -144,17 +143,7 @@ def test_refills_are_counted_and_the_hook_corrupts_verify_only(
 
 
 def _config(backends: list[Backend], device: str, k: int | None) -> Any:
-    layers = {}
-    for i, backend in enumerate(backends):
-        impl = object.__new__(AttnpoolImpl)
-        impl.backend = backend
-        layer = object.__new__(Attention)
-        object.__setattr__(layer, "impl", impl)
-        layers[f"model.layers.{i}.attn"] = layer
-    return SimpleNamespace(
-        compilation_config=SimpleNamespace(static_forward_context=layers),
-        device_config=SimpleNamespace(device=device),
-        speculative_config=None if k is None else SimpleNamespace(num_speculative_tokens=k))
+    return ve.config_stub(backends, device, speculative_tokens=k)
 
 
 @pytest.mark.parametrize(("backend", "device", "k", "want"), [
