@@ -69,18 +69,18 @@ def _cross_steps(monkeypatch: pytest.MonkeyPatch, corrupt: bool) -> list[tuple[i
     from attnpool.integrations.vllm.step import StepFiller
 
     seen: list[tuple[int, int]] = []
-    fill = StepFiller.fill
+    step = StepFiller.step  # (the builder's call: positional, in fill's order)
 
-    def watched(self: StepFiller, **kw: Any) -> Any:
-        md = fill(self, **kw)
-        lens = kw["seq_lens"][:kw["num_reqs"]]
-        if bool((lens == ENCODER_TOKENS).all()):
-            seen.append((kw["num_reqs"], kw["max_query_len"]))
-            if corrupt and kw["num_reqs"] > 1:
+    def watched(self: StepFiller, *args: Any) -> Any:
+        md = step(self, *args)
+        n, _, max_query_len, _, seq_lens = args[:5]
+        if bool((seq_lens[:n] == ENCODER_TOKENS).all()):
+            seen.append((n, max_query_len))
+            if corrupt and n > 1:
                 md.view.page_table[0, 0] = md.view.page_table[1, 0]
         return md
 
-    monkeypatch.setattr(StepFiller, "fill", watched)
+    monkeypatch.setattr(StepFiller, "step", watched)
     return seen
 
 

@@ -109,14 +109,14 @@ def test_corrupting_the_pool_changes_the_tokens(root: Path, monkeypatch: pytest.
 
     model, reqs = ve.save_tiny("llama", root), ve.prompts(lengths=(40, 90), shared=0)
     native, _, _ = ve.generate(model, False, reqs, 16)
-    fill = step.StepFiller.fill
+    refill = step.StepFiller.step  # (the builder's call)
 
-    def corrupt(self: step.StepFiller, **kw: Any) -> step.StepMetadata:
-        md = fill(self, **kw)
+    def corrupt(self: step.StepFiller, *args: Any) -> step.StepMetadata:
+        md = refill(self, *args)
         md.view.cache_seqlens[0] -= 1
         return md
 
-    monkeypatch.setattr(step.StepFiller, "fill", corrupt)
+    monkeypatch.setattr(step.StepFiller, "step", corrupt)
     ours, _, _ = ve.generate(model, True, reqs, 16)
     _record(model="llama", setting="corrupted", identical=sum(
         a == b for a, b in zip(native, ours, strict=True)), requests=len(reqs))
