@@ -28,6 +28,20 @@ ADAPTERS: dict[str, tuple[int, int, int]] = {"a": (8, 16, 11), "b": (4, 8, 12)}
 TARGETS = ("q_proj", "v_proj")
 
 
+#: a batch's adapters, in row order: base (None), then each adapter of :data:`ADAPTERS`
+ROW_ADAPTERS: tuple[str | None, ...] = (None, "a", "b")
+
+
+def rows(lengths: tuple[int, ...], seed: int) -> list[tuple[list[int], str | None]]:
+    """The tests' batch: one random prompt per length, each served once per entry of
+    :data:`ROW_ADAPTERS` (adapter-major: rows ``i * len(lengths) + j``)."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in lengths]
+    return [(p, a) for a in ROW_ADAPTERS for p in prompts]
+
+
 def save_adapters(model: Path, root: Path) -> dict[str, Path]:
     """The adapters of :data:`ADAPTERS` for ``model``, saved under ``root`` (once)."""
     import torch

@@ -21,7 +21,6 @@ before runs no torch op; bad input raises
 from __future__ import annotations
 
 import os
-import random
 import types
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from tests.helpers.tiny_models import save_tiny
 
 NEW = 16
 LENGTHS = (5, 9, 12)
-ADAPTERS: tuple[str | None, ...] = (None, "a", "b")
+ADAPTERS = vl.ROW_ADAPTERS
 FULL = os.environ.get("ATTNPOOL_SGLANG_LORA_FULL") == "1"
 SETTINGS = [{"max_loras_per_batch": m, "radix": r}
             for m, r in ([(2, True), (2, False), (3, True), (3, False)] if FULL
@@ -55,13 +54,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("sglang_lora")
     model = save_tiny("llama", root)
     adapters = vl.save_adapters(model, root)
-    rng = random.Random(3)
-    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in LENGTHS]
-    rows = [(p, a) for a in ADAPTERS for p in prompts]
+    rows = vl.rows(LENGTHS, seed=3)
     procs = {b: sl.generate_apart(model, adapters, rows, NEW, b, SETTINGS)
              for b in ("attnpool", "torch_native")}
     ref = vl.reference(model, adapters, rows, NEW)  # while the engines run
-    k = len(prompts)
+    k = len(LENGTHS)
     for i in range(1, len(ADAPTERS)):  # every adapter changes every row's tokens
         for j in range(k):
             assert ref[i * k + j] != ref[j]

@@ -25,7 +25,6 @@ get no delta with every slot full where vLLM's wrapper gives them the last slot'
 
 from __future__ import annotations
 
-import random
 import types
 from typing import Any
 
@@ -47,7 +46,7 @@ from tests.helpers.tiny_models import save_tiny
 
 NEW = 16
 LENGTHS = (5, 9, 12)
-ADAPTERS: tuple[str | None, ...] = (None, "a", "b")
+ADAPTERS = vl.ROW_ADAPTERS
 
 
 # ---- engine ------------------------------------------------------------------------------------
@@ -56,12 +55,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("vllm_lora")
     model = save_tiny("llama", root)
     adapters = vl.save_adapters(model, root)
-    rng = random.Random(3)
-    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in LENGTHS]
-    rows = [(p, a) for a in ADAPTERS for p in prompts]
+    rows = vl.rows(LENGTHS, seed=3)
     ref = vl.reference(model, adapters, rows, NEW)
     # the adapters change every row's tokens: a row served with the wrong adapter shows
-    k = len(prompts)
+    k = len(LENGTHS)
     for i in range(1, len(ADAPTERS)):
         for j in range(k):
             assert ref[i * k + j] != ref[j]
@@ -115,9 +112,7 @@ SCHEDULING: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def sched_runs(setup: dict[str, Any]) -> dict[str, Any]:
-    rng = random.Random(5)
-    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in SCHED_LENGTHS]
-    rows = [(p, a) for a in ADAPTERS for p in prompts]
+    rows = vl.rows(SCHED_LENGTHS, seed=5)
     got: dict[str, Any] = {
         name: vl.generate_apart(setup["model"], setup["adapters"], rows, NEW, [],
                                 attnpool=name == "attnpool", settings=SCHEDULING)
