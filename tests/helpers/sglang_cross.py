@@ -53,6 +53,9 @@ WHISPER_NEW = (12, 7, 16, 10)
 #: the decoder prompt SGLang's whisper processor builds: start, language, task, no timestamps
 WHISPER_PROMPT = 4
 MLLAMA_NEW = 12
+#: mllama's mixed round, in batch order: (request, with its images); the text-only requests
+#: (their prompt's words and one more, new to the radix cache) sit between image requests
+MIXED = ((0, True), (2, False), (1, True), (3, False))
 ENGINE: dict[str, Any] = {"device": "cpu", "disable_cuda_graph": True, "dtype": "float32",
                           "random_seed": 0, "log_level": "warning", "mem_fraction_static": 0.5,
                           "max_total_tokens": 8192}
@@ -177,8 +180,9 @@ def run(model: Path, kind: str, backend: str, corrupt: bool) -> dict[str, Any]:
     the encoder lengths SGLang counted (``encoder_lens``: its prompt tokens less the decoder
     prompt's); for mllama then a round of text-only requests (``text``: no encoder input, the
     model skips its cross layers), with the pool's refill counts before and after it
-    (``served_before_text``, ``served_after_text``); with ``corrupt`` a last round with
-    attnpool's encoder view corrupted (see the module doc)."""
+    (``served_before_text``, ``served_after_text``), and a round mixing image and text-only
+    requests in one batch (``mixed``: :data:`MIXED`; ``served_after_mixed``); with ``corrupt``
+    a last round with attnpool's encoder view corrupted (see the module doc)."""
     import sglang
 
     if kind == "mllama":
@@ -212,6 +216,14 @@ def run(model: Path, kind: str, backend: str, corrupt: bool) -> dict[str, Any]:
                                   sampling_params=params[:2])
             out["text"] = [g["output_ids"] for g in got]
             out["served_after_text"] = _served()
+            words = [p.split("<|begin_of_text|>")[1] for p in prompts]
+            mixed = [prompts[i] if image else f"<|begin_of_text|>{words[i]} w7"
+                     for i, image in MIXED]
+            got = engine.generate(prompt=mixed, sampling_params=params[:len(mixed)],
+                                  image_data=[media[i] if image else None
+                                              for i, image in MIXED])
+            out["mixed"] = [g["output_ids"] for g in got]
+            out["served_after_mixed"] = _served()
         if corrupt:
             if not flag:
                 raise SystemExit("--corrupt needs ATTNPOOL_SGLANG_CORRUPT_DRAFT_FILE set")

@@ -143,7 +143,7 @@ def test_encoder(page: int, layout: Layout, n: int, pad: int, host: bool, seed: 
     n, bs = _sizes(n, pad)
     rng = random.Random(seed)
     b = make_batch(pool.cfg, n, rng, extra=max_enc)
-    enc = [rng.choice([1, max_enc, rng.randint(1, max_enc)]) for _ in range(n)]  # mixed lengths
+    enc = [rng.choice([0, 1, max_enc, rng.randint(1, max_enc)]) for _ in range(n)]  # 0: no encoder input
     seq, rpi, table = b.tensors()
     view = pool.encoder.update_(bs, seq_lens=seq, encoder_lens=torch.tensor(enc, dtype=torch.int64),
                                 req_pool_indices=rpi, req_to_token=table,

@@ -181,7 +181,7 @@ def test_encoder(page: int, layout: Layout, n: int, pad: int, seed: int, captura
     n, bs = sizes(n, pad)
     rng = random.Random(seed)
     b = make_batch(ref.cfg, n, rng, extra=max_enc)
-    enc = torch.tensor([rng.choice([1, max_enc, rng.randint(1, max_enc)]) for _ in range(n)],
+    enc = torch.tensor([rng.choice([0, 1, max_enc, rng.randint(1, max_enc)]) for _ in range(n)],
                        dtype=torch.int64)
     run(ref, tt, "encoder", bs, capturable, {**b.inputs(), "encoder_lens": enc},
         **host(b, capturable))

@@ -82,7 +82,10 @@ class EncoderPhase(PhaseBase[EncoderView]):
         Args:
             seq_lens: ``[n]`` decoder lengths (decoder tokens only), each ``>= 1`` and with
                 ``encoder_lens[i] + seq_lens[i] <= C``.
-            encoder_lens: ``[n]`` encoder lengths, each in ``[1, max_encoder_len]``.
+            encoder_lens: ``[n]`` encoder lengths, each in ``[0, max_encoder_len]``. A request
+                of no encoder tokens (mllama's text-only request beside image ones) gets a
+                cross row of no keys: the kernels give it a zero output (flash-attn and
+                SDPA attend nothing), the decoder row starts at column 0.
             num_real: capturable mode, as in :meth:`DecodePhase.update_`.
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
@@ -90,13 +93,13 @@ class EncoderPhase(PhaseBase[EncoderView]):
         x = self.input_pass.check(bs, seq_lens, shared, cfg.max_context_len, encoder_lens_cpu)
         n, host = x.n, x.seq_lens_host
         enc, enc_host = self.input_pass.lens("encoder_lens", encoder_lens, encoder_lens_cpu, n,
-                                             cfg.max_encoder_len)
+                                             cfg.max_encoder_len, lo=0)
         if host is not None and enc_host is not None:
             host_lens("encoder_lens_cpu + seq_lens_cpu",
-                      [a + b for a, b in zip(enc_host, host, strict=True)], n, 2,
+                      [a + b for a, b in zip(enc_host, host, strict=True)], n, 1,
                       cfg.max_context_len)
         if self.validate:  # (the value lists are built only then)
-            self._check_values(x, cfg.max_context_len, [("encoder_lens", enc, 1, cfg.max_encoder_len)],
+            self._check_values(x, cfg.max_context_len, [("encoder_lens", enc, 0, cfg.max_encoder_len)],
                                [("encoder_lens_cpu", encoder_lens_cpu, "encoder_lens")],
                                sum_pair_at_most=("encoder_lens", "seq_lens", cfg.max_context_len))
         # --- writes start here (both parts' inputs were checked above) ---

@@ -135,13 +135,13 @@ class InputPass:
         arena."""
         return check_shaped(name, t, shape, dtypes, self.device, self.arena_span)
 
-    def lens(self, name: str, t: object, cpu: Tensor | Sequence[int] | None, n: int, hi: int
-             ) -> tuple[Tensor, list[int] | None]:
+    def lens(self, name: str, t: object, cpu: Tensor | Sequence[int] | None, n: int, hi: int,
+             lo: int = 1) -> tuple[Tensor, list[int] | None]:
         """A phase's own per-request lengths (``accept_lens``, ``encoder_lens``,
         ``extend_lens``): the ``[n]`` device tensor and its optional host copy ``name_cpu``,
-        each value in ``[1, hi]``."""
+        each value in ``[lo, hi]``."""
         lens = check_tensor(name, t, None, 1, INT_DTYPES, n, self.device, True, self.arena_span)
-        return lens, None if cpu is None else host_lens(f"{name}_cpu", cpu, n, 1, hi)
+        return lens, None if cpu is None else host_lens(f"{name}_cpu", cpu, n, lo, hi)
 
     def check(self, bs: int, seq_lens: object, shared: Shared, hi: int,
               *host: Tensor | Sequence[int] | None) -> Inputs:

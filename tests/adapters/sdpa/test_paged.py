@@ -217,7 +217,7 @@ def test_encoder(page: int, heads: tuple[int, int], n: int, pad: int, host: bool
     n, bs = _sizes(n, pad)
     rng = random.Random(seed)
     slots = 12
-    enc_all = [rng.choice([1, max_enc, rng.randint(1, max_enc)]) for _ in range(slots)]
+    enc_all = [rng.choice([0, 1, max_enc, rng.randint(1, max_enc)]) for _ in range(slots)]
     table = _encoder_table(pool.cfg, enc_all, rng)
     chosen = rng.sample(range(slots), n)
     enc = [enc_all[s] for s in chosen]

@@ -9,7 +9,9 @@ varies between their requests are described there):
 - **mllama** (Llama 3.2 Vision): 4 requests of 1, 2, 3 and 1 images, so 10, 20, 30 and 10
   encoder tokens (checked from SGLang's own prompt-token counts), prompts of 3 to 14 words;
   one prefill batch mixing those encoder lengths, then decode batches; then a round of two
-  text-only requests (no encoder input: the base's decode and extend views).
+  text-only requests (no encoder input: the base's decode and extend views); then a round
+  mixing two image requests and two text-only ones in each batch (through the encoder view:
+  a text-only request's cross rows attend nothing).
 - **whisper**: 4 requests of different tones. Whisper's encoder length is fixed by the model
   (1500 tokens for every request, ``max_source_positions``), and SGLang builds the same
   4-token decoder prompt for every request: what varies is the audio (so the cross keys) and
@@ -169,6 +171,13 @@ def test_cross_tokens_equal_torch_native(kind: str, results: dict[str, Any]) -> 
         assert after[Served.ENCODER] == before[Served.ENCODER]
         assert after[Served.DECODE] > 0 and after[Served.EXTEND] > 0
         assert ours["text"] == native["text"]
+        # the mixed round: every batch has image rows, so all of it is encoder refills
+        mixed = ours["served_after_mixed"]
+        assert mixed[Served.ENCODER] > after[Served.ENCODER]
+        assert (mixed[Served.DECODE], mixed[Served.EXTEND]) == (after[Served.DECODE],
+                                                                after[Served.EXTEND])
+        assert ours["mixed"] == native["mixed"]
+        assert len({tuple(t) for t in native["mixed"]}) == len(sc.MIXED)
     else:
         assert served[Served.DECODE] == served[Served.EXTEND] == 0
 
@@ -208,7 +217,8 @@ def _encoder_table(rows: list[int], enc: list[int], dec: list[int]) -> torch.Ten
 def test_encoder_refill_is_causal_self_and_full_cross_attention(decode: bool) -> None:
     """``BatchFiller.encoder`` over SGLang's layout: each decoder query attends causally to its
     request's decoder tokens (after the encoder's, with a cached prefix), each cross query to
-    all of its request's encoder tokens; an extend batch's rows are its tokens."""
+    all of its request's encoder tokens (none for a text-only request: output 0, as
+    ``torch_native`` gives it); an extend batch's rows are its tokens."""
     from attnpool.adapters.backends import Backend
     from attnpool.integrations.sglang.step import BatchFiller, RunnerSizes, kv_pages
 
@@ -218,8 +228,8 @@ def test_encoder_refill_is_causal_self_and_full_cross_attention(decode: bool) ->
                         page_size=1, sliding_window=None, num_pages=SLOTS,
                         device=torch.device("cpu"), max_encoder_len=WIDTH - 1)
     f = BatchFiller(sizes, Backend.SDPA, H, H_KV, torch.float64)
-    rows, enc, dec = [5, 0, 3], [10, 30, 20], [7, 1, 12]
-    q_lens = [1, 1, 1] if decode else [3, 1, 12]  # extend: prefixes of 4, 0 and 0 tokens
+    rows, enc, dec = [5, 0, 3, 6], [10, 30, 20, 0], [7, 1, 12, 5]
+    q_lens = [1, 1, 1, 1] if decode else [3, 1, 12, 2]  # extend: prefixes of 4, 0, 0, 3
     table = _encoder_table(rows, enc, dec)
     run, cross = f.encoder(
         req_pool_indices=torch.tensor(rows), req_to_token=table, seq_lens=torch.tensor(dec),
@@ -236,9 +246,12 @@ def test_encoder_refill_is_causal_self_and_full_cross_attention(decode: bool) ->
             self_keys.append(table[r, e:e + d - n + j + 1].tolist())
             cross_keys.append(table[r, :e].tolist())
     k, v = kv_pages(k_buf, 1), kv_pages(v_buf, 1)
+    assert cross_keys[-1] == []  # the text-only request's cross rows attend nothing
     for got_run, keys in ((run, self_keys), (cross, cross_keys)):
         ref, _ = dense_attention(q, k_buf.unsqueeze(1), v_buf.unsqueeze(1), keys, D ** -0.5)
-        torch.testing.assert_close(got_run(q, k, v, D ** -0.5), ref, rtol=1e-10, atol=1e-10)
+        got = got_run(q, k, v, D ** -0.5)
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+        assert torch.isfinite(got).all()
 
 
 def _layer(i: int, **kw: Any) -> Any:
@@ -307,8 +320,9 @@ def test_cross_refusals(caplog: pytest.LogCaptureFixture) -> None:
 def test_cross_refill_checks_sglang_layout() -> None:
     """The cross backend's refill over SGLang-shaped batches: decoder slots after the encoder's,
     encoder slots first in the row, checked (a batch storing elsewhere is refused); a batch
-    mixing requests with and without an encoder input is refused; one without any goes the
-    base's way (no cross call bound)."""
+    mixing requests with and without an encoder input goes through the encoder view too (a
+    text-only request's decoder slots start its row); one without any goes the base's way (no
+    cross call bound)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from attnpool.integrations.sglang.factory import backend_for
@@ -344,8 +358,14 @@ def test_cross_refill_checks_sglang_layout() -> None:
     wrong = batch(False).encoder_out_cache_loc + 1
     with pytest.raises(LayoutError, match="encoder_out_cache_loc"):
         b.init_forward_metadata(batch(False, encoder_out_cache_loc=wrong))
-    with pytest.raises(LayoutError, match="mixing requests with and without"):
-        b.init_forward_metadata(batch(True, encoder_lens_cpu=[0, 20]))
+    # request 5 text-only: its decoder tokens from column 0 of its row
+    mixed = batch(True, encoder_lens=torch.tensor([0, 20]), encoder_lens_cpu=[0, 20],
+                  out_cache_loc=torch.stack([table[5, dec[0] - 1], table[0, 21]]).long())
+    b.init_forward_metadata(mixed)
+    assert b.run is not None and b.cross_run is not None
+    with pytest.raises(LayoutError, match="out_cache_loc slots"):  # still checked
+        b.init_forward_metadata(batch(True, encoder_lens=torch.tensor([0, 20]),
+                                      encoder_lens_cpu=[0, 20]))
     plain = batch(True, encoder_lens_cpu=[0, 0], seq_lens=torch.tensor(dec),
                   out_cache_loc=torch.tensor([0, 0]))
     b.init_forward_metadata(plain)

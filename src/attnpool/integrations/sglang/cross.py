@@ -21,9 +21,11 @@ wrong). Refused at engine start (:func:`cross_refusals`): cross-attention layers
 SGLang does not run as an encoder-decoder model (its Transformers fallback marks encoder-only
 layers so), pages of more than one token (an encoder's last page would hold decoder
 tokens), sliding windows, decoder and cross layers of different head counts or sizes, and any
-device but a CPU (checked there only; no CUDA graphs). Refused per batch, with the reason: a
-batch mixing requests with and without an encoder input (mllama's text-only requests beside
-image ones: a cross row of no key). A batch where no request has one (mllama's text-only
+device but a CPU (checked there only; no CUDA graphs). A batch mixing requests with and
+without an encoder input (mllama's text-only requests beside image ones) goes through the
+encoder view too: a text-only request's cross row has no keys, and attends nothing (output 0,
+as SGLang's ``torch_native`` gives it; the model then masks that row's cross output with its
+own ``full_text_row_masked_out_mask``). A batch where no request has one (mllama's text-only
 batches, whose cross layers the model skips) is the base's decode or extend batch.
 
 This module imports :mod:`.backend` (the base), never the reverse.
@@ -119,10 +121,6 @@ class AttnpoolCrossBackend(AttnpoolAttnBackend):
         enc = getattr(fb, "encoder_lens_cpu", None)
         if not enc or not any(enc):
             return super().refill(fb)
-        if not all(enc):
-            raise LayoutError(f"attention_backend={NAME!r}: a batch mixing requests with and "
-                              f"without an encoder input (encoder_lens={list(enc)}): a cross "
-                              "row without keys is not served")
         if not (mode.is_decode() or mode.is_extend_or_draft_extend_or_mixed()) \
                 or mode.is_split_prefill() or mode.is_target_verify() \
                 or mode.is_draft_extend_v2():
