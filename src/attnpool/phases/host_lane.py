@@ -77,15 +77,14 @@ class HostLane:
         #: on a view of the phase (False: the rebind does not serve it, :func:`rebound` does)
         self._offsets: tuple[type, bytes] | bool | None = None
         #: what :meth:`bind`'s call reads, in ``host_lane.c``'s order (``phase_step``): the
-        #: config, the phase's validation flag (:meth:`validating`), its sliced views, the
-        #: view class and its rebind offsets (None until :meth:`first` has checked them), the
-        #: window part's key bound, the arena's owners and generations, the phase's regions
-        #: and tag (what ``Arena.mark`` records), and the fallbacks (queries as lengths, as
-        #: packed offsets)
+        #: config (with the rebind's slot offsets and the window part's key bound once
+        #: :meth:`first` has checked them), the phase's validation flag (:meth:`validating`),
+        #: its sliced views, the view class (None until :meth:`first`), the arena's owners
+        #: and generations, the phase's regions and tag (what ``Arena.mark`` records), and the
+        #: fallbacks (queries as lengths, as packed offsets)
         own, gens = phase.arena.mark_state()
-        self._state: list[Any] = [self._config, phase.validate, phase._sliced, None, None,
-                                  phase._window_k, own, gens, phase._regions, phase.phase, None,
-                                  None]
+        self._state: list[Any] = [self._config, phase.validate, phase._sliced, None, own, gens,
+                                  phase._regions, phase.phase, None, None]
 
     def _native_config(self, queries: Queries | None) -> bytes:
         """The native step's static config: the bounds, the pad values and the addresses of
@@ -100,14 +99,14 @@ class HostLane:
         wb, size = (None, 0) if self._window is None else self._window
         wpt = None if wb is None else wb.page_table
         return struct.pack(
-            "<23q", self._max_bs, self._max_pages, self._max_len, p, self._pad[0],
+            "<27q", self._max_bs, self._max_pages, self._max_len, p, self._pad[0],
             self._pad[1], ceil_div(self._pad[0], p),
             ptr(b.cache_seqlens), ptr(b.cu_seqlens_k), ptr(pt), pt.stride(0),
             ptr(cu_q), ptr(pos), 0 if pos is None else pos.shape[0], t_max,
             ptr(None if wb is None else wb.cache_seqlens),
             ptr(None if wb is None else wb.cu_seqlens_k), ptr(wpt),
             0 if wpt is None else wpt.stride(0), 0 if wpt is None else wpt.shape[1], size,
-            *self._span)
+            *self._span, 0, 0, 0, 0)  # (the rebind's offsets: set by first())
 
     @classmethod
     def maybe(cls, phase: PhaseBase[Any], b: PagedBuffers, queries: Queries | None = None
@@ -183,7 +182,10 @@ class HostLane:
         if self._offsets is None and self._module is not None:
             got = self._offsets = _rebind_offsets(self._module, view, self._phase._window_k)
             if type(got) is tuple:
-                self._state[3:5] = got
+                cls, offsets = got
+                self._state[0] = (self._config[:-32] + offsets
+                                  + struct.pack("<q", self._phase._window_k))
+                self._state[3] = cls
         return view
 
 

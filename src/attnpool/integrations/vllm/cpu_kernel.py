@@ -28,7 +28,7 @@ inside a vLLM process.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,27 +48,15 @@ def kernel_isa(dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dty
     return str(_get_attn_isa(dtype, block_size, head_size, kv_cache_dtype))
 
 
-class KernelStep(NamedTuple):
-    """One step's kernel inputs for a group: the pool's buffers and the work split. A named
-    tuple, immutable like a frozen dataclass and made in one C call: it is made once per step
-    and group, in the engine's metadata build, where every Python call counts.
-
-    Fields:
-        query_start_loc: ``[n + 1] int32``, the view's ``cu_seqlens_q`` (pool buffer).
-        seq_lens: ``[n] int32``, the view's ``cache_seqlens`` (pool buffer).
-        block_table: ``[n, max_pages] int32``, the view's ``page_table`` rows (pool buffer).
-        scheduler_metadata: the kernel's work split of this step (vLLM's
-            ``get_scheduler_metadata`` over the two pool buffers above).
-    """
-
-    query_start_loc: Tensor
-    seq_lens: Tensor
-    block_table: Tensor
-    scheduler_metadata: Tensor
-
-
-#: ``tuple.__new__``: a :class:`KernelStep` made without its generated ``__new__`` frame
-_new = tuple.__new__
+#: One step's kernel inputs for a group, ``(query_start_loc, seq_lens, block_table,
+#: scheduler_metadata)``: the view's ``cu_seqlens_q`` (``[n + 1] int32``), ``cache_seqlens``
+#: (``[n] int32``) and ``page_table`` rows (``[n, max_pages] int32``), pool buffers all, and
+#: the kernel's work split of this step (vLLM's ``get_scheduler_metadata`` over the first two).
+#: A plain tuple, not a named one: it is made once per step and group, in the engine's
+#: metadata build, right after a forward has evicted the caches, and a tuple display is the one
+#: way to make it that runs no call (a named tuple's ``tuple.__new__`` cost a microsecond
+#: there, 3% of the build).
+KernelStep = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 class CPUKernel:
@@ -85,6 +73,12 @@ class CPUKernel:
             the kernel and its store quantize with the layer's scales).
         causal: False for encoder-only layers (each token sees its whole request).
     """
+
+    # (slots: :meth:`step` reads ten of these per step, right after a forward, where each
+    # read of an instance dict is a cache miss more)
+    __slots__ = ("_attend", "_halves", "_ops", "_split", "_store", "causal", "dtype",
+                 "head_size", "isa", "kv_cache_dtype", "num_heads", "num_kv_heads", "split_kv",
+                 "window")
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
                  window: int | None, isa: str, split_kv: bool,
@@ -126,13 +120,14 @@ class CPUKernel:
         if view.page_table is None:
             raise LayoutError("vLLM's CPU kernel reads page tables (Layout.FLASH_ATTN)")
         qsl, lens, table = view.cu_seqlens_q, view.cache_seqlens, view.page_table
-        if lens.shape[0] != n:  # (a view of the step's own rows needs no slicing)
+        if view.bs != n:  # (a view of the step's own rows needs no slicing; its bs, an int,
+            # is read where a tensor's shape would be a call into torch)
             qsl, lens, table = qsl[: n + 1], lens[:n], table[:n]
         sched = self._split(
             n, self.num_heads, self.num_kv_heads, self.head_size, lens, self.dtype, qsl,
             self.causal,
             self.window, self.isa, self.split_kv, None, self.kv_cache_dtype)
-        return _new(KernelStep, (qsl, lens, table, sched))  # (KernelStep(...): a Python frame)
+        return qsl, lens, table, sched
 
     def attend(self, step: KernelStep, query: Tensor, kv_cache: Tensor, output: Tensor,
                scale: float, window: int | None, softcap: float, sinks: Tensor | None,
@@ -144,10 +139,10 @@ class CPUKernel:
         ``alibi_slopes``: ``[H]`` float32 ALiBi slopes, else None; ``scales``: the layer's
         K and V scales of an fp8 cache (vLLM's ``layer._k_scale_float``, ``_v_scale_float``)."""
         k_cache, v_cache = self.halves(kv_cache)
+        qsl, lens, table, sched = step
         self._attend(
-            query, k_cache, v_cache, output, step.query_start_loc,
-            step.seq_lens, scale, self.causal, alibi_slopes, -1 if window is None else window,
-            step.block_table, softcap, step.scheduler_metadata, sinks, None, scales[0],
+            query, k_cache, v_cache, output, qsl, lens, scale, self.causal, alibi_slopes,
+            -1 if window is None else window, table, softcap, sched, sinks, None, scales[0],
             scales[1], self.kv_cache_dtype)
 
     def store(self, key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor,

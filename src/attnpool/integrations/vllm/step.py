@@ -258,11 +258,14 @@ class StepFiller(Filler):
         ``seq_lens`` cut to ``n`` rows and the block table as vLLM hands it (its first ``n``
         rows are read). On CUDA ``update_`` with no host copy (no sync)."""
         n, (max_seqs, max_tokens) = num_reqs, self._caps
-        tokens = slot_mapping.shape[0]
-        if n > max_seqs or num_actual_tokens > max_tokens or tokens > max_tokens:
+        # (slots: staging the store reads, checked before any write; vLLM's kernel stores by
+        # slot itself, so with it attending nothing reads their count)
+        if n > max_seqs or num_actual_tokens > max_tokens or (
+                self.kernel is None and slot_mapping.shape[0] > max_tokens):
             raise CapacityError(f"a step of {n} requests, {num_actual_tokens} tokens and "
-                                f"{tokens} slots is past the pool's max_num_seqs={max_seqs}, "
-                                f"max_num_batched_tokens={max_tokens} (nothing written)")
+                                f"{slot_mapping.shape[0]} slots is past the pool's "
+                                f"max_num_seqs={max_seqs}, max_num_batched_tokens={max_tokens} "
+                                "(nothing written)")
         extend = max_query_len != 1 or self.one_phase
         # (shape[0]: a third of len()'s cost, which is a Python method of torch.Tensor)
         lens = seq_lens if seq_lens.shape[0] == n else seq_lens[:n]
@@ -293,7 +296,15 @@ class StepFiller(Filler):
         if self.kernel is not None:  # vLLM's kernel stores by slot itself: no block/offset pair
             return StepMetadata(view, None, self._none, self._none, num_actual_tokens,
                                 self.kernel.step(view, n))
-        run = self.bind(view, num_actual_tokens)
+        return self._slot_metadata(view, self.bind(view, num_actual_tokens), num_actual_tokens,
+                                   slot_mapping)
+
+    def _slot_metadata(self, view: DecodeView | ExtendView | VerifyView, run: Run,
+                       num_actual_tokens: int, slot_mapping: Tensor) -> StepMetadata:
+        """The metadata of a step attended through ``run``: each new token's block and
+        offset written to staging from ``slot_mapping`` (attnpool's store reads them; vLLM's
+        kernel stores by slot itself and needs neither). :meth:`step` checked the count."""
+        tokens = slot_mapping.shape[0]
         slot_index_(slot_mapping, self.sizes.block_size, self._blocks, self._offsets)
         return StepMetadata(view, run, self._blocks[:tokens], self._offsets[:tokens],
                             num_actual_tokens)
@@ -330,12 +341,9 @@ class StepFiller(Filler):
         if self.kernel is not None:
             return StepMetadata(view, None, self._none, self._none, num_actual_tokens,
                                 self.kernel.step(view.prefix, n))
-        run = bind(self.backend, view, num_actual_tokens, self.num_heads, self.num_kv_heads,
-                   self.dtype)
-        tokens = slot_mapping.shape[0]
-        slot_index_(slot_mapping, self.sizes.block_size, self._blocks, self._offsets)
-        return StepMetadata(view, run, self._blocks[:tokens], self._offsets[:tokens],
-                            num_actual_tokens)
+        return self._slot_metadata(view, bind(self.backend, view, num_actual_tokens,
+                                              self.num_heads, self.num_kv_heads, self.dtype),
+                                   num_actual_tokens, slot_mapping)
 
 
 def mixed_graphs(backends: set[Backend], device: str) -> bool:

@@ -24,6 +24,10 @@ enum {
     C_CU_Q, C_POS, C_POS_SIZE, C_Q_TOTAL,
     C_W_CS, C_W_CU, C_W_PT, C_W_PT_STRIDE, C_W_CAP, C_WINDOW,
     C_SPAN_LO, C_SPAN_HI,
+    /* the bound step's rebind (phase_step): the view class's slot offsets of max_seqlen_q,
+     * max_seqlen_k and window, and the window part's key bound; 0 until HostLane.first has
+     * checked them on a view of the class (the bound step then declines every call) */
+    C_OFF_Q, C_OFF_K, C_OFF_W, C_WINDOW_K,
     C_COUNT
 };
 
@@ -256,6 +260,31 @@ static PyObject *run_step(const int64_t *c, int64_t lp, int64_t n, int64_t bs, i
  * setup(). */
 static PyObject *tensor_type, *int32_dtype;
 static PyObject *s_dtype, *s_is_cpu, *s_stride, *s_shape, *s_data_ptr;
+/* torch.Tensor's own descriptors of those five (getset: dtype, is_cpu, shape; method: stride,
+ * data_ptr), looked up once by setup(): a read then calls the descriptor itself. The generic
+ * attribute read finds the same descriptor through the type's attribute lookup (and, for a
+ * method, makes a bound method) on every call: after a forward has evicted the caches, that
+ * lookup is a good part of the read. NULL: not the expected kind of descriptor (another
+ * torch), and the generic read instead. */
+static PyObject *d_dtype, *d_is_cpu, *d_stride, *d_shape, *d_data_ptr;
+
+/* t.name (call: t.name()), through its descriptor when setup() found it. */
+static PyObject *read_attr(PyObject *t, PyObject *name, PyObject *descr, int call) {
+    if (descr == NULL) return call ? PyObject_CallMethodNoArgs(t, name) : PyObject_GetAttr(t, name);
+    if (call) return PyObject_Vectorcall(descr, &t, 1, NULL);
+    return Py_TYPE(descr)->tp_descr_get(descr, t, (PyObject *)Py_TYPE(t));
+}
+
+/* The descriptor of name on type, when it is of kind (a new reference), else NULL. */
+static PyObject *descriptor(PyObject *type, PyObject *name, PyTypeObject *kind) {
+    PyObject *d = PyObject_GetAttr(type, name);
+    if (d == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (Py_TYPE(d) != kind) Py_CLEAR(d);
+    return d;
+}
 
 /* setup(torch.Tensor, torch.int32) */
 static PyObject *setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -274,6 +303,11 @@ static PyObject *setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     }
     Py_XSETREF(tensor_type, Py_NewRef(args[0]));
     Py_XSETREF(int32_dtype, Py_NewRef(args[1]));
+    Py_XSETREF(d_dtype, descriptor(args[0], s_dtype, &PyGetSetDescr_Type));
+    Py_XSETREF(d_is_cpu, descriptor(args[0], s_is_cpu, &PyGetSetDescr_Type));
+    Py_XSETREF(d_shape, descriptor(args[0], s_shape, &PyGetSetDescr_Type));
+    Py_XSETREF(d_stride, descriptor(args[0], s_stride, &PyMethodDescr_Type));
+    Py_XSETREF(d_data_ptr, descriptor(args[0], s_data_ptr, &PyMethodDescr_Type));
     Py_RETURN_NONE;
 }
 
@@ -290,19 +324,19 @@ static int declined(void) {
 static int host_tensor(PyObject *t, int rank, int64_t *ptr, int64_t *rows, int64_t *cols,
                        int64_t *row_stride) {
     if (tensor_type == NULL || (PyObject *)Py_TYPE(t) != tensor_type) return 0;
-    PyObject *a = PyObject_GetAttr(t, s_dtype);
+    PyObject *a = read_attr(t, s_dtype, d_dtype, 0);
     if (a == NULL) return declined();
     int ok = a == int32_dtype;
     Py_DECREF(a);
     if (!ok) return 0;
-    a = PyObject_GetAttr(t, s_is_cpu);
+    a = read_attr(t, s_is_cpu, d_is_cpu, 0);
     if (a == NULL) return declined();
     ok = a == Py_True;
     Py_DECREF(a);
     if (!ok) return 0;
     int64_t st[2] = {0, 0}, sh[2] = {0, 1};
     for (int which = 0; which < 2; which++) {
-        a = which ? PyObject_GetAttr(t, s_shape) : PyObject_CallMethodNoArgs(t, s_stride);
+        a = which ? read_attr(t, s_shape, d_shape, 0) : read_attr(t, s_stride, d_stride, 1);
         if (a == NULL) return declined();
         ok = PyTuple_Check(a) && PyTuple_GET_SIZE(a) == rank;
         for (int d = 0; ok && d < rank; d++) {
@@ -314,7 +348,7 @@ static int host_tensor(PyObject *t, int rank, int64_t *ptr, int64_t *rows, int64
         if (!ok) return 0;
     }
     if (st[rank - 1] != 1 && sh[rank - 1] > 1) return 0;
-    a = PyObject_CallMethodNoArgs(t, s_data_ptr);
+    a = read_attr(t, s_data_ptr, d_data_ptr, 1);
     if (a == NULL) return declined();
     *ptr = PyLong_AsLongLong(a);
     Py_DECREF(a);
@@ -373,10 +407,12 @@ static PyObject *step_tensors(PyObject *self, PyObject *const *args, Py_ssize_t 
                         args[8] == Py_True, args[4], args[5], off, window_k);
 }
 
-/* A phase's bound step (attnpool.phases.host_lane.HostLane.bind): the state list's items. */
+/* A phase's bound step (attnpool.phases.host_lane.HostLane.bind): the state list's items.
+ * (The rebind's offsets sit in the config, checked once: a step reads them from the config
+ * it reads anyway, on a cold cache one object less to reach.) */
 enum {
-    S_CONFIG, S_VALIDATE, S_SLICED, S_CLASS, S_OFFSETS, S_WINDOW_K, S_OWN, S_GENS, S_REGIONS,
-    S_TAG, S_FALLBACK, S_FALLBACK_OFFSETS, S_COUNT
+    S_CONFIG, S_VALIDATE, S_SLICED, S_CLASS, S_OWN, S_GENS, S_REGIONS, S_TAG, S_FALLBACK,
+    S_FALLBACK_OFFSETS, S_COUNT
 };
 
 /* attnpool.arena.Arena.mark(regions, tag, rows), here: the arena's next generation (its
@@ -423,12 +459,13 @@ static PyObject *step_of_phase(PyObject *const *args, Py_ssize_t nargs, int offs
         Py_XINCREF(base);
     }
     if (base == NULL || (PyObject *)Py_TYPE(base) != item[S_CLASS]) goto fallback;
-    Py_ssize_t off[3];
-    long long window_k;
-    if (view_offsets(base, item[S_OFFSETS], item[S_WINDOW_K], off, &window_k) < 0) goto done;
-    got = tensors_step((const int64_t *)PyBytes_AS_STRING(item[S_CONFIG]), args[2],
-                       args[nargs - 1], nargs == 5 ? args[3] : Py_None, offsets, args[1], base,
-                       off, window_k);
+    const int64_t *c = (const int64_t *)PyBytes_AS_STRING(item[S_CONFIG]);
+    /* (checked against the class by HostLane.first, through rebind; the class is base's) */
+    const Py_ssize_t off[3] = {(Py_ssize_t)c[C_OFF_Q], (Py_ssize_t)c[C_OFF_K],
+                               (Py_ssize_t)c[C_OFF_W]};
+    if (off[0] < (Py_ssize_t)sizeof(PyObject)) goto fallback;
+    got = tensors_step(c, args[2], args[nargs - 1], nargs == 5 ? args[3] : Py_None, offsets,
+                       args[1], base, off, (long long)c[C_WINDOW_K]);
     if (got == Py_None) {
         Py_CLEAR(got);
         goto fallback;
