@@ -84,8 +84,9 @@ class EncoderPhase(PhaseBase[EncoderView]):
                 ``encoder_lens[i] + seq_lens[i] <= C``.
             encoder_lens: ``[n]`` encoder lengths, each in ``[0, max_encoder_len]``. A request
                 of no encoder tokens (mllama's text-only request beside image ones) gets a
-                cross row of no keys: the kernels give it a zero output (flash-attn and
-                SDPA attend nothing), the decoder row starts at column 0.
+                cross row of no keys (the decoder row starts at column 0): the SDPA adapter
+                gives it output 0 (checked); a GPU kernel's handling of a row of no keys is
+                its own (flash-attn's has changed between versions) and is not checked here.
             num_real: capturable mode, as in :meth:`DecodePhase.update_`.
             (other arguments as in :meth:`DecodePhase.update_`.)
         """
