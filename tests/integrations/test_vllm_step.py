@@ -221,6 +221,33 @@ def test_refusals() -> None:
         _filler().fill(**b)  # type: ignore[arg-type]
 
 
+def test_kernel_metadata_is_the_constructors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel step's metadata, made from a template in one C call where the host route's
+    module is built, has the fields the dataclass's constructor gives, with or without it;
+    each call makes a new object (vLLM may set ``slot_mapping`` on one step's)."""
+    from dataclasses import fields
+
+    from attnpool.integrations.vllm.step import StepMetadata, kernel_metadata
+    from attnpool.update import host
+
+    none = torch.empty(0, dtype=torch.int64)
+    view, step = object(), (torch.zeros(2), torch.ones(1), torch.zeros(1, 4), torch.ones(3))
+    want = StepMetadata(view, None, none, none, 5, step)  # type: ignore[arg-type]
+    made = []
+    for built in (True, False):
+        if not built:
+            monkeypatch.setattr(host, "load", lambda: None)
+        make = kernel_metadata(none)
+        got = make(view, 5, step)  # type: ignore[arg-type]
+        assert type(got) is StepMetadata
+        assert all(getattr(got, f.name) is getattr(want, f.name)
+                   or getattr(got, f.name) == getattr(want, f.name) for f in fields(want))
+        assert make(view, 5, step) is not got
+        got.slot_mapping = none  # (vLLM's cross-attention builder sets it)
+        made.append(got)
+    assert made[0].view is view and made[0].kernel is step and made[0].num_actual_tokens == 5
+
+
 def test_too_many_slots_are_refused_before_any_write() -> None:
     """A step whose ``slot_mapping`` is past ``max_num_batched_tokens`` is refused before the
     pool is refilled: the arena keeps the last step's bytes."""

@@ -304,6 +304,41 @@ def test_the_c_rebind_makes_rebounds_view(window: int | None,
             assert _rebind_offsets(module, base, phase._window_k) == offsets
 
 
+def test_with_slots_copies_a_slotted_object_with_some_slots_set() -> None:
+    """``with_slots``: a new object of the template's class, every field the template's but
+    the ones named, which hold the values given; bad offsets, a count that does not match and
+    an object with a ``__dict__`` are refused, the template untouched."""
+    import struct
+    from dataclasses import dataclass, fields
+
+    _built()
+    module = host.load()
+    assert module is not None
+
+    @dataclass(slots=True)
+    class Rec:
+        a: object
+        b: object
+        c: object = None
+
+    template = Rec([1], "x")
+    offsets = struct.pack("<2q", module.slot_offset(Rec.a), module.slot_offset(Rec.c))
+    got = module.with_slots(template, offsets, 7, (8,))
+    assert type(got) is Rec and got is not template
+    assert (got.a, got.b, got.c) == (7, "x", (8,)) and got.b is template.b
+    assert (template.a, template.c) == ([1], None)
+    assert [f.name for f in fields(got)] == ["a", "b", "c"]
+    for bad, err in ((struct.pack("<2q", 0, 16), ValueError),   # inside the object header
+                     (struct.pack("<2q", 16, 4096), ValueError),  # past the object
+                     (struct.pack("<2q", 16, 20), ValueError),    # not a slot's start
+                     (struct.pack("<1q", 16), TypeError)):         # one offset, two values
+        with pytest.raises(err):
+            module.with_slots(template, bad, 1, 2)
+    with pytest.raises(TypeError):
+        module.with_slots(object.__new__(type("Plain", (), {})), struct.pack("<1q", 16), 1)
+    assert (template.a, template.b, template.c) == ([1], "x", None)
+
+
 def test_first_updates_in_a_fresh_process_compile_nothing(tmp_path: Any) -> None:
     """A fresh process, with no compiler on its ``PATH`` and an empty home: its first decode
     and extend steps run on the C step that the install built (nothing is compiled or

@@ -150,6 +150,41 @@ static PyObject *rebind_view(PyObject *view, const Py_ssize_t *off, PyObject *q,
     return new;
 }
 
+/* with_slots(obj, offsets, *values): a copy of obj, a plain __slots__ object, with the slots at
+ * offsets (a bytes of one int64 per value, slot_offset's) set to values. For an object made
+ * once per step from a template, where a Python __init__ (a frame, a dozen stores) costs a few
+ * microseconds on the caches a forward leaves. */
+static PyObject *with_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs < 2 || !PyBytes_Check(args[1])
+        || PyBytes_GET_SIZE(args[1]) != (Py_ssize_t)((nargs - 2) * sizeof(int64_t))) {
+        PyErr_SetString(PyExc_TypeError, "with_slots(obj, offsets, *values): offsets a bytes "
+                                         "of one int64 per value");
+        return NULL;
+    }
+    PyTypeObject *tp = Py_TYPE(args[0]);
+    if (!is_plain(tp)) {
+        PyErr_SetString(PyExc_TypeError, "with_slots takes an object of __slots__ fields only");
+        return NULL;
+    }
+    const int64_t *o = (const int64_t *)PyBytes_AS_STRING(args[1]);
+    for (Py_ssize_t i = 0; i < nargs - 2; i++) {
+        if (o[i] < (int64_t)sizeof(PyObject) || o[i] + (int64_t)sizeof(PyObject *) > tp->tp_basicsize
+            || (o[i] - (int64_t)sizeof(PyObject)) % (int64_t)sizeof(PyObject *) != 0) {
+            PyErr_SetString(PyExc_ValueError, "a slot offset outside the object");
+            return NULL;
+        }
+    }
+    PyObject *new = tp->tp_alloc(tp, 0);
+    if (new == NULL) return NULL;
+    PyObject **from = (PyObject **)((char *)args[0] + sizeof(PyObject));
+    PyObject **to = (PyObject **)((char *)new + sizeof(PyObject));
+    Py_ssize_t fields = (tp->tp_basicsize - (Py_ssize_t)sizeof(PyObject)) / sizeof(PyObject *);
+    for (Py_ssize_t i = 0; i < fields; i++) to[i] = Py_XNewRef(from[i]);
+    for (Py_ssize_t i = 0; i < nargs - 2; i++) set_slot(new, (Py_ssize_t)o[i], Py_NewRef(args[i + 2]));
+    return new;
+}
+
 /* The base view's slot offsets (offsets: a bytes of three int64, see rebind) checked against
  * its class; 0, or -1 with an error set. */
 static int view_offsets(PyObject *base, PyObject *offsets, PyObject *window_k_obj,
@@ -505,6 +540,8 @@ static PyMethodDef methods[] = {
     {"slot_offset", slot_offset, METH_O, "The byte offset of a __slots__ field."},
     {"rebind", (PyCFunction)(void (*)(void))rebind, METH_FASTCALL,
      "A view with new host bounds (attnpool.phases._views.rebound's fields)."},
+    {"with_slots", (PyCFunction)(void (*)(void))with_slots, METH_FASTCALL,
+     "A copy of a __slots__ object with some slots set (offsets from slot_offset)."},
     {NULL, NULL, 0, NULL},
 };
 
