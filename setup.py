@@ -29,7 +29,9 @@ class ReplacingBuildExt(build_ext):
         return outfile, True
 
 
+_HOST = "src/attnpool/update/host"
 setup(ext_modules=[Extension("attnpool.update.host._lane",
-                             ["src/attnpool/update/host/host_lane.c"],
+                             [f"{_HOST}/host_lane.c", f"{_HOST}/slots.c", f"{_HOST}/tensors.c"],
+                             depends=[f"{_HOST}/lane.h"], include_dirs=[_HOST],
                              extra_compile_args=["-O2"], optional=True)],
       cmdclass={"build_ext": ReplacingBuildExt})

@@ -9,12 +9,10 @@
  *
  * Every pointer is an int32 buffer of the pool (whose layout the config names) or an int32
  * input of the caller, rows contiguous; the bytes written are the general path's, field by
- * field (tests/update/test_host_route.py compares the whole arena).
+ * field (tests/update/test_host_route.py compares the whole arena). The module's other C
+ * files: slots.c (the step's view, rebound) and tensors.c (what a tensor is), lane.h.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <structmember.h>
-#include <stdint.h>
+#include "lane.h"
 #include <string.h>
 
 /* The static part of a phase's lane (a bytes object of int64 values, made once per phase). */
@@ -92,138 +90,6 @@ static void window(const int64_t *c, const int32_t *lens, const int32_t *q, int 
     }
 }
 
-/* slot_offset(member_descriptor) -> the byte offset of a __slots__ field in its objects. */
-static PyObject *slot_offset(PyObject *self, PyObject *descr) {
-    (void)self;
-    if (!PyObject_TypeCheck(descr, &PyMemberDescr_Type)) {
-        PyErr_SetString(PyExc_TypeError, "slot_offset takes a __slots__ member descriptor");
-        return NULL;
-    }
-    return PyLong_FromSsize_t(((PyMemberDescrObject *)descr)->d_member->offset);
-}
-
-static int is_plain(PyTypeObject *tp) {
-    /* every field a __slots__ object pointer: no __dict__, no __weakref__ */
-    return tp->tp_dictoffset == 0 && tp->tp_weaklistoffset == 0
-        && tp->tp_itemsize == 0 && tp->tp_basicsize > (Py_ssize_t)sizeof(PyObject);
-}
-
-static PyObject *set_slot(PyObject *obj, Py_ssize_t off, PyObject *value) {
-    PyObject **at = (PyObject **)((char *)obj + off);
-    Py_XSETREF(*at, value);
-    return obj;
-}
-
-/* A copy of a frozen, slotted view whose only new fields are its host bounds (and its window
- * part's, rebound the same way): what attnpool.phases._views.rebound makes field by field. */
-static PyObject *rebind_view(PyObject *view, const Py_ssize_t *off, PyObject *q, PyObject *k,
-                             long long window_k) {
-    PyTypeObject *tp = Py_TYPE(view);
-    if (!is_plain(tp)) {
-        PyErr_SetString(PyExc_TypeError, "rebind takes a view of __slots__ fields only");
-        return NULL;
-    }
-    PyObject *new = tp->tp_alloc(tp, 0);
-    if (new == NULL) return NULL;
-    PyObject **from = (PyObject **)((char *)view + sizeof(PyObject));
-    PyObject **to = (PyObject **)((char *)new + sizeof(PyObject));
-    Py_ssize_t fields = (tp->tp_basicsize - (Py_ssize_t)sizeof(PyObject)) / sizeof(PyObject *);
-    for (Py_ssize_t i = 0; i < fields; i++) to[i] = Py_XNewRef(from[i]);
-    set_slot(new, off[0], Py_NewRef(q));
-    set_slot(new, off[1], Py_NewRef(k));
-    PyObject *w = *(PyObject **)((char *)view + off[2]);
-    if (w != NULL && w != Py_None) {
-        if (Py_TYPE(w) != tp) {
-            Py_DECREF(new);
-            PyErr_SetString(PyExc_TypeError, "rebind: a window part of another class");
-            return NULL;
-        }
-        long long kk = PyLong_AsLongLong(k);
-        if (kk == -1 && PyErr_Occurred()) { Py_DECREF(new); return NULL; }
-        PyObject *wk = PyLong_FromLongLong(kk < window_k ? kk : window_k);
-        if (wk == NULL) { Py_DECREF(new); return NULL; }
-        PyObject *part = rebind_view(w, off, q, wk, window_k);
-        Py_DECREF(wk);
-        if (part == NULL) { Py_DECREF(new); return NULL; }
-        set_slot(new, off[2], part);
-    }
-    return new;
-}
-
-/* with_slots(obj, offsets, *values): a copy of obj, a plain __slots__ object, with the slots at
- * offsets (a bytes of one int64 per value, slot_offset's) set to values. For an object made
- * once per step from a template, where a Python __init__ (a frame, a dozen stores) costs a few
- * microseconds on the caches a forward leaves. */
-static PyObject *with_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs < 2 || !PyBytes_Check(args[1])
-        || PyBytes_GET_SIZE(args[1]) != (Py_ssize_t)((nargs - 2) * sizeof(int64_t))) {
-        PyErr_SetString(PyExc_TypeError, "with_slots(obj, offsets, *values): offsets a bytes "
-                                         "of one int64 per value");
-        return NULL;
-    }
-    PyTypeObject *tp = Py_TYPE(args[0]);
-    if (!is_plain(tp)) {
-        PyErr_SetString(PyExc_TypeError, "with_slots takes an object of __slots__ fields only");
-        return NULL;
-    }
-    const int64_t *o = (const int64_t *)PyBytes_AS_STRING(args[1]);
-    for (Py_ssize_t i = 0; i < nargs - 2; i++) {
-        if (o[i] < (int64_t)sizeof(PyObject) || o[i] + (int64_t)sizeof(PyObject *) > tp->tp_basicsize
-            || (o[i] - (int64_t)sizeof(PyObject)) % (int64_t)sizeof(PyObject *) != 0) {
-            PyErr_SetString(PyExc_ValueError, "a slot offset outside the object");
-            return NULL;
-        }
-    }
-    PyObject *new = tp->tp_alloc(tp, 0);
-    if (new == NULL) return NULL;
-    PyObject **from = (PyObject **)((char *)args[0] + sizeof(PyObject));
-    PyObject **to = (PyObject **)((char *)new + sizeof(PyObject));
-    Py_ssize_t fields = (tp->tp_basicsize - (Py_ssize_t)sizeof(PyObject)) / sizeof(PyObject *);
-    for (Py_ssize_t i = 0; i < fields; i++) to[i] = Py_XNewRef(from[i]);
-    for (Py_ssize_t i = 0; i < nargs - 2; i++) set_slot(new, (Py_ssize_t)o[i], Py_NewRef(args[i + 2]));
-    return new;
-}
-
-/* The base view's slot offsets (offsets: a bytes of three int64, see rebind) checked against
- * its class; 0, or -1 with an error set. */
-static int view_offsets(PyObject *base, PyObject *offsets, PyObject *window_k_obj,
-                        Py_ssize_t *off, long long *window_k) {
-    off[0] = off[1] = off[2] = 0;
-    *window_k = 0;
-    if (base == Py_None) return 0;
-    if (!PyBytes_Check(offsets) || PyBytes_GET_SIZE(offsets) != 3 * sizeof(int64_t)) {
-        PyErr_SetString(PyExc_TypeError, "offsets must be a bytes of three int64");
-        return -1;
-    }
-    const int64_t *o = (const int64_t *)PyBytes_AS_STRING(offsets);
-    Py_ssize_t size = Py_TYPE(base)->tp_basicsize;
-    for (int i = 0; i < 3; i++) {
-        off[i] = (Py_ssize_t)o[i];
-        if (off[i] < (Py_ssize_t)sizeof(PyObject)
-            || off[i] + (Py_ssize_t)sizeof(PyObject *) > size || !is_plain(Py_TYPE(base))) {
-            PyErr_SetString(PyExc_ValueError, "a slot offset outside the view");
-            return -1;
-        }
-    }
-    *window_k = PyLong_AsLongLong(window_k_obj);
-    return (*window_k == -1 && PyErr_Occurred()) ? -1 : 0;
-}
-
-/* rebind(view, offsets, max_q, max_k, window_k): offsets a bytes of three int64 slot offsets
- * (max_seqlen_q, max_seqlen_k, window; slot_offset). */
-static PyObject *rebind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 5 || args[0] == Py_None || !PyLong_Check(args[2]) || !PyLong_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "rebind(view, offsets, max_q, max_k, window_k)");
-        return NULL;
-    }
-    Py_ssize_t off[3];
-    long long window_k;
-    if (view_offsets(args[0], args[1], args[4], off, &window_k) < 0) return NULL;
-    return rebind_view(args[0], off, args[2], args[3], window_k);
-}
-
 /* The step on the inputs' addresses and sizes: the step's view, or (max_seqlen_q,
  * max_seqlen_k) when base is None, or None (a value the lane does not take: nothing
  * written). qp == 0: a decode step (one query per row); else an extend step's query lengths.
@@ -284,114 +150,10 @@ static PyObject *run_step(const int64_t *c, int64_t lp, int64_t n, int64_t bs, i
     }
     if (base == Py_None) return Py_BuildValue("(LL)", (long long)bound_q, (long long)bound_k);
     PyObject *bq = PyLong_FromLongLong(bound_q), *bk = PyLong_FromLongLong(bound_k), *view = NULL;
-    if (bq != NULL && bk != NULL) view = rebind_view(base, off, bq, bk, window_k);
+    if (bq != NULL && bk != NULL) view = lane_rebind_view(base, off, bq, bk, window_k);
     Py_XDECREF(bq);
     Py_XDECREF(bk);
     return view;
-}
-
-/* What a tensor is, read through its Python attributes (this file needs no torch headers: it
- * builds with the interpreter's own compiler settings alone, at install time). Set once by
- * setup(). */
-static PyObject *tensor_type, *int32_dtype;
-static PyObject *s_dtype, *s_is_cpu, *s_stride, *s_shape, *s_data_ptr;
-/* torch.Tensor's own descriptors of those five (getset: dtype, is_cpu, shape; method: stride,
- * data_ptr), looked up once by setup(): a read then calls the descriptor itself. The generic
- * attribute read finds the same descriptor through the type's attribute lookup (and, for a
- * method, makes a bound method) on every call: after a forward has evicted the caches, that
- * lookup is a good part of the read. NULL: not the expected kind of descriptor (another
- * torch), and the generic read instead. */
-static PyObject *d_dtype, *d_is_cpu, *d_stride, *d_shape, *d_data_ptr;
-
-/* t.name (call: t.name()), through its descriptor when setup() found it. */
-static PyObject *read_attr(PyObject *t, PyObject *name, PyObject *descr, int call) {
-    if (descr == NULL) return call ? PyObject_CallMethodNoArgs(t, name) : PyObject_GetAttr(t, name);
-    if (call) return PyObject_Vectorcall(descr, &t, 1, NULL);
-    return Py_TYPE(descr)->tp_descr_get(descr, t, (PyObject *)Py_TYPE(t));
-}
-
-/* The descriptor of name on type, when it is of kind (a new reference), else NULL. */
-static PyObject *descriptor(PyObject *type, PyObject *name, PyTypeObject *kind) {
-    PyObject *d = PyObject_GetAttr(type, name);
-    if (d == NULL) {
-        PyErr_Clear();
-        return NULL;
-    }
-    if (Py_TYPE(d) != kind) Py_CLEAR(d);
-    return d;
-}
-
-/* setup(torch.Tensor, torch.int32) */
-static PyObject *setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 2 || !PyType_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "setup(torch.Tensor, torch.int32)");
-        return NULL;
-    }
-    if (s_dtype == NULL) {
-        s_dtype = PyUnicode_InternFromString("dtype");
-        s_is_cpu = PyUnicode_InternFromString("is_cpu");
-        s_stride = PyUnicode_InternFromString("stride");
-        s_shape = PyUnicode_InternFromString("shape");
-        s_data_ptr = PyUnicode_InternFromString("data_ptr");
-        if (!s_dtype || !s_is_cpu || !s_stride || !s_shape || !s_data_ptr) return NULL;
-    }
-    Py_XSETREF(tensor_type, Py_NewRef(args[0]));
-    Py_XSETREF(int32_dtype, Py_NewRef(args[1]));
-    Py_XSETREF(d_dtype, descriptor(args[0], s_dtype, &PyGetSetDescr_Type));
-    Py_XSETREF(d_is_cpu, descriptor(args[0], s_is_cpu, &PyGetSetDescr_Type));
-    Py_XSETREF(d_shape, descriptor(args[0], s_shape, &PyGetSetDescr_Type));
-    Py_XSETREF(d_stride, descriptor(args[0], s_stride, &PyMethodDescr_Type));
-    Py_XSETREF(d_data_ptr, descriptor(args[0], s_data_ptr, &PyMethodDescr_Type));
-    Py_RETURN_NONE;
-}
-
-/* An attribute read that raised: cleared, and the tensor declined. */
-static int declined(void) {
-    PyErr_Clear();
-    return 0;
-}
-
-/* An int32 CPU tensor of `rank` dimensions (1 or 2), its last dimension contiguous: its
- * address, rows, columns and row stride. 1 taken, 0 not the route's (another type, dtype,
- * device or layout, or an attribute that raised: a sparse tensor's strides, say; the general
- * path then takes the call and its input pass names what is wrong). */
-static int host_tensor(PyObject *t, int rank, int64_t *ptr, int64_t *rows, int64_t *cols,
-                       int64_t *row_stride) {
-    if (tensor_type == NULL || (PyObject *)Py_TYPE(t) != tensor_type) return 0;
-    PyObject *a = read_attr(t, s_dtype, d_dtype, 0);
-    if (a == NULL) return declined();
-    int ok = a == int32_dtype;
-    Py_DECREF(a);
-    if (!ok) return 0;
-    a = read_attr(t, s_is_cpu, d_is_cpu, 0);
-    if (a == NULL) return declined();
-    ok = a == Py_True;
-    Py_DECREF(a);
-    if (!ok) return 0;
-    int64_t st[2] = {0, 0}, sh[2] = {0, 1};
-    for (int which = 0; which < 2; which++) {
-        a = which ? read_attr(t, s_shape, d_shape, 0) : read_attr(t, s_stride, d_stride, 1);
-        if (a == NULL) return declined();
-        ok = PyTuple_Check(a) && PyTuple_GET_SIZE(a) == rank;
-        for (int d = 0; ok && d < rank; d++) {
-            int64_t x = PyLong_AsLongLong(PyTuple_GET_ITEM(a, d));
-            if (x == -1 && PyErr_Occurred()) { Py_DECREF(a); return declined(); }
-            (which ? sh : st)[d] = x;
-        }
-        Py_DECREF(a);
-        if (!ok) return 0;
-    }
-    if (st[rank - 1] != 1 && sh[rank - 1] > 1) return 0;
-    a = read_attr(t, s_data_ptr, d_data_ptr, 1);
-    if (a == NULL) return declined();
-    *ptr = PyLong_AsLongLong(a);
-    Py_DECREF(a);
-    if (*ptr == -1 && PyErr_Occurred()) return declined();
-    *rows = sh[0];
-    *cols = rank == 2 ? sh[1] : 1;
-    *row_stride = rank == 2 ? st[0] : 1;
-    return 1;
 }
 
 /* The step (run_step) on the engine's host tensors themselves, read here: taken when every
@@ -409,11 +171,11 @@ static PyObject *tensors_step(const int64_t *c, PyObject *lens, PyObject *table,
         Py_RETURN_NONE;
     }
     int64_t lp, n, one, unit, tp, trows, tcols, ts, qp = 0, qn, r;
-    if ((r = host_tensor(lens, 1, &lp, &n, &one, &unit)) <= 0
-        || (r = host_tensor(table, 2, &tp, &trows, &tcols, &ts)) <= 0)
+    if ((r = lane_host_tensor(lens, 1, &lp, &n, &one, &unit)) <= 0
+        || (r = lane_host_tensor(table, 2, &tp, &trows, &tcols, &ts)) <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_None);
     if (q != Py_None) {
-        if ((r = host_tensor(q, 1, &qp, &qn, &one, &unit)) <= 0)
+        if ((r = lane_host_tensor(q, 1, &qp, &qn, &one, &unit)) <= 0)
             return r < 0 ? NULL : Py_NewRef(Py_None);
         if (offsets ? qn < n + 1 : qn != n) Py_RETURN_NONE;
     }
@@ -437,7 +199,7 @@ static PyObject *step_tensors(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     Py_ssize_t off[3];
     long long window_k;
-    if (view_offsets(args[5], args[6], args[7], off, &window_k) < 0) return NULL;
+    if (lane_view_offsets(args[5], args[6], args[7], off, &window_k) < 0) return NULL;
     return tensors_step((const int64_t *)PyBytes_AS_STRING(args[0]), args[1], args[2], args[3],
                         args[8] == Py_True, args[4], args[5], off, window_k);
 }
@@ -535,12 +297,12 @@ static PyMethodDef methods[] = {
      "A phase's host_step in one call: the step on its sliced view, recorded in the arena."},
     {"phase_step_offsets", (PyCFunction)(void (*)(void))phase_step_offsets, METH_FASTCALL,
      "phase_step with the queries as packed offsets (cu_seqlens_q)."},
-    {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL,
+    {"setup", (PyCFunction)(void (*)(void))lane_setup, METH_FASTCALL,
      "Name torch.Tensor and torch.int32 to the step."},
-    {"slot_offset", slot_offset, METH_O, "The byte offset of a __slots__ field."},
-    {"rebind", (PyCFunction)(void (*)(void))rebind, METH_FASTCALL,
+    {"slot_offset", lane_slot_offset, METH_O, "The byte offset of a __slots__ field."},
+    {"rebind", (PyCFunction)(void (*)(void))lane_rebind, METH_FASTCALL,
      "A view with new host bounds (attnpool.phases._views.rebound's fields)."},
-    {"with_slots", (PyCFunction)(void (*)(void))with_slots, METH_FASTCALL,
+    {"with_slots", (PyCFunction)(void (*)(void))lane_with_slots, METH_FASTCALL,
      "A copy of a __slots__ object with some slots set (offsets from slot_offset)."},
     {NULL, NULL, 0, NULL},
 };
