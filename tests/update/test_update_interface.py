@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given
 
+from attnpool import phases as phases_pkg
 from attnpool.update import reference as ref
 from attnpool.update import triton as triton_update
 from attnpool.update.parts import PagedPart
@@ -20,7 +21,8 @@ from attnpool.update.parts import PagedPart
 from tests.update.triton.test_launches import SETTINGS, Case, assert_read_region_equal, cases, pair, tt
 
 PARTS = ("paged", "tree_expand", "draft_tree_expand", "local")
-PHASES_DIR = Path(ref.__file__).resolve().parent.parent / "phases"
+PHASES_DIR = Path(phases_pkg.__file__).resolve().parent
+assert len(list(PHASES_DIR.glob("*.py"))) > 5  # (a wrong folder would leave nothing to check)
 
 
 @pytest.mark.parametrize("part", PARTS)
