@@ -293,9 +293,22 @@ def test_the_c_rebind_makes_rebounds_view(window: int | None,
     for kind in ("decode", "extend"):
         phase = route.decode if kind == "decode" else route.extend
         assert type(phase.host_step) is not type(phase._host_step)
-        for bs in (3, 3, 7):
+        # the bound step's fallbacks (its Python form: a size's first step, which slices the
+        # view the C step rebinds from then on), counted
+        state = phase._lane._state  # type: ignore[union-attr]
+        fallbacks = [0]
+        for i in (-2, -1):
+            if state[i] is not None:
+                def counted(*a: Any, _f: Any = state[i], _n: list[int] = fallbacks) -> Any:
+                    _n[0] += 1
+                    return _f(*a)
+
+                state[i] = counted
+        for bs, first in ((3, True), (3, False), (7, True), (7, False), (3, False)):
+            before = fallbacks[0]
             s = _step(rng, kind, bs, torch.int32)
             got = _host_step(route, kind, bs, s)
+            assert fallbacks[0] - before == (1 if first else 0), (kind, bs)
             offsets = phase._lane._offsets  # type: ignore[union-attr]
             assert type(offsets) is tuple
             base = phase._sliced[bs]
@@ -336,6 +349,16 @@ def test_with_slots_copies_a_slotted_object_with_some_slots_set() -> None:
             module.with_slots(template, bad, 1, 2)
     with pytest.raises(TypeError):
         module.with_slots(object.__new__(type("Plain", (), {})), struct.pack("<1q", 16), 1)
+
+    class Raw(float):  # (slots past a built-in's raw C fields: never copied as references)
+        __slots__ = ("a",)
+
+    for obj, offsets_, values in ((1.5, b"", ()),
+                                  (Raw(2.0), struct.pack("<1q", module.slot_offset(Raw.a)), (3,))):
+        with pytest.raises(TypeError):
+            module.with_slots(obj, offsets_, *values)
+        with pytest.raises((TypeError, ValueError)):
+            module.rebind(obj, struct.pack("<3q", 16, 16, 16), 1, 2, 0)
     assert (template.a, template.b, template.c) == ([1], "x", None)
 
 

@@ -358,11 +358,23 @@ def test_cross_refill_checks_sglang_layout() -> None:
     wrong = batch(False).encoder_out_cache_loc + 1
     with pytest.raises(LayoutError, match="encoder_out_cache_loc"):
         b.init_forward_metadata(batch(False, encoder_out_cache_loc=wrong))
-    # request 5 text-only: its decoder tokens from column 0 of its row
+    # request 5 text-only: its decoder tokens from column 0 of its row, its encoder slots none
+    # (decode: the last decoder token of each; extend: all of them, and request 0's encoder)
     mixed = batch(True, encoder_lens=torch.tensor([0, 20]), encoder_lens_cpu=[0, 20],
                   out_cache_loc=torch.stack([table[5, dec[0] - 1], table[0, 21]]).long())
     b.init_forward_metadata(mixed)
     assert b.run is not None and b.cross_run is not None
+    mixed = batch(False, encoder_lens=torch.tensor([0, 20]), encoder_lens_cpu=[0, 20],
+                  out_cache_loc=torch.cat([table[5, :dec[0]], table[0, 20:20 + dec[1]]]).long(),
+                  encoder_out_cache_loc=table[0, :20].long())
+    b.init_forward_metadata(mixed)
+    assert b.run is not None and b.cross_run is not None
+    with pytest.raises(LayoutError, match="encoder_out_cache_loc"):  # (no slot for request 5)
+        b.init_forward_metadata(batch(False, encoder_lens=torch.tensor([0, 20]),
+                                      encoder_lens_cpu=[0, 20],
+                                      out_cache_loc=mixed.out_cache_loc,
+                                      encoder_out_cache_loc=table[:, :10].reshape(-1)[:30]
+                                      .long()))
     with pytest.raises(LayoutError, match="out_cache_loc slots"):  # still checked
         b.init_forward_metadata(batch(True, encoder_lens=torch.tensor([0, 20]),
                                       encoder_lens_cpu=[0, 20]))

@@ -14,10 +14,49 @@ PyObject *lane_slot_offset(PyObject *self, PyObject *descr) {
     return PyLong_FromSsize_t(((PyMemberDescrObject *)descr)->d_member->offset);
 }
 
+/* Whether every byte of tp's objects past the object header is a __slots__ object pointer:
+ * each class from tp up to (not including) object is a Python class (a heap type) that adds
+ * exactly its own object slots, and none has a __dict__, a __weakref__ or items. A built-in
+ * such as float, or a slotted subclass of one, holds raw C fields there, which a copy must
+ * never treat as references. */
+static int plain_layout(PyTypeObject *tp) {
+    if (tp->tp_dictoffset != 0 || tp->tp_weaklistoffset != 0 || tp->tp_itemsize != 0
+        || tp->tp_basicsize <= (Py_ssize_t)sizeof(PyObject))
+        return 0;
+    for (PyTypeObject *t = tp; t != &PyBaseObject_Type; t = t->tp_base) {
+        PyTypeObject *base = t->tp_base;
+        if (base == NULL || !(t->tp_flags & Py_TPFLAGS_HEAPTYPE) || t->tp_itemsize != 0)
+            return 0;
+        Py_ssize_t members = 0;
+        for (PyMemberDef *m = t->tp_members; m != NULL && m->name != NULL; m++) {
+            if ((m->type != T_OBJECT_EX && m->type != T_OBJECT)
+                || m->offset < base->tp_basicsize
+                || m->offset + (Py_ssize_t)sizeof(PyObject *) > t->tp_basicsize)
+                return 0;
+            members++;
+        }
+        if (t->tp_basicsize - base->tp_basicsize != members * (Py_ssize_t)sizeof(PyObject *))
+            return 0;
+    }
+    return 1;
+}
+
+/* plain_layout, remembered: the classes found plain are kept (a strong reference each, so that
+ * no other class can take one's address), and a step's check of its view's class is then a
+ * few pointer compares, not a walk of its bases on a cold cache. */
+#define PLAIN_KEPT 8
+static PyTypeObject *plain_kept[PLAIN_KEPT];
+static int plain_next;
+
 static int is_plain(PyTypeObject *tp) {
-    /* every field a __slots__ object pointer: no __dict__, no __weakref__ */
-    return tp->tp_dictoffset == 0 && tp->tp_weaklistoffset == 0
-        && tp->tp_itemsize == 0 && tp->tp_basicsize > (Py_ssize_t)sizeof(PyObject);
+    for (int i = 0; i < PLAIN_KEPT; i++)
+        if (plain_kept[i] == tp) return 1;
+    if (!plain_layout(tp)) return 0;
+    PyTypeObject *old = plain_kept[plain_next];
+    plain_kept[plain_next] = (PyTypeObject *)Py_NewRef((PyObject *)tp);
+    plain_next = (plain_next + 1) % PLAIN_KEPT;
+    Py_XDECREF(old);
+    return 1;
 }
 
 static PyObject *set_slot(PyObject *obj, Py_ssize_t off, PyObject *value) {
