@@ -69,11 +69,10 @@ static PyObject *set_slot(PyObject *obj, Py_ssize_t off, PyObject *value) {
  * part's, rebound the same way): what attnpool.phases._views.rebound makes field by field. */
 PyObject *lane_rebind_view(PyObject *view, const Py_ssize_t *off, PyObject *q, PyObject *k,
                              long long window_k) {
+    /* (the callers checked the class, is_plain: lane_view_offsets for rebind and step_tensors,
+     * and phase_step's class is the one HostLane.first checked through rebind; a window part
+     * must be of the same class) */
     PyTypeObject *tp = Py_TYPE(view);
-    if (!is_plain(tp)) {
-        PyErr_SetString(PyExc_TypeError, "rebind takes a view of __slots__ fields only");
-        return NULL;
-    }
     PyObject *new = tp->tp_alloc(tp, 0);
     if (new == NULL) return NULL;
     PyObject **from = (PyObject **)((char *)view + sizeof(PyObject));
@@ -149,12 +148,16 @@ int lane_view_offsets(PyObject *base, PyObject *offsets, PyObject *window_k_obj,
         PyErr_SetString(PyExc_TypeError, "offsets must be a bytes of three int64");
         return -1;
     }
+    if (!is_plain(Py_TYPE(base))) {
+        PyErr_SetString(PyExc_TypeError, "rebind takes a view of __slots__ fields only");
+        return -1;
+    }
     const int64_t *o = (const int64_t *)PyBytes_AS_STRING(offsets);
     Py_ssize_t size = Py_TYPE(base)->tp_basicsize;
     for (int i = 0; i < 3; i++) {
         off[i] = (Py_ssize_t)o[i];
-        if (off[i] < (Py_ssize_t)sizeof(PyObject)
-            || off[i] + (Py_ssize_t)sizeof(PyObject *) > size || !is_plain(Py_TYPE(base))) {
+        if (off[i] < (Py_ssize_t)sizeof(PyObject) || off[i] + (Py_ssize_t)sizeof(PyObject *) > size
+            || (off[i] - (Py_ssize_t)sizeof(PyObject)) % (Py_ssize_t)sizeof(PyObject *) != 0) {
             PyErr_SetString(PyExc_ValueError, "a slot offset outside the view");
             return -1;
         }
