@@ -27,7 +27,11 @@ either column. SGLang's CPU ops run here as the test stand-ins of
 ``tests/helpers/sglang_cpu/sgl_kernel`` (pure torch, no C++ kernel): its ``draft_decode``
 column times ``build_draft_decode_metadata_cpu``'s stand-in, not SGLang's compiled op. Prints
 tokens/s per path and batch (median of the rounds; attnpool / own), whether the tokens are the
-same as SGLang's own path's, and the accepted drafts of each.
+same as SGLang's own path's, and the accepted drafts of each; then the layers' host time per
+call by forward kind (K/V store and attention: attnpool's SDPA over the pool, SGLang's the
+stand-in kernels; ``decode`` is the draft model's steps), and the whole backend's host time
+(metadata and layers) per generated token: the part of a step the two paths differ in, which
+tokens/s, dominated here by the same model and stand-in speculative ops on both, dilutes.
 
 The metadata calls are timed by ``tests/helpers/sglang_cpu/sitecustomize.py``
 (``ATTNPOOL_SGLANG_TIMES``).
@@ -94,18 +98,28 @@ def worker(models: Path, name: str, backend: str, new: int, times: Path) -> dict
     return out
 
 
-def _per_call(runs: list[dict[str, Any]], label: str, kind: str) -> float | None:
-    """Median over rounds of one kind's metadata seconds per call (every batch size)."""
+def _per_call(runs: list[dict[str, Any]], label: str, kind: str, part: str = "metadata"
+              ) -> float | None:
+    """Median over rounds of one kind's ``part`` (``metadata`` or ``attention``, the layers'
+    K/V store and attention) seconds per call (every batch size)."""
     per = []
     for run in runs:
         calls = secs = 0.0
         for key, (c, s) in run[label]["host"].items():
             what, k, _ = key.split(" ")
-            if what == "metadata" and k == kind:
+            if what == part and k == kind:
                 calls, secs = calls + c, secs + s
         if calls:
             per.append(secs / calls)
     return statistics.median(per) if per else None
+
+
+def _backend_per_token(runs: list[dict[str, Any]], label: str) -> float:
+    """Median over rounds of the attention backend's host seconds (metadata and attention, every
+    forward kind) per generated token."""
+    return statistics.median(
+        sum(s for _, s in run[label]["host"].values())
+        / sum(len(t) for t in run[label]["tokens"]) for run in runs)
 
 
 def main() -> int:
@@ -148,17 +162,28 @@ def main() -> int:
             same = all(run[label]["tokens"] == runs[OWN][0][label]["tokens"]
                        for rs in runs.values() for run in rs)
             accepted = {b: sorted({run[label]["accepted"] for run in rs}) for b, rs in runs.items()}
-            cells = []
+            cells, layers = [], []
             for kind in KINDS:
                 own, ours = (_per_call(runs[b], label, kind) for b in (OWN, OURS))
                 if own is None or ours is None:
                     continue
                 cells.append(f"{kind} {ours * 1e6:.0f} vs {own * 1e6:.0f} us "
                              f"({ours / unit:.0f} vs {own / unit:.0f} ops, {ours / own:.2f}x)")
+            for kind in ("decode", *KINDS):
+                own, ours = (_per_call(runs[b], label, kind, "attention") for b in (OWN, OURS))
+                if own is not None and ours is not None:
+                    layers.append(f"{kind} {ours * 1e6:.0f} vs {own * 1e6:.0f} us "
+                                  f"({ours / own:.2f}x)")
+            per_tok = {b: _backend_per_token(rs, label) for b, rs in runs.items()}
             print(f"{name}, {label} request(s): attnpool {rate[OURS]:.1f} vs own "
                   f"{rate[OWN]:.1f} tok/s ({rate[OURS] / rate[OWN]:.2f}x); same tokens: {same}; "
                   f"accepted drafts attnpool {accepted[OURS]} own {accepted[OWN]}")
             print(f"    metadata per call, attnpool vs own: {'; '.join(cells)}")
+            print(f"    attention per layer call (K/V store included), attnpool vs own: "
+                  f"{'; '.join(layers)}")
+            print(f"    backend host time per generated token, attnpool vs own: "
+                  f"{per_tok[OURS] * 1e6:.0f} vs {per_tok[OWN] * 1e6:.0f} us "
+                  f"({per_tok[OURS] / per_tok[OWN]:.2f}x)")
     return 0
 
 

@@ -118,6 +118,9 @@ def test_tree_passes_apply_the_sink_once() -> None:
     got = sdpa.attention(view, x, k, v, softcap=CAP, sinks=sinks)
     # (the merge weighs the passes by their float32 log-sum-exp, the adapters' convention)
     torch.testing.assert_close(got.out[: 3 * ND], want, rtol=1e-6, atol=1e-6)
+    # the output alone is one pass over both parts' keys (sdpa.tree): the sink joins it once
+    one = sdpa.attention_out(view, x, k, v, softcap=CAP, sinks=sinks)
+    torch.testing.assert_close(one[: 3 * ND], want, rtol=1e-10, atol=1e-10)
     unsunk = sdpa.attention(view, x, k, v, softcap=CAP).out[: 3 * ND]
     twice = torch.stack([with_sinks(p.out, p.lse, sinks)[0] for p in (
         sdpa.paged_attention(view.prefix, x, k, v, softcap=CAP),

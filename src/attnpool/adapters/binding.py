@@ -26,6 +26,7 @@ from .flashinfer_step import run as flashinfer_run
 from .sdpa.lean import lean_out, lean_ready
 from .sdpa.paged import attention_out, plan, run_plan
 from .sdpa.planning import Plan
+from .sdpa.tree import tree_parts
 
 #: The backends a :class:`Run` calls per layer, in :data:`attnpool.adapters.backends.AUTO_ORDER`.
 #: FlashInfer's wrappers need a plan per step and part, which a bound forward does not make: it
@@ -78,7 +79,8 @@ class Run:
     window), ``local`` the forward's chunked-local-attention view (``pool.local`` updated for
     the same step; chunked layers), else the full part. SDPA: each part's gather
     plan (token slots, masks, query lanes) is computed once per forward, the first time a layer
-    reads that part, instead of once per layer; when the full part's plan reads the cache in
+    reads that part, instead of once per layer (a tree verify or draft step is one pass over
+    its prefix and expand lanes: :mod:`.sdpa.tree`); when the full part's plan reads the cache in
     place with one query per row (a CPU decode step of equal rows), later layers go straight
     to :func:`.sdpa.lean.lean_out` (the same SDPA call, without the general path's steps).
     flash-attn reads the view's tensors directly, so there is nothing to prepare (FA2 only runs
@@ -130,7 +132,12 @@ class Run:
                 isinstance(part, LocalView) and not part.rows_per_request)):
             backend = Backend.SDPA  # FA2 takes the same query count for every row: not these
         if backend is Backend.SDPA:
-            if part is None:  # a tree view: two passes merged by log-sum-exp, per layer
+            target: PagedView | VerifyView | DraftStepView
+            if part is not None:
+                target = part
+            elif isinstance(view, (VerifyView, DraftStepView)) and tree_parts(view) is not None:
+                target = view  # a tree: one pass over its prefix and expand lanes (sdpa.tree)
+            else:  # a tree with a window: two passes, merged
                 return attention_out(view, q, k, v, softmax_scale=scale, softcap=softcap,
                                      sinks=sinks)
             key = 2 if local else int(window)
@@ -138,8 +145,8 @@ class Run:
             if pl is None:
                 num_q, heads, kv_heads, dtype, prefix_free = self._args
                 pl = self._plans[key] = plan(
-                    part, num_q=num_q, num_heads=heads, num_kv_heads=kv_heads, dtype=dtype,
-                    prefix_free=prefix_free and not local)
+                    target, num_q=num_q, num_heads=heads, num_kv_heads=kv_heads, dtype=dtype,
+                    prefix_free=prefix_free and not local and part is not None)
                 if key == 0 and lean_ready(pl):
                     self._lean = pl
             return run_plan(pl, q, k, v, softmax_scale=scale, softcap=softcap, sinks=sinks)

@@ -24,7 +24,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnpool import BufferPool, InputError, Layout, LayoutError, PagedView, Phase, PoolConfig
-from attnpool.adapters.sdpa import attention, merge_by_lse, paged_attention
+from attnpool.adapters.sdpa import (
+    attention,
+    attention_out,
+    merge_by_lse,
+    paged_attention,
+    plan,
+    run_plan,
+)
 
 from tests.helpers.batches import Batch, make_batch, tree_mask
 from tests.helpers.dense import dense_attention
@@ -94,6 +101,15 @@ def _check(view: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         m = len(keys)
         torch.testing.assert_close(got.out[:m].double(), want_o, atol=ATOL, rtol=RTOL, msg=str(lay))
         torch.testing.assert_close(got.lse[:m].double(), want_lse, atol=ATOL, rtol=RTOL)
+        # the output alone (a tree: one pass over prefix and expand lanes, sdpa.tree), and a
+        # plan built once with the additive mask, as every layer of a forward reads it
+        out = attention_out(view, q, k, v, layout=lay)
+        h, h_kv = q.shape[1], k.shape[2]
+        pl = plan(view, num_q=q.shape[0], num_heads=h, num_kv_heads=h_kv, layout=lay,  # type: ignore[arg-type]
+                  dtype=q.dtype)
+        for o in (out, run_plan(pl, q, k, v)):
+            assert o.shape == q.shape and torch.isfinite(o).all(), lay
+            torch.testing.assert_close(o[:m].double(), want_o, atol=ATOL, rtol=RTOL)
 
 
 def _row(b: Batch, i: int, lo: int, hi: int) -> list[int]:

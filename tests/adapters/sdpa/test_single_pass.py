@@ -21,7 +21,7 @@ import torch
 from attnpool import BufferPool, InputError, Layout, PoolConfig
 from attnpool.adapters.sdpa import attention, attention_out, paged_attention_out, plan, run_plan
 
-from tests.helpers.batches import make_batch
+from tests.helpers.batches import make_batch, tree_mask
 from tests.helpers.dense import dense_attention
 from tests.helpers.opcount import count
 
@@ -143,3 +143,51 @@ def test_decode_layer_op_count() -> None:
             assert banned not in names, (banned, dict(c.ops))
     assert layer.num_ops <= 18, dict(layer.ops)  # views included
     assert once.num_ops <= 40, dict(once.ops)
+
+
+@pytest.mark.parametrize("phase", ["verify", "draft"])
+@pytest.mark.parametrize("page", [1, 16])
+def test_tree_is_one_pass(phase: str, page: int) -> None:
+    """A tree verify and a tree draft step (prefix and expand parts) are one SDPA pass per layer
+    (:mod:`attnpool.adapters.sdpa.tree`): the output of the two passes merged by log-sum-exp, with
+    no log-sum-exp, merge or hand-computed softmax in the layer, from a plan built once."""
+    rng = random.Random(page)
+    steps, topk = 3, 2
+    cfg = PoolConfig(max_bs=5, max_context_len=C, page_size=page, device="cpu",
+                     layout=Layout.BOTH, num_draft_tokens=ND, topk=topk, spec_steps=steps,
+                     pad_page=1)
+    pool = BufferPool(cfg, poison=True)
+    n, bs, h, h_kv = 3, 5, 4, 2
+    b = make_batch(cfg, n, rng, extra=max(ND, steps * topk))
+    k, v = _kv(b.req_to_token, page, h_kv, 0)
+    view: object
+    if phase == "verify":
+        view = pool.verify.update_(bs, **b.inputs(), seq_lens_cpu=b.seq_lens,
+                                   tree_mask=tree_mask(n, ND, rng))
+        rows = bs * ND
+    else:
+        tokens = k.shape[0] * page
+        loc = torch.tensor([rng.randrange(page, tokens) for _ in range(n * steps * topk)],
+                           dtype=torch.int64).view(n, steps, topk)
+        view = pool.draft.update_(bs, **b.inputs(), seq_lens_cpu=b.seq_lens,
+                                  out_cache_loc=loc).steps[1]
+        rows = bs * topk
+    q = torch.randn(rows, h, D)
+    merged = attention(view, q, k, v).out
+    pl = plan(view, num_q=rows, num_heads=h, num_kv_heads=h_kv, dtype=torch.float32)  # type: ignore[arg-type]
+    torch.testing.assert_close(run_plan(pl, q, k, v), merged, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(attention_out(view, q, k, v), merged, atol=ATOL, rtol=RTOL)
+    layer = count(lambda: run_plan(pl, q, k, v))
+    names = " ".join(layer.ops)
+    for banned in ("logsumexp", "aten.exp", "aten.bmm", "repeat_interleave"):
+        assert banned not in names, (banned, dict(layer.ops))
+    assert layer.num_ops <= 24, dict(layer.ops)
+    with pytest.raises(InputError, match="prefix_free is for a causal prefill"):
+        plan(view, num_q=rows, num_heads=h, num_kv_heads=h_kv, prefix_free=True)  # type: ignore[arg-type]
+
+
+def test_plan_refuses_views_of_separate_attentions() -> None:
+    pool = BufferPool(PoolConfig(max_bs=2, max_context_len=C, page_size=1, device="cpu",
+                                 num_draft_tokens=ND, spec_steps=2), poison=True)
+    with pytest.raises(InputError, match="call it on each part"):
+        plan(pool.draft.view(2), num_q=2, num_heads=2, num_kv_heads=2)  # type: ignore[arg-type]

@@ -8,6 +8,8 @@ library's CPU backend and the oracle the kernel adapters are checked against.
 * :mod:`.gather`: the copy of each layer's key lanes out of the paged cache (or, on a CPU, the
   cache itself seen as the block SDPA takes), and :func:`cache_as_pages` (how every adapter
   reads a cache in pages of another size),
+* :mod:`.tree`: a tree verify or draft step as one pass (its prefix and expand keys under one
+  mask) for the output-only entry points,
 * :mod:`.lean`: a decode layer whose keys are read in place, with nothing between it and SDPA
   (what a bound forward's later layers take).
 """

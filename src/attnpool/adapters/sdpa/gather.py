@@ -74,7 +74,8 @@ class Gather:
         slots: ``[b*L] int64`` token slot of every key lane (lanes past a row's length: 0):
             for a token copy; a page plan builds them only for a cache it cannot read by pages
             (:meth:`token_slots`).
-        raw: ``(pages [b, W] as the view holds them, live [b, L], arange)``, for those slots.
+        raw: ``(pages [b, W] as the view holds them, live [b, L], arange)``, for those slots;
+            None when ``slots`` was given whole (a tree's one-pass plan: :mod:`.tree`).
         pair: per K-to-V distance (token rows), :func:`gather_pair`'s index, its tail and the
             page size used: derived once per forward, not per layer.
         run: ``(first, stride, end)`` in token rows when the rows can be read in place (see the
@@ -87,7 +88,7 @@ class Gather:
     span: int
     tail: Tensor | None
     slots: Tensor | None
-    raw: tuple[Tensor, Tensor, Tensor]
+    raw: tuple[Tensor, Tensor, Tensor] | None
     pair: dict[int, tuple[Tensor, Tensor | None, int]] = field(default_factory=dict)
     run: tuple[int, int, int] | None = None
 
@@ -96,6 +97,8 @@ class Gather:
         lanes at or past a row's length 0. Page ids are never range-checked: lanes outside a
         row's pages (poison included) are replaced by the ``where`` before any lookup."""
         if self.slots is None:
+            if self.raw is None:
+                raise LayoutError("a gather without slots needs the view's pages (raw)")
             pages, live, t = self.raw
             rows, lmax, p = live.shape[0], live.shape[1], self.page
             if p == 1:

@@ -49,12 +49,13 @@ from torch import Tensor
 
 from ...config import Layout
 from ...errors import InputError, LayoutError
-from ...views import PagedView
+from ...views import DraftStepView, PagedView, VerifyView
 from ..fp8 import cache_scales
 from ..merge import Attn, passes, run_passes
 from ..variants import cap_scores_, check_sinks, check_softcap, with_sinks
 from .gather import gather_pair
 from .planning import Plan, build, group_q, packed_heads_q, scatter, ungroup
+from .tree import build_tree, tree_parts
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -129,12 +130,16 @@ def pick_layout(view: PagedView, layout: Layout | None) -> Layout:
     return layout
 
 
-def plan(view: PagedView, *, num_q: int, num_heads: int, num_kv_heads: int,
-         layout: Layout | None = None, dtype: torch.dtype | None = None,
+def plan(view: PagedView | VerifyView | DraftStepView, *, num_q: int, num_heads: int,
+         num_kv_heads: int, layout: Layout | None = None, dtype: torch.dtype | None = None,
          prefix_free: bool = False) -> Plan:
-    """The layer-independent part of :func:`paged_attention_out` for ``view``: compute it once
-    per forward and pass it to :func:`run_plan` in every layer (see
+    """The layer-independent part of :func:`attention_out` for ``view``: compute it once per
+    forward and pass it to :func:`run_plan` in every layer (see
     :mod:`attnpool.adapters.sdpa.planning`).
+
+    A tree verify or tree draft step (a view with an ``expand`` part) is planned as one pass
+    over its prefix and expand lanes under one mask (:mod:`attnpool.adapters.sdpa.tree`): the
+    same keys per query as the two passes a kernel merges, in one SDPA call per layer.
 
     Args:
         num_q: packed query rows the layers will pass (``q.shape[0]``).
@@ -147,12 +152,25 @@ def plan(view: PagedView, *, num_q: int, num_heads: int, num_kv_heads: int,
             count): SDPA's own causal mask is then exact, and no mask is built or applied (the
             cheapest prefill). Wrong for a view with a cached prefix.
     """
-    if not isinstance(view, PagedView):
-        raise InputError(f"plan expects a PagedView, got {type(view).__name__}")
     if not isinstance(num_q, int) or num_q < 0:
         raise InputError(f"num_q must be an int >= 0, got {num_q!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise InputError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    if not isinstance(view, PagedView):
+        parts = tree_parts(view)
+        if parts is None:
+            first, second = passes(view)  # (refuses what no adapter reads)
+            if second is None:
+                view = first
+            else:
+                raise InputError(f"plan serves a tree {type(view).__name__} with a non-causal "
+                                 "prefix and no window; run this one with attention_out")
+        else:
+            if prefix_free:
+                raise InputError("prefix_free is for a causal prefill, not a tree view")
+            pre, exp = parts
+            return build_tree(pre, exp, (pick_layout(pre, layout), pick_layout(exp, layout)),
+                              num_q, num_heads, num_kv_heads, dtype)
     return build(view, pick_layout(view, layout), num_q, num_heads, num_kv_heads, clamp=True,
                  dtype=dtype, prefix_free=prefix_free)
 
@@ -365,10 +383,26 @@ def attention_out(
     v_cache: Tensor,
     **opts: Unpack[AttnOptions],
 ) -> Tensor:
-    """:func:`attention`'s output alone. A single pass (a :class:`PagedView`, a chain verify or
-    draft step) computes no log-sum-exp unless ``softcap`` or ``sinks`` need the explicit path;
-    a tree view's two passes still do, to merge."""
+    """:func:`attention`'s output alone, through SDPA. A single pass (a :class:`PagedView`, a
+    chain verify or draft step) computes no log-sum-exp unless ``softcap`` or ``sinks`` need the
+    explicit path; a tree view is one pass over its prefix and expand lanes under one mask
+    (:mod:`attnpool.adapters.sdpa.tree`: the same keys per query, no merge), except a tree with
+    a window or a causal prefix, whose two passes are merged."""
     first, second = passes(view)
     if second is None:
         return paged_attention_out(first, q, k_cache, v_cache, **opts)
-    return attention(view, q, k_cache, v_cache, **opts).out
+    parts = tree_parts(view)
+    if parts is None:  # (a tree with a window or a causal prefix: its passes merged)
+        return attention(view, q, k_cache, v_cache, **opts).out
+    o = _options(opts, "attention_out")
+    h, h_kv, _ = check_qkv(q, k_cache, v_cache)
+    for part in parts:
+        if part.cache_seqlens.device != q.device:
+            raise InputError(f"view is on {part.cache_seqlens.device}, q on {q.device}")
+    layout = o.get("layout")
+    pl = build_tree(parts[0], parts[1], (pick_layout(parts[0], layout),
+                                         pick_layout(parts[1], layout)),
+                    q.shape[0], h, h_kv)
+    return run_plan(pl, q, k_cache, v_cache, softmax_scale=o.get("softmax_scale"),
+                    k_scale=o.get("k_scale"), v_scale=o.get("v_scale"),
+                    softcap=o.get("softcap", 0.0), sinks=o.get("sinks"))
