@@ -137,7 +137,7 @@ class Run:
                 target = part
             elif isinstance(view, (VerifyView, DraftStepView)) and tree_parts(view) is not None:
                 target = view  # a tree: one pass over its prefix and expand lanes (sdpa.tree)
-            else:  # a tree with a window: two passes, merged
+            else:  # a hand-built tree, causal or windowed prefix: two passes, merged
                 return attention_out(view, q, k, v, softmax_scale=scale, softcap=softcap,
                                      sinks=sinks)
             key = 2 if local else int(window)

@@ -18,7 +18,7 @@ import random
 import pytest
 import torch
 
-from attnpool import BufferPool, InputError, Layout, PoolConfig
+from attnpool import BufferPool, InputError, Layout, PagedView, PoolConfig, VerifyView
 from attnpool.adapters.sdpa import attention, attention_out, paged_attention_out, plan, run_plan
 
 from tests.helpers.batches import make_batch, tree_mask
@@ -191,3 +191,36 @@ def test_plan_refuses_views_of_separate_attentions() -> None:
                                  num_draft_tokens=ND, spec_steps=2), poison=True)
     with pytest.raises(InputError, match="call it on each part"):
         plan(pool.draft.view(2), num_q=2, num_heads=2, num_kv_heads=2)  # type: ignore[arg-type]
+
+
+def _part(lens: list[int], table: list[list[int]], queries: int, page: int, max_k: int
+          ) -> PagedView:
+    """A hand-built non-causal part (page-table layout): ``queries`` per row."""
+    n = len(lens)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    return PagedView(bs=n, cache_seqlens=seq,
+                     cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32) * queries,
+                     cu_seqlens_k=torch.cat((torch.zeros(1, dtype=torch.int32),
+                                             seq.cumsum(0).to(torch.int32))),
+                     page_table=torch.tensor(table, dtype=torch.int32), kv_indptr=None,
+                     kv_indices=None, kv_last_page_len=None, max_seqlen_q=queries,
+                     max_seqlen_k=max_k, page_size=page, causal=False)
+
+
+def test_tree_lanes_without_keys_and_poison_ids() -> None:
+    """A tree whose prefix or expand rows hold no keys (a draft step's prefix before its first
+    full page) and whose unused page ids are poison: no poison id is used as an index, a query
+    with no key at all gets output 0 (``keyed``), and the rest equal the two merged passes."""
+    # request 0: no prefix key, its first query no expand key either; request 1: 6 keys
+    pre = _part([0, 6], [[-7, 999999], [3, 5]], 2, 4, 8)
+    exp = _part([0, 2, 1, 3], [[-1, -1, -1], [40, 41, -5], [42, 0, 0], [43, 44, 45]], 1, 1, 3)
+    view = VerifyView(bs=2, prefix=pre, expand=exp)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(20, 4, 1, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(4, 2, D, generator=g, dtype=torch.float64)
+    pl = plan(view, num_q=4, num_heads=2, num_kv_heads=1, dtype=torch.float64)
+    assert pl.keyed is not None and pl.keyed.view(-1).tolist() == [False, True, True, True]
+    merged = attention(view, q, k, v).out
+    for out in (run_plan(pl, q, k, v), attention_out(view, q, k, v)):
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        torch.testing.assert_close(out, merged, rtol=1e-12, atol=1e-12)

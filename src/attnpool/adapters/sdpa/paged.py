@@ -163,8 +163,9 @@ def plan(view: PagedView | VerifyView | DraftStepView, *, num_q: int, num_heads:
             if second is None:
                 view = first
             else:
-                raise InputError(f"plan serves a tree {type(view).__name__} with a non-causal "
-                                 "prefix and no window; run this one with attention_out")
+                raise InputError(f"plan cannot serve this tree {type(view).__name__}: its "
+                                 "prefix is causal or has a window (the pool's trees have "
+                                 "neither); run it with attention_out (two passes, merged)")
         else:
             if prefix_free:
                 raise InputError("prefix_free is for a causal prefill, not a tree view")
@@ -386,8 +387,8 @@ def attention_out(
     """:func:`attention`'s output alone, through SDPA. A single pass (a :class:`PagedView`, a
     chain verify or draft step) computes no log-sum-exp unless ``softcap`` or ``sinks`` need the
     explicit path; a tree view is one pass over its prefix and expand lanes under one mask
-    (:mod:`attnpool.adapters.sdpa.tree`: the same keys per query, no merge), except a tree with
-    a window or a causal prefix, whose two passes are merged."""
+    (:mod:`attnpool.adapters.sdpa.tree`: the same keys per query, no merge); a hand-built tree
+    whose prefix is causal or has a window (the pool makes neither) has its two passes merged."""
     first, second = passes(view)
     if second is None:
         return paged_attention_out(first, q, k_cache, v_cache, **opts)
