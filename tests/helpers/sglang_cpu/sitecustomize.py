@@ -39,6 +39,9 @@ imported or changed.
   (target or draft), forward mode, batch size, the shapes (and, for small ones, values) of the
   batch's index fields and of ``spec_info``'s fields. At most 4 lines per (backend, model,
   mode, batch size).
+- ``ATTNPOOL_SGLANG_MLLAMA_MASK=1`` (the cross-attention tests): SGLang's mllama text-row
+  mask of a prefill mixing image and text-only requests, corrected (``mllama_mask.py``: SGLang
+  masks the wrong rows there), in every engine process, the reference's included.
 - ``ATTNPOOL_SGLANG_NO_PIN=1`` (the LoRA tests and benchmark): ``pin_memory`` a no-op on a
   machine without CUDA (``no_pin.py``), in SGLang's LoRA modules as they are imported: its LoRA
   code pins host tensors on every device, which torch refuses without an NVIDIA driver. A test
@@ -302,6 +305,11 @@ if os.environ.get("ATTNPOOL_SGLANG_CORRUPT_DRAFT_FILE"):
 if os.environ.get("ATTNPOOL_SGLANG_SPEC_PROBE"):
     _AFTER.setdefault("sglang.srt.layers.attention.intel_amx_backend", []).append(
         lambda m: _probe(m, os.environ["ATTNPOOL_SGLANG_SPEC_PROBE"]))
+
+if os.environ.get("ATTNPOOL_SGLANG_MLLAMA_MASK") == "1":
+    import mllama_mask
+
+    _AFTER.setdefault("sglang.srt.models.mllama", []).append(mllama_mask.fix)
 
 if os.environ.get("ATTNPOOL_SGLANG_NO_PIN") == "1":
     import no_pin

@@ -11,7 +11,10 @@ varies between their requests are described there):
   one prefill batch mixing those encoder lengths, then decode batches; then a round of two
   text-only requests (no encoder input: the base's decode and extend views); then a round
   mixing two image requests and two text-only ones in each batch (through the encoder view:
-  a text-only request's cross rows attend nothing).
+  a text-only request's cross rows attend nothing), and that round's text-only requests in a
+  batch of their own. Every engine process, the reference's too, runs with SGLang's mllama
+  text-row mask of mixed prefills corrected (``tests/helpers/sglang_cpu/mllama_mask.py``:
+  SGLang's masks the wrong rows there, differently from run to run as the scheduler batches).
 - **whisper**: 4 requests of different tones. Whisper's encoder length is fixed by the model
   (1500 tokens for every request, ``max_source_positions``), and SGLang builds the same
   4-token decoder prompt for every request: what varies is the audio (so the cross keys) and
@@ -22,7 +25,9 @@ Checks per model: attnpool's tokens are ``torch_native``'s, request for request,
 prefill reads a cached encoder); the requests' tokens differ (the encoder input shows in
 them); the pool served the run through the encoder view (its refill count,
 :class:`attnpool.integrations.sglang.served.Served`, ``ENCODER`` > 0, and no batch took the
-plain decode or extend path). Negative control, in attnpool's engine: one more round with the
+plain decode or extend path); in the mixed round each request gives the tokens it gives in
+a batch of its own kind (an image request its first round's, a text-only one the text-only
+batch's). Negative control, in attnpool's engine: one more round with the
 encoder view's cross lengths halved after every refill
 (``tests/helpers/sglang_cpu/sitecustomize.py``) must change the tokens, where the uncorrupted
 round before it repeated the first.
@@ -178,6 +183,12 @@ def test_cross_tokens_equal_torch_native(kind: str, results: dict[str, Any]) -> 
                                                                 after[Served.EXTEND])
         assert ours["mixed"] == native["mixed"]
         assert len({tuple(t) for t in native["mixed"]}) == len(sc.MIXED)
+        # and, whatever the backend, what each request gives in a batch of its own kind: an
+        # image request its first round's tokens, a text-only one those of a text-only batch
+        alone = iter(ours["mixed_text_alone"])
+        for got, (i, image) in zip(ours["mixed"], sc.MIXED, strict=True):
+            assert got == (ours["tokens"][i] if image else next(alone)), (i, image)
+        assert ours["mixed_text_alone"] == native["mixed_text_alone"]
     else:
         assert served[Served.DECODE] == served[Served.EXTEND] == 0
 
