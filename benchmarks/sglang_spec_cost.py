@@ -4,11 +4,15 @@ refills beside SGLang's own CPU path (``intel_amx``), in one run.
 Run in the SGLang environment (``.ci/sglang`` builds one)::
 
     python benchmarks/sglang_spec_cost.py [--runs STANDALONE-1,EAGLE-2,NGRAM] [--rounds 3]
+    python benchmarks/sglang_spec_cost.py --model smollm2 --runs NGRAM
 
 The models, engine arguments and prompts are the speculative tests' (:mod:`tests.helpers.
 sglang_spec`: a tiny random Llama target with drafts derived from it, float32, greedy, page 1,
-``disable_cuda_graph``). Each round starts one fresh engine process per path, in alternating
-order (SGLang's own, attnpool, attnpool, SGLang's own, ...), warms it up, then times
+``disable_cuda_graph``); ``--model smollm2`` makes the target SmolLM2-135M-Instruct (30 layers,
+float32, chat prompts; NGRAM only, there being no draft model for it), where each forward's
+fixed costs weigh less against its layers than in a 2-layer model. Each round starts one
+fresh engine process per path, in alternating order (SGLang's own, attnpool, attnpool, SGLang's
+own, ...), warms it up, then times
 ``Engine.generate`` for 1 request and for 8 requests (``--new`` tokens each, EOS ignored) and
 reads the host time of each path's attention-backend metadata per forward, by forward kind:
 
@@ -65,19 +69,44 @@ def _read(times: Path) -> dict[str, list[float]]:
     return json.loads(times.read_text()) if times.exists() else {}
 
 
-def worker(models: Path, name: str, backend: str, new: int, times: Path) -> dict[str, Any]:
+#: SmolLM2's chat prompts (``--model smollm2``)
+QUESTIONS = ("What is the capital of France?", "Name three primary colours.",
+             "Write one sentence about the sea.", "What is 12 times 12?", "Who wrote Hamlet?",
+             "Give me a synonym for happy.", "What colour is the sky on a clear day?",
+             "Count from one to five.")
+
+
+def _target(model: str, models: Path) -> tuple[Path, dict[str, Path], list[list[int]]]:
+    """The target's folder, the drafts' folders and the prompts of ``--model``: the tests'
+    tiny Llama (2 layers) and its drafts, or SmolLM2-135M-Instruct (30 layers, float32; no
+    draft model: NGRAM only) with chat prompts."""
+    if model == "smollm2":
+        from transformers import AutoTokenizer
+
+        from attnpool.tools.vllm_folder import float32_folder
+
+        folder = float32_folder("smollm2")
+        tok = AutoTokenizer.from_pretrained(folder)
+        return folder, {}, [list(tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+            return_dict=False)) for q in QUESTIONS]
+    paths = ss.save_models(models)
+    return paths["target"], paths, ss.prompts()
+
+
+def worker(models: Path, name: str, backend: str, new: int, times: Path, model: str = "tiny"
+           ) -> dict[str, Any]:
     """One engine of run ``name`` on ``backend``: a warm-up, then 1 and 8 requests timed."""
     import sglang
 
-    paths = ss.save_models(models)
+    target, paths, prompts = _target(model, models)
     args = {**se.BASE, **ss.COMMON, **ss.RUNS[name], "log_level": "error",
             "attention_backend": backend}
     draft = args.get("speculative_draft_model_path")
     if draft is not None:
         args["speculative_draft_model_path"] = str(paths[draft])
-    prompts = ss.prompts()
     params = {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}
-    engine = sglang.Engine(model_path=str(paths["target"]), **args)
+    engine = sglang.Engine(model_path=str(target), **args)
     out: dict[str, Any] = {}
     try:
         engine.generate(input_ids=prompts[:2], sampling_params=params | {"max_new_tokens": 4})
@@ -127,6 +156,8 @@ def main() -> int:
     ap.add_argument("--runs", default="STANDALONE-1,EAGLE-2,NGRAM",
                     help=f"comma-separated, of {', '.join(k for k in ss.RUNS if '-' in k)}, "
                          "NGRAM")
+    ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                    help="the target: the tests' tiny Llama, or SmolLM2 (NGRAM only)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--worker", nargs=4, metavar=("MODELS", "RUN", "BACKEND", "OUT"),
@@ -134,15 +165,17 @@ def main() -> int:
     a = ap.parse_args()
     if a.worker:
         models, name, backend, out = a.worker
-        res = worker(Path(models), name, backend, a.new, Path(out + ".times"))
+        res = worker(Path(models), name, backend, a.new, Path(out + ".times"), a.model)
         Path(out).write_text(json.dumps(res))
         return 0
     names = a.runs.split(",")
     for name in names:
         if name not in ss.RUNS or not ss.RUNS[name].get("speculative_algorithm"):
             ap.error(f"--runs: {name!r} is not a speculative run of tests.helpers.sglang_spec")
+        if a.model != "tiny" and ss.RUNS[name].get("speculative_draft_model_path"):
+            ap.error(f"--runs: {name} needs a draft model; --model {a.model} runs NGRAM only")
     tmp = Path(tempfile.mkdtemp())
-    ss.save_models(tmp / "models")
+    _target(a.model, tmp / "models")  # (made once, before the engines start)
     unit = small_op_s()
     print(f"{a.rounds} rounds, {a.new} new tokens per request; "
           f"one small torch op = {unit * 1e6:.2f} us")
@@ -152,7 +185,8 @@ def main() -> int:
             for backend in ([OWN, OURS] if r % 2 == 0 else [OURS, OWN]):
                 out = tmp / f"{name}-{backend}-{r}.json"
                 env = ss.env(amx=backend == OWN, ATTNPOOL_SGLANG_TIMES=str(out) + ".times")
-                subprocess.run([sys.executable, __file__, "--new", str(a.new), "--worker",
+                subprocess.run([sys.executable, __file__, "--new", str(a.new), "--model",
+                                a.model, "--worker",
                                 str(tmp / "models"), name, backend, str(out)],
                                env=env, check=True, stdout=subprocess.DEVNULL, cwd=se.ROOT)
                 runs[backend].append(json.loads(out.read_text()))
