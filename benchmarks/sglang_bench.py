@@ -42,7 +42,9 @@ QUESTIONS = ("What is the capital of France?", "Name three primary colours.",
              "Count from one to five.")
 
 
-def _model(name: str) -> tuple[Path, list[list[int]]]:
+def model_prompts(name: str) -> tuple[Path, list[list[int]]]:
+    """The model's folder and the 8 prompts: SmolLM2 (float32) with chat prompts, or a tiny
+    random model of the tests (``tests.helpers.tiny_models``) with prompts of 40-180 tokens."""
     if name == "smollm2":
         from transformers import AutoTokenizer
 
@@ -100,7 +102,7 @@ def main() -> int:
         res = worker(Path(model), backend, json.loads(Path(prompts).read_text()), a.new, times)
         Path(out).write_text(json.dumps(res))
         return 0
-    model, prompts = _model(a.model)
+    model, prompts = model_prompts(a.model)
     tmp = Path(tempfile.mkdtemp())
     (tmp / "prompts.json").write_text(json.dumps(prompts))
     runs: dict[str, list[dict[str, Any]]] = {"torch_native": [], se.NAME: []}

@@ -56,6 +56,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.host_unit import small_op_s
+from benchmarks.sglang_bench import model_prompts
 
 from tests.helpers import sglang_engine as se
 from tests.helpers import sglang_spec as ss
@@ -69,27 +70,13 @@ def _read(times: Path) -> dict[str, list[float]]:
     return json.loads(times.read_text()) if times.exists() else {}
 
 
-#: SmolLM2's chat prompts (``--model smollm2``)
-QUESTIONS = ("What is the capital of France?", "Name three primary colours.",
-             "Write one sentence about the sea.", "What is 12 times 12?", "Who wrote Hamlet?",
-             "Give me a synonym for happy.", "What colour is the sky on a clear day?",
-             "Count from one to five.")
-
-
 def _target(model: str, models: Path) -> tuple[Path, dict[str, Path], list[list[int]]]:
     """The target's folder, the drafts' folders and the prompts of ``--model``: the tests'
     tiny Llama (2 layers) and its drafts, or SmolLM2-135M-Instruct (30 layers, float32; no
     draft model: NGRAM only) with chat prompts."""
     if model == "smollm2":
-        from transformers import AutoTokenizer
-
-        from attnpool.tools.vllm_folder import float32_folder
-
-        folder = float32_folder("smollm2")
-        tok = AutoTokenizer.from_pretrained(folder)
-        return folder, {}, [list(tok.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
-            return_dict=False)) for q in QUESTIONS]
+        folder, prompts = model_prompts("smollm2")
+        return folder, {}, prompts
     paths = ss.save_models(models)
     return paths["target"], paths, ss.prompts()
 
