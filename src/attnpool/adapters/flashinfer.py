@@ -72,8 +72,8 @@ from ..errors import InputError, LayoutError
 from ..views import PagedView
 from .fp8 import float_scales
 from .merge import Attn, run_passes
+from .sdpa.checks import check_qkv, softmax_scale_of
 from .sdpa.gather import cache_as_pages
-from .sdpa.paged import check_qkv, softmax_scale_of
 from .variants import check_sinks, check_softcap, sink_argument
 
 #: FlashInfer backends whose ``run`` applies ``sinks`` (the others drop the argument)

@@ -50,8 +50,8 @@ from torch import Tensor
 from ...errors import InputError, LayoutError
 from ...kv.quant import is_fp8
 from ...views import PagedView
+from ..sdpa.checks import check_qkv, softmax_scale_of
 from ..sdpa.gather import cache_as_pages
-from ..sdpa.paged import check_qkv, softmax_scale_of
 from ..variants import check_sinks, check_softcap
 from .sched import _paged, window_kwargs
 

@@ -58,8 +58,8 @@ from ...kv.quant import check_scales, is_fp8
 from ...views import DraftExtendView, LocalView, PagedView
 from ..fp8 import FA3_FP8, fa3_fp8_kwargs
 from ..merge import Attn, run_passes
+from ..sdpa.checks import check_qkv, softmax_scale_of
 from ..sdpa.gather import cache_as_pages
-from ..sdpa.paged import check_qkv, softmax_scale_of
 from ..variants import check_sinks, check_softcap, sink_argument
 from .cute import fa4_kwargs
 from .load import CallStyle, FlashAttnVersion, FlashKernel, Kernel, pick_kernel

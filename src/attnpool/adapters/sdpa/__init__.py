@@ -1,6 +1,8 @@
 """Paged attention over any :class:`attnpool.PagedView` with PyTorch SDPA (CPU and CUDA): the
 library's CPU backend and the oracle the kernel adapters are checked against.
 
+* :mod:`.checks`: the argument checks every adapter shares (:func:`check_qkv`, the softmax
+  scale, the layout a pass reads),
 * :mod:`.paged`: the adapter (:func:`attention`, :func:`paged_attention`, their ``_out`` forms,
   and :func:`plan` / :func:`run_plan` for a forward over many layers),
 * :mod:`.planning`: the layer-independent half of a pass (:class:`~.planning.Plan`: where each
@@ -17,18 +19,16 @@ library's CPU backend and the oracle the kernel adapters are checked against.
 from __future__ import annotations
 
 from ..merge import Attn, merge_by_lse, passes, run_passes
+from .checks import check_qkv, pick_layout, softmax_scale_of
 from .gather import cache_as_pages
 from .paged import (
     AttnOptions,
     attention,
     attention_out,
-    check_qkv,
     paged_attention,
     paged_attention_out,
-    pick_layout,
     plan,
     run_plan,
-    softmax_scale_of,
 )
 
 __all__ = [
