@@ -132,17 +132,17 @@ class Run:
                 isinstance(part, LocalView) and not part.rows_per_request)):
             backend = Backend.SDPA  # FA2 takes the same query count for every row: not these
         if backend is Backend.SDPA:
-            target: PagedView | VerifyView | DraftStepView
-            if part is not None:
-                target = part
-            elif isinstance(view, (VerifyView, DraftStepView)) and tree_parts(view) is not None:
-                target = view  # a tree: one pass over its prefix and expand lanes (sdpa.tree)
-            else:  # a hand-built tree, causal or windowed prefix: two passes, merged
-                return attention_out(view, q, k, v, softmax_scale=scale, softcap=softcap,
-                                     sinks=sinks)
             key = 2 if local else int(window)
             pl = self._plans.get(key)
             if pl is None:
+                target: PagedView | VerifyView | DraftStepView
+                if part is not None:
+                    target = part
+                elif isinstance(view, (VerifyView, DraftStepView)) and tree_parts(view):
+                    target = view  # a tree: one pass over its prefix and expand lanes
+                else:  # a hand-built tree, causal or windowed prefix: two passes, merged
+                    return attention_out(view, q, k, v, softmax_scale=scale,
+                                         softcap=softcap, sinks=sinks)
                 num_q, heads, kv_heads, dtype, prefix_free = self._args
                 pl = self._plans[key] = plan(
                     target, num_q=num_q, num_heads=heads, num_kv_heads=kv_heads, dtype=dtype,

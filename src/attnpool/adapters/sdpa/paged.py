@@ -327,17 +327,15 @@ def attention_out(
     if second is None:
         return paged_attention_out(first, q, k_cache, v_cache, **opts)
     parts = tree_parts(view)
-    if parts is None:  # (a tree with a window or a causal prefix: its passes merged)
+    if parts is None:  # (a hand-built tree, causal or windowed prefix: its passes merged)
         return attention(view, q, k_cache, v_cache, **opts).out
     o = _options(opts, "attention_out")
     h, h_kv, _ = check_qkv(q, k_cache, v_cache)
     for part in parts:
         if part.cache_seqlens.device != q.device:
             raise InputError(f"view is on {part.cache_seqlens.device}, q on {q.device}")
-    layout = o.get("layout")
-    pl = build_tree(parts[0], parts[1], (pick_layout(parts[0], layout),
-                                         pick_layout(parts[1], layout)),
-                    q.shape[0], h, h_kv)
+    pl = plan(view, num_q=q.shape[0], num_heads=h, num_kv_heads=h_kv,  # type: ignore[arg-type]
+              layout=o.get("layout"))
     return run_plan(pl, q, k_cache, v_cache, softmax_scale=o.get("softmax_scale"),
                     k_scale=o.get("k_scale"), v_scale=o.get("v_scale"),
                     softcap=o.get("softcap", 0.0), sinks=o.get("sinks"))
